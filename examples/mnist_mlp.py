@@ -1,0 +1,111 @@
+"""Distributed MNIST, the classic configuration: a 784-100-10 MLP trained by ps + workers.
+
+Adam (lr 0.01) runs on the ps, batch 100, asynchronous updates, and every worker
+stops once the global step reaches 10,000.  Start it on a local cluster:
+
+    tensorfleet launch --ps 1 --workers 2 examples/mnist_mlp.py
+
+or by hand, one terminal per task, like distributed TensorFlow:
+
+    python examples/mnist_mlp.py --ps_hosts=127.0.0.1:2222 --worker_hosts=127.0.0.1:2223,127.0.0.1:2224 \
+        --job_name=ps --task_index=0
+    python examples/mnist_mlp.py ... --job_name=worker --task_index=0     (and --task_index=1)
+
+or with TF_CONFIG set instead of the four cluster flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import tensorfleet as tfl
+from tensorfleet.data.mnist import Split, batches, load_mnist
+
+REPO_DATA = Path(__file__).resolve().parent.parent / "data" / "mnist"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    tfl.add_cluster_flags(parser)
+    parser.add_argument("--data_dir", default=str(REPO_DATA), help="folder with the four MNIST IDX files")
+    parser.add_argument("--train_steps", type=int, default=10000, help="stop when the global step reaches this")
+    parser.add_argument("--batch_size", type=int, default=100)
+    parser.add_argument("--learning_rate", type=float, default=0.01)
+    parser.add_argument("--hidden_units", type=int, default=100)
+    parser.add_argument("--log_every", type=int, default=1000, help="print a line every N local steps")
+    parser.add_argument("--train_limit", type=int, default=None, help="train on the first N examples only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--intra_op_threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--log_device_placement", action="store_true", help="log where each variable lives")
+    return parser.parse_args(argv)
+
+
+def build_model(hidden_units: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(784, hidden_units), nn.ReLU(), nn.Linear(hidden_units, 10))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, split: Split) -> tuple[float, float]:
+    """(mean cross entropy, accuracy) of the model on a whole split."""
+    logits = model(split.images)
+    loss = nn.functional.cross_entropy(logits, split.labels).item()
+    accuracy = (logits.argmax(dim=1) == split.labels).float().mean().item()
+    return loss, accuracy
+
+
+def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec) -> None:
+    mnist = load_mnist(args.data_dir)
+    replica_id = cluster.replica_id(task)
+    data = batches(mnist.train, args.batch_size, seed=args.seed * 1000 + replica_id, limit=args.train_limit)
+    torch.manual_seed(args.seed)  # only the chief's initial values reach the ps
+    model = build_model(args.hidden_units)
+    optimizer = tfl.OptimizerSpec.adam(lr=args.learning_rate)
+    with tfl.Replica(model, cluster, task, optimizer=optimizer, log_placement=args.log_device_placement) as replica:
+        start = time.time()
+        print(f"Worker {replica_id}: training begins @ {start:f}")
+        local_step, step = 0, replica.global_step
+        while step < args.train_steps:
+            replica.pull()
+            images, labels = next(data)
+            nn.functional.cross_entropy(model(images), labels).backward()
+            step = replica.push()
+            local_step += 1
+            if local_step % args.log_every == 0:
+                loss, _ = evaluate(model, Split(images, labels))
+                print(f"{time.time():f}: Worker {replica_id}: training step {local_step} done "
+                      f"(global step: {step}), loss: {loss:.4f}")
+        elapsed = time.time() - start
+        replica.pull()
+    print(f"Worker {replica_id}: done after {local_step} local step(s) (global step: {step})")
+    print(f"Training elapsed time: {elapsed:.2f} s")
+    val_loss, _ = evaluate(model, mnist.validation)
+    print(f"After {step} training step(s), validation cross entropy = {val_loss:g}")
+    _, test_accuracy = evaluate(model, mnist.test)
+    print(f"test accuracy: {test_accuracy:.4f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cluster, task = tfl.cluster_from_flags(args)
+    except tfl.TensorfleetError as exc:
+        print(f"mnist_mlp.py: error: {exc}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.intra_op_threads)
+    if task.job_name == "ps":
+        tfl.Server(cluster, job_name="ps", task_index=task.index).join()
+    else:
+        train(args, cluster, task)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data sets that ship with the repository (MNIST), read offline."""

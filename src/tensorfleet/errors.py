@@ -1,0 +1,63 @@
+"""One error hierarchy for tensorfleet.
+
+Every error says whether it is *recoverable*: a recoverable error means "wait or
+retry and it may go away" (a ps that is restarting, a chief that has not
+initialized yet); an unrecoverable one means the input or the configuration is
+wrong and retrying will give the same answer.
+
+Errors carry the task (``/job:ps/task:0``) and the step where they happened when
+those are known, so a log line names the culprit.
+"""
+
+from __future__ import annotations
+
+
+class TensorfleetError(Exception):
+    """Base of every error raised by tensorfleet."""
+
+    recoverable: bool = False
+
+    def __init__(self, message: str, *, task: str | None = None, step: int | None = None) -> None:
+        self.message = message
+        self.task = task
+        self.step = step
+        where = ", ".join(p for p in (task, None if step is None else f"step {step}") if p)
+        super().__init__(f"{message} [{where}]" if where else message)
+
+
+class ClusterSpecError(TensorfleetError, ValueError):
+    """The cluster description (dict, TF_CONFIG or flags) is invalid. Not recoverable."""
+
+
+class WireError(TensorfleetError, ValueError):
+    """A message could not be encoded or decoded: malformed, oversized, unknown dtype. Not recoverable."""
+
+
+class InvalidArgumentError(TensorfleetError, ValueError):
+    """A request names an unknown variable, or a tensor of the wrong shape or dtype. Not recoverable."""
+
+
+class NotInitializedError(TensorfleetError):
+    """The variables are not initialized yet: the chief has not run. Recoverable (wait for it)."""
+
+    recoverable = True
+
+
+class UnavailableError(TensorfleetError):
+    """A task cannot be reached (not started yet, restarting, or dead). Recoverable (retry)."""
+
+    recoverable = True
+
+
+class DeadlineExceededError(TensorfleetError):
+    """A call or a wait ran past its deadline. Recoverable, but it names what it waited for."""
+
+    recoverable = True
+
+
+class DataError(TensorfleetError, ValueError):
+    """A data file is missing or not what it claims to be. Not recoverable."""
+
+
+class LaunchError(TensorfleetError):
+    """The launcher could not start or supervise the fleet. Not recoverable."""

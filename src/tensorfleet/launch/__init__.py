@@ -1,0 +1,1 @@
+"""Starting fleets: the CLI and the local process launcher."""

@@ -1,0 +1,1 @@
+"""The parameter server: variable store, optimizer apply, RPC adapter, process entry."""

@@ -1,0 +1,140 @@
+"""Optimizer rules applied on the ps: plain torch, no RPC.
+
+The ps holds the variables and runs the update in place.  Rather than re-derive
+SGD or Adam, it drives ``torch.optim`` itself over the stored tensors, so the
+arithmetic matches what a user gets from a local ``torch.optim`` to the bit, and
+the optimizer slots (momentum buffers, Adam moments) live beside the variables.
+
+An ``OptimizerSpec`` is the picklable-free, JSON description of the optimizer
+that the chief sends to the ps at initialization.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from tensorfleet.errors import InvalidArgumentError
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "adagrad": torch.optim.Adagrad,
+    "rmsprop": torch.optim.RMSprop,
+}
+# Implementation switches of torch.optim that make no sense coming from a remote client.
+_FORBIDDEN_OPTIONS = {"foreach", "fused", "capturable", "differentiable"}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Which optimizer the ps runs and with which options (keyword arguments of the torch.optim class).
+
+    Example:
+        >>> OptimizerSpec.adam(lr=0.01)
+        OptimizerSpec(name='adam', options={'lr': 0.01})
+    """
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise InvalidArgumentError(f"unknown optimizer {self.name!r}: choose one of {', '.join(OPTIMIZERS)}")
+        bad = _FORBIDDEN_OPTIONS.intersection(self.options)
+        if bad:
+            raise InvalidArgumentError(f"optimizer option(s) {sorted(bad)} cannot be set remotely")
+        for key, value in self.options.items():
+            if not _is_plain(value):
+                raise InvalidArgumentError(f"optimizer option {key}={value!r} must be a number, bool or list")
+        lr = self.options.get("lr")
+        if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+            raise InvalidArgumentError(f"learning rate lr={lr!r} must be a finite number >= 0")
+
+    @classmethod
+    def sgd(cls, *, lr: float, momentum: float = 0.0, nesterov: bool = False,
+            weight_decay: float = 0.0) -> "OptimizerSpec":
+        return cls("sgd", _nondefault(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay))
+
+    @classmethod
+    def adam(cls, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+             weight_decay: float = 0.0) -> "OptimizerSpec":
+        return cls("adam", _nondefault(lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay))
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"name": self.name, "options": dict(self.options)}
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> "OptimizerSpec":
+        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) \
+                or not isinstance(meta.get("options", {}), dict):
+            raise InvalidArgumentError(f"optimizer must be {{'name': str, 'options': dict}}, got {meta!r:.200}")
+        return cls(meta["name"], dict(meta.get("options", {})))
+
+
+_DEFAULTS = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
+
+
+def _nondefault(**options: Any) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k not in _DEFAULTS or _DEFAULTS[k] != v}
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    return isinstance(value, (bool, int, float))
+
+
+class Applier:
+    """Applies gradients to a fixed set of tensors, in place, with a torch.optim optimizer.
+
+    Args:
+        spec: the optimizer and its options.
+        variables: name -> tensor; the applier updates these very tensors.
+    """
+
+    def __init__(self, spec: OptimizerSpec, variables: Mapping[str, torch.Tensor]) -> None:
+        self.spec = spec
+        self._variables = dict(variables)
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.options.items()}
+        params = list(self._variables.values())
+        try:
+            self.optimizer = OPTIMIZERS[spec.name](params or [torch.zeros(0)], **options)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"cannot build optimizer {spec.name} with {dict(spec.options)}: {exc}") from None
+
+    def apply(self, gradients: Mapping[str, torch.Tensor]) -> None:
+        """Apply one update with ``gradients`` (a subset of the variables may be given).
+
+        The caller validates names, shapes and dtypes first (``check_gradients``),
+        so a bad request never reaches this point and changes nothing.
+        """
+        try:
+            for name, grad in gradients.items():
+                self._variables[name].grad = grad
+            with torch.no_grad():
+                self.optimizer.step()
+        finally:
+            for name in gradients:
+                self._variables[name].grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+
+def check_gradients(variables: Mapping[str, torch.Tensor], gradients: Mapping[str, torch.Tensor],
+                    *, task: str | None = None) -> None:
+    """Raise InvalidArgumentError unless every gradient names a variable here and matches its shape and dtype."""
+    for name, grad in gradients.items():
+        var = variables.get(name)
+        if var is None:
+            known = ", ".join(sorted(variables)[:8]) + (" ..." if len(variables) > 8 else "")
+            raise InvalidArgumentError(f"unknown variable {name!r}: this shard holds {known or 'nothing'}", task=task)
+        if grad.shape != var.shape or grad.dtype != var.dtype:
+            raise InvalidArgumentError(
+                f"gradient for {name!r} is {grad.dtype} {tuple(grad.shape)}, "
+                f"the variable is {var.dtype} {tuple(var.shape)}", task=task)

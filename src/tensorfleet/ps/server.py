@@ -1,0 +1,59 @@
+"""The ps process: a gRPC server around one VariableStore, that exits when the job is done.
+
+Unlike classic TensorFlow, whose ``server.join()`` on a ps blocks forever,
+``Server.join()`` returns once every worker has reported Done, so a finished
+job leaves no ps behind.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.errors import ClusterSpecError
+from tensorfleet.ps.service import PsService
+from tensorfleet.ps.store import VariableStore
+from tensorfleet.wire import rpc
+
+log = logging.getLogger(__name__)
+
+
+class Server:
+    """The server of one ps task.
+
+    Args:
+        cluster: the whole cluster.
+        job_name: must be ``"ps"``.
+        task_index: which ps task this is.
+        options: wire limits and deadlines.
+
+    Example:
+        >>> Server(cluster, job_name="ps", task_index=0).join()   # doctest: +SKIP
+    """
+
+    def __init__(self, cluster: ClusterSpec, *, job_name: str = "ps", task_index: int,
+                 options: rpc.WireOptions = rpc.WireOptions()) -> None:
+        if job_name != "ps":
+            raise ClusterSpecError(f"Server serves ps tasks; got job_name {job_name!r} (workers use Replica)")
+        self.task = TaskSpec(job_name, task_index)
+        cluster.check_task(self.task)
+        self.store = VariableStore(task=self.task.name)
+        self.service = PsService(self.store, num_workers=len(cluster.replicas))
+        address = cluster.task_address(job_name, task_index)
+        self._grpc, self.port = rpc.start_server(address, self.service.handlers(), task=self.task.name,
+                                                 options=options)
+        log.info("%s: serving on %s", self.task.name, address)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Block until every worker has finished (True) or ``timeout`` seconds passed (False); then stop."""
+        finished = self.service.finished.wait(timeout)
+        if finished:
+            status = self.store.status()
+            log.info("%s: all %d worker(s) done; exiting (global_step=%d, applied_updates=%d)",
+                     self.task.name, self.service.num_workers, status.global_step, status.applied_updates)
+            self.stop()
+        return finished
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        # Let in-flight replies (the last Done) reach their callers before the sockets close.
+        self._grpc.stop(grace_s).wait()

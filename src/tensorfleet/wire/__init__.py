@@ -1,0 +1,1 @@
+"""Tensors on the wire: the codec (header + raw bytes) and the gRPC plumbing."""

@@ -1,0 +1,141 @@
+"""Tensors <-> bytes: a small JSON header plus the tensors' raw bytes. No pickle.
+
+Layout of one message::
+
+    b"TFLW" | u8 version | u32 header length (little endian) | header (UTF-8 JSON) | pad | tensor bytes ...
+
+The header is ``{"meta": {...}, "tensors": [{"name", "dtype", "shape", "offset", "nbytes"}, ...]}``;
+``meta`` carries the request's small fields (step, flags, options), offsets are
+relative to the start of the message and 8-byte aligned.  Decoding validates
+every field before it touches a byte (known dtype, byte count = numel x
+itemsize, ranges inside the message, unique names) and returns tensors that
+*view* the received buffer (``torch.frombuffer``) instead of copying it.  A
+decoded tensor is read-only in spirit: clone it before writing into it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import warnings
+from typing import Any, Mapping
+
+import torch
+
+from tensorfleet.errors import WireError
+
+MAGIC = b"TFLW"
+VERSION = 1
+_PREFIX = struct.Struct("<4sBI")
+ALIGN = 8
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "complex64": torch.complex64, "complex128": torch.complex128,
+    "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
+    "uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32, "uint64": torch.uint64,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+# Decoded tensors view the immutable received bytes; torch warns about that once per call.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise WireError(f"dtype {dtype} cannot travel: supported dtypes are {', '.join(DTYPES)}") from None
+
+
+def encode(meta: Mapping[str, Any] | None = None, tensors: Mapping[str, torch.Tensor] | None = None) -> bytes:
+    """Encode small metadata and named tensors into one message (one copy of each tensor's bytes)."""
+    tensors = tensors or {}
+    entries, chunks, offset_in_body = [], [], 0
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise WireError(f"value of {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        flat = tensor.detach().contiguous().reshape(-1)
+        nbytes = flat.numel() * flat.element_size()
+        entries.append({"name": name, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape),
+                        "offset": offset_in_body, "nbytes": nbytes})
+        if nbytes:
+            chunks.append(flat.view(torch.uint8).numpy())
+        pad = -nbytes % ALIGN
+        if pad:
+            chunks.append(b"\0" * pad)
+        offset_in_body += nbytes + pad
+    header = json.dumps({"meta": dict(meta or {}), "tensors": entries}, separators=(",", ":")).encode()
+    body_start = _PREFIX.size + len(header)
+    lead_pad = -body_start % ALIGN
+    # Offsets in the header are relative to the body; the decoder adds body_start + lead_pad.
+    return b"".join([_PREFIX.pack(MAGIC, VERSION, len(header)), header, b"\0" * lead_pad, *chunks])
+
+
+def decode(data: bytes | bytearray | memoryview, *,
+           max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Decode a message into (meta, tensors); raise WireError, naming the problem, if it is malformed."""
+    view = memoryview(data).cast("B")
+    if len(view) > max_bytes:
+        raise WireError(f"message of {len(view)} bytes exceeds the limit of {max_bytes} bytes")
+    if len(view) < _PREFIX.size:
+        raise WireError(f"message of {len(view)} bytes is too short to hold the {_PREFIX.size}-byte prefix")
+    magic, version, header_len = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {bytes(magic)!r}: not a tensorfleet message")
+    if version != VERSION:
+        raise WireError(f"message version {version} is not supported (this build speaks version {VERSION})")
+    if header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len > len(view):
+        raise WireError(f"header length {header_len} does not fit in a message of {len(view)} bytes")
+    try:
+        header = json.loads(bytes(view[_PREFIX.size:_PREFIX.size + header_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("meta"), dict) \
+            or not isinstance(header.get("tensors"), list):
+        raise WireError("header must be an object with 'meta' (object) and 'tensors' (list)")
+    body_start = _PREFIX.size + header_len
+    body_start += -body_start % ALIGN
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in header["tensors"]:
+        name, tensor = _decode_tensor(view, entry, body_start)
+        if name in tensors:
+            raise WireError(f"tensor {name!r} appears twice in one message")
+        tensors[name] = tensor
+    return header["meta"], tensors
+
+
+def _decode_tensor(view: memoryview, entry: Any, body_start: int) -> tuple[str, torch.Tensor]:
+    if not isinstance(entry, dict):
+        raise WireError(f"tensor entry must be an object, got {entry!r:.80}")
+    name, dtype_text, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
+    offset, nbytes = entry.get("offset"), entry.get("nbytes")
+    if not isinstance(name, str) or not name:
+        raise WireError(f"tensor entry has no valid name: {entry!r:.120}")
+    if dtype_text not in DTYPES:
+        raise WireError(f"tensor {name!r} has unknown dtype {dtype_text!r}: supported are {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise WireError(f"tensor {name!r} has an invalid shape {shape!r}: expected a list of non-negative ints")
+    if not _is_count(offset) or not _is_count(nbytes):
+        raise WireError(f"tensor {name!r} has an invalid offset/nbytes ({offset!r}, {nbytes!r})")
+    dtype = DTYPES[dtype_text]
+    expected = math.prod(shape) * dtype.itemsize
+    if expected != nbytes:
+        raise WireError(f"tensor {name!r}: shape {shape} of {dtype_text} needs {expected} bytes, header says {nbytes}")
+    start = body_start + offset
+    if start + nbytes > len(view):
+        raise WireError(f"tensor {name!r}: bytes {start}..{start + nbytes} lie outside the {len(view)}-byte message")
+    if nbytes == 0:
+        return name, torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(view, dtype=dtype, count=nbytes // dtype.itemsize, offset=start)
+    return name, flat.view(shape)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,0 +1,177 @@
+"""gRPC plumbing: servers, channels, deadlines, limits and error statuses.
+
+The service definition is the table ``METHODS`` below: every method is unary,
+takes one codec message (``codec.encode``) and answers one.  gRPC moves opaque
+bytes (no protobuf, no pickle); all parsing happens in ``codec.decode``, so a
+malformed request becomes an INVALID_ARGUMENT status before any handler runs.
+
+Errors cross the wire as status codes and come back as the same tensorfleet
+error class on the client (``_ERROR_CODES``), so callers handle one hierarchy.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import grpc
+import torch
+
+from tensorfleet import errors
+from tensorfleet.wire import codec
+
+log = logging.getLogger(__name__)
+
+SERVICE = "tensorfleet.ParameterServer"
+METHODS = (
+    "Init",    # chief -> ps: initial values + optimizer; refused politely if already initialized
+    "Pull",    # worker -> ps: current values of some (or all) variables of the shard
+    "Push",    # worker -> ps: gradients of the shard's variables; applied on arrival (async)
+    "Status",  # anyone -> ps: initialized?, global step, counters
+    "Done",    # worker -> ps: this worker finished; the ps exits when every worker has
+)
+
+Message = tuple[dict[str, Any], dict[str, torch.Tensor]]
+Handler = Callable[[dict[str, Any], dict[str, torch.Tensor]], Message]
+
+
+@dataclass(frozen=True)
+class WireOptions:
+    """Limits every channel and server obeys.
+
+    Args:
+        max_message_bytes: largest message sent or received; bigger ones are refused with a clear status.
+        deadline_s: default deadline of one RPC.
+    """
+
+    max_message_bytes: int = 1024 * 1024 * 1024
+    deadline_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes={self.max_message_bytes} is too small; use at least 1024")
+        if self.deadline_s <= 0:
+            raise ValueError(f"deadline_s={self.deadline_s} must be positive")
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        return [("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.so_reuseport", 0)]
+
+
+_ERROR_CODES: list[tuple[type[errors.TensorfleetError], grpc.StatusCode]] = [
+    (errors.WireError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotInitializedError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+]
+
+
+def _status_for(exc: errors.TensorfleetError) -> grpc.StatusCode:
+    for cls, code in _ERROR_CODES:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def _error_for(code: grpc.StatusCode, detail: str, task: str) -> errors.TensorfleetError:
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return errors.WireError(f"message too large for the limit: {detail}", task=task)
+    for cls, mapped in _ERROR_CODES:
+        if mapped == code:
+            return cls(detail, task=task)
+    return errors.TensorfleetError(f"{code.name}: {detail}", task=task)
+
+
+def _wrap(handler: Handler, options: WireOptions, task: str) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+    def unary(request: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            meta, tensors = codec.decode(request, max_bytes=options.max_message_bytes)
+            reply_meta, reply_tensors = handler(meta, tensors)
+            return codec.encode(reply_meta, reply_tensors)
+        except errors.TensorfleetError as exc:
+            context.abort(_status_for(exc), exc.message)
+        except Exception as exc:  # a bug must not take the server down: report it, keep serving
+            log.exception("%s: unexpected error in handler", task)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        raise AssertionError("unreachable")  # context.abort always raises
+    return unary
+
+
+def start_server(address: str, handlers: Mapping[str, Handler], *, task: str,
+                 options: WireOptions = WireOptions(), max_workers: int = 8) -> tuple[grpc.Server, int]:
+    """Serve ``handlers`` (method name -> handler) on ``address``; return the server and the bound port.
+
+    Raises:
+        UnavailableError: the address cannot be bound (already in use, or not an address of this machine).
+    """
+    unknown = set(handlers) - set(METHODS)
+    if unknown:
+        raise ValueError(f"unknown RPC method(s) {sorted(unknown)}: the service defines {METHODS}")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"rpc-{task}"),
+                         options=options.grpc_options())
+    method_handlers = {name: grpc.unary_unary_rpc_method_handler(_wrap(h, options, task))
+                       for name, h in handlers.items()}
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, method_handlers)])
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise errors.UnavailableError(f"cannot listen on {address}: {exc} (is the port in use?)", task=task) from None
+    if port == 0:
+        raise errors.UnavailableError(f"cannot listen on {address}: the port is in use or the host is not local",
+                                      task=task)
+    server.start()
+    return server, port
+
+
+class RpcFuture:
+    """The pending reply of an async call; ``result()`` decodes it or raises a tensorfleet error."""
+
+    def __init__(self, inner: grpc.Future, task: str, options: WireOptions) -> None:
+        self._inner, self._task, self._options = inner, task, options
+
+    def result(self) -> Message:
+        try:
+            reply = self._inner.result()
+        except grpc.RpcError as exc:
+            raise _error_for(exc.code(), exc.details() or "", self._task) from None
+        return codec.decode(reply, max_bytes=self._options.max_message_bytes)
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+
+class Channel:
+    """A client connection to one task: ``call`` / ``call_async`` with a deadline on every RPC.
+
+    Example:
+        >>> ch = Channel("127.0.0.1:2222", task="/job:ps/task:0")       # doctest: +SKIP
+        >>> meta, _ = ch.call("Status")                                  # doctest: +SKIP
+    """
+
+    def __init__(self, address: str, *, task: str, options: WireOptions = WireOptions()) -> None:
+        self.address, self.task, self.options = address, task, options
+        self._channel = grpc.insecure_channel(address, options=options.grpc_options())
+        self._stubs = {name: self._channel.unary_unary(f"/{SERVICE}/{name}") for name in METHODS}
+
+    def call_async(self, method: str, meta: Mapping[str, Any] | None = None,
+                   tensors: Mapping[str, torch.Tensor] | None = None, *,
+                   timeout: float | None = None, wait_for_ready: bool = False) -> RpcFuture:
+        request = codec.encode(meta, tensors)
+        if len(request) > self.options.max_message_bytes:
+            raise errors.WireError(f"{method} request of {len(request)} bytes exceeds the limit of "
+                                   f"{self.options.max_message_bytes} bytes", task=self.task)
+        inner = self._stubs[method].future(request, timeout=timeout or self.options.deadline_s,
+                                           wait_for_ready=wait_for_ready)
+        return RpcFuture(inner, self.task, self.options)
+
+    def call(self, method: str, meta: Mapping[str, Any] | None = None,
+             tensors: Mapping[str, torch.Tensor] | None = None, *,
+             timeout: float | None = None, wait_for_ready: bool = False) -> Message:
+        return self.call_async(method, meta, tensors, timeout=timeout, wait_for_ready=wait_for_ready).result()
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,1 @@
+"""The worker side: sharded concurrent client and the module <-> remote variables binding."""

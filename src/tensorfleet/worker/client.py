@@ -1,0 +1,145 @@
+"""The worker's client to every ps shard: sharded, concurrent pull and push.
+
+Every call fans out to all shards that hold a part of the request at once (gRPC
+futures, no thread per shard) and gathers the replies; ``x()`` blocks and
+``x_async()`` returns a future with ``result()``.  ps task 0 also keeps the
+global step, so every push includes it (with ``advance_step``), even when it
+holds none of the pushed variables.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Mapping
+
+import torch
+
+from tensorfleet.cluster.spec import ClusterSpec
+from tensorfleet.errors import DeadlineExceededError, UnavailableError
+from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.wire.rpc import Channel, RpcFuture, WireOptions
+
+log = logging.getLogger(__name__)
+
+
+class Gathered:
+    """Futures of several shards combined into one result by ``combine``."""
+
+    def __init__(self, futures: list[RpcFuture], combine: Callable[[list], Any]) -> None:
+        self._futures, self._combine = futures, combine
+
+    def result(self) -> Any:
+        return self._combine([f.result() for f in self._futures])
+
+
+class PsClient:
+    """Connections to every ps task of a cluster, and the variable -> shard map.
+
+    Args:
+        cluster: the cluster; its ``ps`` job lists the shards.
+        placement: variable name -> ps task index (see ``tensorfleet.cluster.placement``).
+        options: limits and the default deadline of each RPC.
+    """
+
+    def __init__(self, cluster: ClusterSpec, placement: Mapping[str, int], *,
+                 options: WireOptions = WireOptions()) -> None:
+        self.placement = dict(placement)
+        self.channels = [Channel(address, task=f"/job:ps/task:{i}", options=options)
+                         for i, address in enumerate(cluster.ps_addresses)]
+        self._names_by_shard: list[list[str]] = [[] for _ in self.channels]
+        for name, shard in self.placement.items():
+            self._names_by_shard[shard].append(name)
+
+    def _split(self, tensors: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in self.channels]
+        for name, tensor in tensors.items():
+            parts[self.placement[name]][name] = tensor
+        return parts
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def wait_for_shards(self, timeout_s: float) -> list[dict[str, Any]]:
+        """Wait until every shard answers Status (it may still be starting); return their statuses."""
+        deadline = time.monotonic() + timeout_s
+        statuses = []
+        for channel in self.channels:
+            remaining = max(deadline - time.monotonic(), 0.1)
+            try:
+                statuses.append(channel.call("Status", timeout=remaining, wait_for_ready=True)[0])
+            except (DeadlineExceededError, UnavailableError):
+                raise DeadlineExceededError(
+                    f"waited {timeout_s:.0f} s for ps {channel.task} at {channel.address} to start; "
+                    "is it running? (start it with --job_name=ps, or use 'tensorfleet launch')") from None
+        return statuses
+
+    def initialize(self, values: Mapping[str, torch.Tensor], optimizer: OptimizerSpec) -> bool:
+        """Send initial values to every shard. Return True if any shard took them, False if all had values."""
+        meta = {"optimizer": optimizer.to_meta()}
+        futures = [ch.call_async("Init", meta, part) for ch, part in zip(self.channels, self._split(values))]
+        return any(f.result()[0]["initialized"] for f in futures)
+
+    def wait_initialized(self, timeout_s: float, poll_s: float = 0.2) -> int:
+        """Poll until every shard is initialized by the chief; return the global step.
+
+        Raises:
+            DeadlineExceededError: naming the shards still uninitialized after ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        next_log = time.monotonic() + 10.0
+        while True:
+            statuses = self.wait_for_shards(max(deadline - time.monotonic(), 0.1))
+            waiting = [ch.task for ch, st in zip(self.channels, statuses) if not st["initialized"]]
+            if not waiting:
+                return statuses[0]["global_step"]
+            if time.monotonic() >= deadline:
+                raise DeadlineExceededError(f"waited {timeout_s:.0f} s for the chief to initialize the variables "
+                                            f"on {', '.join(waiting)}; is the chief (worker 0) running?")
+            if time.monotonic() >= next_log:
+                log.info("still waiting for the chief to initialize the variables on %s", ", ".join(waiting))
+                next_log += 10.0
+            time.sleep(poll_s)
+
+    def done(self, replica: int) -> None:
+        """Tell every shard this replica finished; a ps exits once all replicas have."""
+        for f in [ch.call_async("Done", {"replica": replica}) for ch in self.channels]:
+            try:
+                f.result()
+            except UnavailableError:
+                pass  # that ps has already exited: nothing left to tell it
+
+    # --- data path ----------------------------------------------------------------------------
+
+    def pull_async(self) -> Gathered:
+        """Fetch every variable from its shard; ``result()`` is (values, global step)."""
+        # ps 0 is always asked, even if it holds none of the variables: it keeps the global step.
+        futures = [ch.call_async("Pull") for shard, (ch, names) in enumerate(zip(self.channels, self._names_by_shard))
+                   if names or shard == 0]
+        return Gathered(futures, _merge_pulls)
+
+    def pull(self) -> tuple[dict[str, torch.Tensor], int]:
+        return self.pull_async().result()
+
+    def push_async(self, gradients: Mapping[str, torch.Tensor]) -> Gathered:
+        """Send each shard its gradients; ps 0 advances the global step. ``result()`` is the new step."""
+        futures = []
+        for shard, (channel, part) in enumerate(zip(self.channels, self._split(gradients))):
+            if part or shard == 0:
+                futures.append(channel.call_async("Push", {"advance_step": shard == 0}, part))
+        return Gathered(futures, lambda replies: replies[0][0]["global_step"])
+
+    def push(self, gradients: Mapping[str, torch.Tensor]) -> int:
+        return self.push_async(gradients).result()
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+
+
+def _merge_pulls(replies: list[tuple[dict, dict]]) -> tuple[dict[str, torch.Tensor], int]:
+    values: dict[str, torch.Tensor] = {}
+    for _, tensors in replies:
+        values.update(tensors)
+    step = replies[0][0]["global_step"]
+    return values, step
+

@@ -1,0 +1,126 @@
+"""A worker's model bound to the remote variables on the ps.
+
+``Replica`` maps an ``nn.Module``'s parameters (by their ``named_parameters``
+names, in creation order) to variables on the ps shards, and gives the three
+verbs of between-graph replication:
+
+1. ``pull()``  - copy the current values from the ps into the module;
+2. (the user runs forward and backward locally);
+3. ``push()``  - send the module's gradients; the ps applies them and the
+   global step advances by one.
+
+On entering, the chief (``chief:0`` if the cluster has one, else ``worker:0``)
+sends the module's initial values and the optimizer to the ps; a ps that is
+already initialized keeps its values, so a restarted chief never overwrites
+training.  Other workers wait, with a timeout that names what they wait for.
+On leaving, the replica tells the ps it is done, so the ps can exit.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from tensorfleet.cluster.placement import PlacementStrategy, RoundRobin, VariableInfo, format_placement
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.wire.codec import dtype_name
+from tensorfleet.wire.rpc import WireOptions
+from tensorfleet.worker.client import PsClient
+
+log = logging.getLogger(__name__)
+
+
+class Replica:
+    """One training replica: a module whose parameters live on the ps.
+
+    Args:
+        module: the model; its parameters' initial values are what the chief sends.
+        cluster: the cluster.
+        task: this worker's task (``worker:i`` or ``chief:0``).
+        optimizer: the optimizer the ps runs (``OptimizerSpec.adam(lr=0.01)``).
+        placement: how variables are spread over the ps shards (default round-robin).
+        init_timeout_s: how long a worker waits for the ps and the chief before giving up.
+        log_placement: log where each variable lives, like ``log_device_placement``.
+
+    Example:
+        >>> with Replica(model, cluster, task, optimizer=OptimizerSpec.adam(lr=0.01)) as replica:  # doctest: +SKIP
+        ...     while replica.global_step < 10000:
+        ...         replica.pull()
+        ...         loss_fn(model(x), y).backward()
+        ...         replica.push()
+    """
+
+    def __init__(self, module: nn.Module, cluster: ClusterSpec, task: TaskSpec, *, optimizer: OptimizerSpec,
+                 placement: PlacementStrategy = RoundRobin(), options: WireOptions = WireOptions(),
+                 init_timeout_s: float = 300.0, log_placement: bool = False) -> None:
+        self.module = module
+        self.task = task
+        self.replica_id = cluster.replica_id(task)
+        self.is_chief = cluster.is_chief(task)
+        self.optimizer = optimizer
+        self.init_timeout_s = init_timeout_s
+        self.global_step = 0
+        self._params = dict(module.named_parameters())
+        if not self._params:
+            raise InvalidArgumentError("the module has no parameters to train")
+        infos = [VariableInfo(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in self._params.items()]
+        self.placement = placement.place(infos, len(cluster.ps_addresses))
+        if log_placement:
+            log.info("variable placement:\n%s", format_placement(self.placement))
+        self.client = PsClient(cluster, self.placement, options=options)
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> "Replica":
+        """Chief: initialize the ps (unless already done). Others: wait until it is. Then pull once."""
+        self.client.wait_for_shards(self.init_timeout_s)
+        if self.is_chief:
+            values = {name: p.detach() for name, p in self._params.items()}
+            if self.client.initialize(values, self.optimizer):
+                log.info("%s (chief): initialized %d variable(s) on the ps", self.task.name, len(values))
+            else:
+                log.info("%s (chief): the ps already holds trained variables; not re-initializing", self.task.name)
+        else:
+            self.client.wait_initialized(self.init_timeout_s)
+        self.pull()
+        return self
+
+    def finish(self) -> None:
+        """Tell the ps this worker is done (the ps exits when every worker is), and close the channels."""
+        try:
+            self.client.done(self.replica_id)
+        finally:
+            self.client.close()
+
+    def __enter__(self) -> "Replica":
+        return self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.finish()
+
+    # --- the step --------------------------------------------------------------------------------
+
+    def pull(self) -> int:
+        """Copy the current values of every variable into the module; return the global step."""
+        values, self.global_step = self.client.pull()
+        with torch.no_grad():
+            for name, param in self._params.items():
+                param.copy_(values[name])
+        return self.global_step
+
+    def push(self) -> int:
+        """Send the module's gradients (and clear them); return the global step after the update.
+
+        A parameter without a gradient (unused in this step) is sent as zeros, so every
+        push is one complete update, as a local optimizer step would be.
+        """
+        grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._params.items()}
+        self.global_step = self.client.push(grads)
+        for param in self._params.values():
+            param.grad = None
+        return self.global_step
