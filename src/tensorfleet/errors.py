@@ -29,12 +29,12 @@ class ClusterSpecError(TensorfleetError, ValueError):
     """The cluster description (dict, TF_CONFIG or flags) is invalid. Not recoverable."""
 
 
-class WireError(TensorfleetError, ValueError):
-    """A message could not be encoded or decoded: malformed, oversized, unknown dtype. Not recoverable."""
-
-
 class InvalidArgumentError(TensorfleetError, ValueError):
     """A request names an unknown variable, or a tensor of the wrong shape or dtype. Not recoverable."""
+
+
+class WireError(InvalidArgumentError):
+    """A message could not be encoded or decoded: malformed, oversized, unknown dtype. Not recoverable."""
 
 
 class NotInitializedError(TensorfleetError):

@@ -62,8 +62,7 @@ class WireOptions:
 
 
 _ERROR_CODES: list[tuple[type[errors.TensorfleetError], grpc.StatusCode]] = [
-    (errors.WireError, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),  # WireError included
     (errors.NotInitializedError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),

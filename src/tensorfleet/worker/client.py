@@ -77,7 +77,8 @@ class PsClient:
         """Send initial values to every shard. Return True if any shard took them, False if all had values."""
         meta = {"optimizer": optimizer.to_meta()}
         futures = [ch.call_async("Init", meta, part) for ch, part in zip(self.channels, self._split(values))]
-        return any(f.result()[0]["initialized"] for f in futures)
+        replies = [f.result()[0] for f in futures]  # wait for every shard, not just the first to say yes
+        return any(reply["initialized"] for reply in replies)
 
     def wait_initialized(self, timeout_s: float, poll_s: float = 0.2) -> int:
         """Poll until every shard is initialized by the chief; return the global step.

@@ -1,0 +1,112 @@
+"""The ps applies updates exactly as a local torch.optim would, and rejects bad input without change."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tensorfleet.errors import InvalidArgumentError, NotInitializedError
+from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.ps.store import VariableStore
+
+SPECS = [
+    (OptimizerSpec.sgd(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+    (OptimizerSpec.sgd(lr=0.05, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+    (OptimizerSpec.sgd(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+    (OptimizerSpec.adam(lr=0.01), lambda p: torch.optim.Adam(p, lr=0.01)),
+    (OptimizerSpec.adam(lr=0.003, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01),
+     lambda p: torch.optim.Adam(p, lr=0.003, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)),
+]
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+@pytest.mark.parametrize("spec, make_local", SPECS, ids=lambda s: getattr(s, "name", ""))
+def test_store_apply_matches_torch_optim(spec, make_local):
+    local = model()
+    store = VariableStore(task="/job:ps/task:0")
+    assert store.initialize({n: p.detach() for n, p in local.named_parameters()}, spec)
+    optimizer = make_local(local.parameters())
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(15):
+        x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(local(x), y).backward()
+        grads = {n: p.grad.clone() for n, p in local.named_parameters()}
+        optimizer.step()
+        store.apply(grads, advance_step=True)
+    remote, step = store.read()
+    assert step == 15
+    for name, param in local.named_parameters():
+        assert torch.equal(remote[name], param.detach()), name
+
+
+def _store() -> VariableStore:
+    store = VariableStore(task="/job:ps/task:0")
+    store.initialize({"w": torch.ones(2, 3), "b": torch.zeros(3)}, OptimizerSpec.sgd(lr=1.0))
+    return store
+
+
+@pytest.mark.parametrize("grads, message", [
+    ({"nope": torch.ones(3)}, "unknown variable 'nope'"),
+    ({"w": torch.ones(3, 2)}, r"is torch.float32 \(3, 2\), the variable is torch.float32 \(2, 3\)"),
+    ({"w": torch.ones(2, 3, dtype=torch.float64)}, "float64"),
+    ({"b": torch.ones(3), "w": torch.ones(1)}, "gradient for 'w'"),
+])
+def test_bad_gradients_change_nothing(grads, message):
+    store = _store()
+    before, _ = store.read()
+    with pytest.raises(InvalidArgumentError, match=message):
+        store.apply(grads, advance_step=True)
+    after, step = store.read()
+    assert step == 0 and store.status().applied_updates == 0
+    for name in before:
+        assert torch.equal(before[name], after[name])
+
+
+def test_second_initialize_does_not_overwrite_trained_values():
+    store = _store()
+    store.apply({"w": torch.ones(2, 3), "b": torch.ones(3)}, advance_step=True)
+    trained, _ = store.read()
+    assert not store.initialize({"w": torch.full((2, 3), 9.0), "b": torch.full((3,), 9.0)}, OptimizerSpec.sgd(lr=1.0))
+    after, step = store.read()
+    assert step == 1 and torch.equal(after["w"], trained["w"]) and torch.equal(after["w"], torch.zeros(2, 3))
+
+
+def test_uninitialized_store_refuses_reads_and_pushes():
+    store = VariableStore(task="/job:ps/task:3")
+    with pytest.raises(NotInitializedError, match="waiting for the chief"):
+        store.read()
+    with pytest.raises(NotInitializedError):
+        store.apply({}, advance_step=True)
+
+
+def test_initialize_copies_values():
+    values = {"w": torch.ones(2)}
+    store = VariableStore(task="t")
+    store.initialize(values, OptimizerSpec.sgd(lr=1.0))
+    values["w"].fill_(5)
+    assert torch.equal(store.read()[0]["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize("name, options, message", [
+    ("lbfgs", {}, "unknown optimizer 'lbfgs'"),
+    ("sgd", {"lr": float("nan")}, "finite"),
+    ("sgd", {"lr": 0.1, "fused": True}, "cannot be set remotely"),
+    ("sgd", {"lr": "0.1"}, "must be a number"),
+    ("adam", {"lr": 0.1, "bogus": 1.0}, "cannot build optimizer adam"),
+])
+def test_invalid_optimizer_specs(name, options, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        spec = OptimizerSpec(name, options)
+        VariableStore(task="t").initialize({"w": torch.ones(1)}, spec)
+
+
+def test_spec_meta_round_trip():
+    spec = OptimizerSpec.adam(lr=0.01, betas=(0.8, 0.9))
+    assert OptimizerSpec.from_meta(copy.deepcopy(spec.to_meta())) == spec
