@@ -48,7 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_model(hidden_units: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(784, hidden_units), nn.ReLU(), nn.Linear(hidden_units, 10))
+    """The classic MLP, initialized as Keras' Dense is (Glorot-uniform weights, zero biases)."""
+    model = nn.Sequential(nn.Linear(784, hidden_units), nn.ReLU(), nn.Linear(hidden_units, 10))
+    for layer in (model[0], model[2]):
+        nn.init.xavier_uniform_(layer.weight)
+        nn.init.zeros_(layer.bias)
+    return model
 
 
 @torch.no_grad()

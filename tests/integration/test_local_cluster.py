@@ -1,0 +1,94 @@
+"""Real processes on 127.0.0.1: the MNIST job under the launcher, by hand with flags, and teardown."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tensorfleet.launch.local import local_cluster
+from tensorfleet.testing.local_cluster import REPO, run_launcher
+
+pytestmark = pytest.mark.cluster
+EXAMPLE = REPO / "examples" / "mnist_mlp.py"
+QUICK = ["--train_steps", "300", "--train_limit", "3000", "--log_every", "50"]
+
+
+def test_mnist_job_under_launcher_learns_and_counts_every_push():
+    result = run_launcher(EXAMPLE, QUICK, num_ps=1, num_workers=2)
+    assert result.returncode == 0, result.output
+    # Every push from every worker was applied once, and the global step counted each one.
+    local_steps = [int(m) for m in re.findall(r"Worker \d: done after (\d+) local step", result.output)]
+    assert len(local_steps) == 2 and all(n > 0 for n in local_steps), result.output
+    ps_exit = re.search(r"exiting \(global_step=(\d+), applied_updates=(\d+)\)", result.output)
+    assert ps_exit, result.output
+    assert int(ps_exit.group(1)) == int(ps_exit.group(2)) == sum(local_steps)
+    assert sum(local_steps) >= 300
+    # The loss went down: from ~ln(10) = 2.30 for an untrained model to well below it.
+    val_losses = [float(x) for x in re.findall(r"validation cross entropy = ([\d.e+-]+)", result.output)]
+    assert len(val_losses) == 2 and all(loss < 0.8 for loss in val_losses), result.output
+    accuracies = [float(x) for x in re.findall(r"test accuracy: ([\d.]+)", result.output)]
+    assert len(accuracies) == 2 and all(a > 0.8 for a in accuracies)
+    # Output is prefixed by task, and the job announces success.
+    assert "[worker:1] " in result.output and "[ps:0] " in result.output
+    assert "job succeeded" in result.output
+
+
+def test_two_ps_shards_and_a_failing_worker_fail_the_job():
+    result = run_launcher(EXAMPLE, [*QUICK, "--data_dir", "/nonexistent"], num_ps=2, num_workers=2, timeout_s=120)
+    assert result.returncode == 1
+    assert "does not exist" in result.output or "has no train-images" in result.output
+    assert "failed with exit code" in result.output
+
+
+def _start(argv, **kwargs):
+    return subprocess.Popen([sys.executable, str(EXAMPLE), *argv], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def test_by_hand_with_classic_flags_and_tf_config_every_task_exits():
+    cluster = local_cluster(1, 2)
+    hosts = [f"--ps_hosts={cluster.ps_addresses[0]}", f"--worker_hosts={','.join(cluster.jobs['worker'])}"]
+    ps = _start([*hosts, "--job_name=ps", "--task_index=0"])
+    worker0 = _start([*hosts, "--job_name=worker", "--task_index=0", *QUICK])
+    from tensorfleet.cluster.spec import TaskSpec
+    env = {**os.environ, "TF_CONFIG": cluster.to_tf_config(TaskSpec("worker", 1))}
+    worker1 = _start(QUICK, env=env)  # the same job, this task described by TF_CONFIG instead of flags
+    outputs = [p.communicate(timeout=180)[0] for p in (worker0, worker1, ps)]
+    assert [p.returncode for p in (worker0, worker1, ps)] == [0, 0, 0], "\n".join(outputs)
+    assert "test accuracy" in outputs[0] and "test accuracy" in outputs[1]
+    assert "all 2 worker(s) done; exiting" in outputs[2]
+
+
+def test_wrong_flags_exit_2_with_a_clear_message():
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--ps_hosts=127.0.0.1:1", "--worker_hosts=127.0.0.1:2",
+                           "--job_name=worker", "--task_index=5"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert "task_index 5 is out of range" in done.stderr
+
+
+def test_sigterm_to_launcher_tears_down_every_task():
+    command = [sys.executable, "-m", "tensorfleet.launch.cli", "launch", "--ps", "1", "--workers", "2",
+               str(EXAMPLE), "--", "--train_steps", "1000000", "--train_limit", "1000"]
+    launcher = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait until training is under way
+        line = launcher.stdout.readline()
+        seen.append(line)
+        if "training begins" in line:
+            break
+    assert any("training begins" in line for line in seen), "".join(seen)
+    tasks = psutil.Process(launcher.pid).children(recursive=True)
+    assert len(tasks) >= 3
+    launcher.send_signal(signal.SIGTERM)
+    rest = launcher.communicate(timeout=60)[0]
+    assert launcher.returncode != 0
+    assert "received SIGTERM; stopping every task" in rest
+    gone, alive = psutil.wait_procs(tasks, timeout=10)
+    assert not alive, f"tasks left running after SIGTERM: {alive}"
