@@ -52,14 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def script_args(args: argparse.Namespace) -> list[str]:
+    """The arguments meant for SCRIPT; the '--' separator is optional (argparse keeps it on some versions)."""
+    return args.script_args[1:] if args.script_args[:1] == ["--"] else list(args.script_args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "launch":
         if not Path(args.script).is_file():
             print(f"tensorfleet: error: script {args.script!r} does not exist", file=sys.stderr)
             return 2
-        script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
-        return launch(args.script, script_args, num_ps=args.ps, num_workers=args.workers)
+        return launch(args.script, script_args(args), num_ps=args.ps, num_workers=args.workers)
     return 2
 
 

@@ -1,0 +1,33 @@
+"""``python -m tensorfleet.ps``: run a ps task without any model code.
+
+A ps never needs the user's script: it learns the variables and the optimizer
+from the chief. Cluster from the classic flags or TF_CONFIG, as for workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tensorfleet.cluster.spec import add_cluster_flags, cluster_from_flags
+from tensorfleet.errors import TensorfleetError
+from tensorfleet.ps.server import Server
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tensorfleet.ps", description=__doc__.split("\n")[0])
+    add_cluster_flags(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cluster, task = cluster_from_flags(args)
+        Server(cluster, job_name=task.job_name, task_index=task.index).join()
+    except TensorfleetError as exc:
+        print(f"tensorfleet.ps: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
