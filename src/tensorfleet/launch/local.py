@@ -110,9 +110,10 @@ class LocalLauncher:
                 self.stop()
                 return 1
             time.sleep(poll_s)
-        self._wait_for_exit(ps_tasks, PS_EXIT_GRACE_S)
-        self.stop()
         failed = [t for t in workers if t.process.returncode != 0]
+        if not failed:  # every worker said Done, so the ps tasks are on their way out
+            self._wait_for_exit(ps_tasks, PS_EXIT_GRACE_S)
+        self.stop()
         for t in failed:
             self.say(f"[launch] {t.task.short} failed with exit code {t.process.returncode}")
         return 1 if failed or self._stopping.is_set() else 0
