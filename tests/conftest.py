@@ -1,20 +1,48 @@
-"""Every test leaves no process behind: whatever it started is killed, and a leftover fails the test."""
+"""Every test leaves no process behind: whatever it started is killed, and a leftover fails the test.
 
+The test process makes itself a *child subreaper* (Linux), so a task orphaned by
+a launcher that exited is re-parented here instead of to init, and is seen.
+"""
+
+import ctypes
 import os
+import sys
 
 import psutil
 import pytest
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def pytest_configure(config):
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _reap_zombies(processes):
+    alive = []
+    for process in processes:
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(process.pid, os.WNOHANG)
+            else:
+                alive.append(process)
+        except (psutil.NoSuchProcess, ChildProcessError):
+            pass
+    return alive
 
 
 @pytest.fixture(autouse=True)
 def reap_children():
     yield
-    leftovers = psutil.Process(os.getpid()).children(recursive=True)
+    leftovers = _reap_zombies(psutil.Process(os.getpid()).children(recursive=True))
+    described = []
     for child in leftovers:
         try:
+            described.append(f"{child.pid} {' '.join(child.cmdline())[:120]}")
             child.kill()
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(leftovers, timeout=10)
-    names = [f"{c.pid}" for c in leftovers]
-    assert not leftovers, f"the test left processes behind: {names}"
+    _reap_zombies(leftovers)
+    assert not described, f"the test left processes behind: {described}"

@@ -36,6 +36,10 @@ def test_mnist_job_under_launcher_learns_and_counts_every_push():
     # Output is prefixed by task, and the job announces success.
     assert "[worker:1] " in result.output and "[ps:0] " in result.output
     assert "job succeeded" in result.output
+    # Every task the launcher started has exited, the ps included.
+    pids = [int(p) for p in re.findall(r"started \w+:\d+ \(pid (\d+)\)", result.output)]
+    assert len(pids) == 3
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 def test_two_ps_shards_and_a_failing_worker_fail_the_job():
