@@ -24,7 +24,7 @@ def test_mnist_job_under_launcher_learns_and_counts_every_push():
     # Every push from every worker was applied once, and the global step counted each one.
     local_steps = [int(m) for m in re.findall(r"Worker \d: done after (\d+) local step", result.output)]
     assert len(local_steps) == 2 and all(n > 0 for n in local_steps), result.output
-    ps_exit = re.search(r"exiting \(global_step=(\d+), applied_updates=(\d+)\)", result.output)
+    ps_exit = re.search(r"exiting \(global_step=(\d+), applied_updates=(\d+), dropped_stale=0\)", result.output)
     assert ps_exit, result.output
     assert int(ps_exit.group(1)) == int(ps_exit.group(2)) == sum(local_steps)
     assert sum(local_steps) >= 300

@@ -27,13 +27,14 @@ def cluster_two_ps():
 def test_init_pull_push_across_two_shards(cluster_two_ps):
     _, servers, client = cluster_two_ps
     assert client.initialize(VALUES, OptimizerSpec.sgd(lr=0.5))
-    values, step = client.pull()
-    assert step == 0 and all(torch.equal(values[n], VALUES[n]) for n in VALUES)
+    pulled = client.pull()
+    assert pulled.global_step == 0 and all(torch.equal(pulled.values[n], VALUES[n]) for n in VALUES)
     grads = {n: torch.ones_like(v) for n, v in VALUES.items()}
-    assert client.push(grads) == 1
-    assert client.push(grads) == 2
-    values, step = client.pull()
-    assert step == 2
+    assert client.push(grads).global_step == 1
+    assert client.push(grads).global_step == 2
+    pulled = client.pull()
+    values = pulled.values
+    assert pulled.global_step == 2
     for name in VALUES:
         assert torch.equal(values[name], VALUES[name] - 1.0)
     assert servers[0].store.status().applied_updates == 2
@@ -45,8 +46,7 @@ def test_second_init_keeps_trained_values(cluster_two_ps):
     client.initialize(VALUES, OptimizerSpec.sgd(lr=1.0))
     client.push({n: torch.ones_like(v) for n, v in VALUES.items()})
     assert not client.initialize({n: v + 100 for n, v in VALUES.items()}, OptimizerSpec.sgd(lr=1.0))
-    values, _ = client.pull()
-    assert torch.equal(values["w"], VALUES["w"] - 1)
+    assert torch.equal(client.pull().values["w"], VALUES["w"] - 1)
 
 
 def _snapshot(servers):
@@ -71,7 +71,7 @@ def test_malformed_bytes_get_invalid_argument_and_change_nothing(cluster_two_ps,
     channel.close()
     after = _snapshot(servers)
     assert all(torch.equal(b[n], a[n]) for b, a in zip(before, after) for n in b)
-    assert client.pull()[1] == 0  # the server still serves, the step did not move
+    assert client.pull().global_step == 0  # the server still serves, the step did not move
 
 
 @pytest.mark.parametrize("grads, message", [

@@ -37,11 +37,13 @@ class Server:
             raise ClusterSpecError(f"Server serves ps tasks; got job_name {job_name!r} (workers use Replica)")
         self.task = TaskSpec(job_name, task_index)
         cluster.check_task(self.task)
-        self.store = VariableStore(task=self.task.name)
-        self.service = PsService(self.store, num_workers=len(cluster.replicas))
+        replicas = cluster.replicas
+        self.store = VariableStore(task=self.task.name, replica_names=[r.name for r in replicas])
+        self.service = PsService(self.store, num_workers=len(replicas))
         address = cluster.task_address(job_name, task_index)
+        # A sync push holds its handler thread until the step is aggregated: room for every replica, and more.
         self._grpc, self.port = rpc.start_server(address, self.service.handlers(), task=self.task.name,
-                                                 options=options)
+                                                 options=options, max_workers=2 * len(replicas) + 8)
         log.info("%s: serving on %s", self.task.name, address)
 
     def join(self, timeout: float | None = None) -> bool:
@@ -49,8 +51,9 @@ class Server:
         finished = self.service.finished.wait(timeout)
         if finished:
             status = self.store.status()
-            log.info("%s: all %d worker(s) done; exiting (global_step=%d, applied_updates=%d)",
-                     self.task.name, self.service.num_workers, status.global_step, status.applied_updates)
+            log.info("%s: all %d worker(s) done; exiting (global_step=%d, applied_updates=%d, dropped_stale=%d)",
+                     self.task.name, self.service.num_workers, status.global_step, status.applied_updates,
+                     status.dropped_stale)
             self.stop()
         return finished
 

@@ -5,10 +5,13 @@ Request and reply fields (the ``meta`` of a codec message):
 ==========  ===========================================  ==========================================
 method      request                                      reply
 ==========  ===========================================  ==========================================
-Init        optimizer: {name, options}; tensors: values  initialized: bool (False: already was)
-Pull        names: [str] or absent (all)                 global_step; tensors: values
-Push        advance_step: bool; tensors: gradients       global_step
-Status      -                                            initialized, global_step, counters
+Init        optimizer: {name, options}; sync: {..} or    initialized: bool (False: already was)
+            absent (async); tensors: values
+Pull        names: [str] or absent (all)                 step (this shard's); tensors: values
+Push        async: advance_step: bool                    step (this shard's); outcome
+            sync: replica: int, step: int (blocks until
+            the step is aggregated); tensors: gradients
+Status      -                                            initialized, mode, sync, step, counters
 Done        replica: int                                 workers_done, num_workers
 ==========  ===========================================  ==========================================
 """
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 
 from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.wire.rpc import Handler, Message
@@ -45,10 +49,11 @@ class PsService:
 
     def init(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         spec = OptimizerSpec.from_meta(meta.get("optimizer"))
-        created = self.store.initialize(tensors, spec)
+        sync = SyncOptions.from_meta(meta["sync"]) if meta.get("sync") is not None else None
+        created = self.store.initialize(tensors, spec, sync)
         if created:
-            log.info("%s: initialized %d variable(s), optimizer %s %s",
-                     self.store.task, len(tensors), spec.name, dict(spec.options))
+            log.info("%s: initialized %d variable(s), optimizer %s %s, %s", self.store.task, len(tensors),
+                     spec.name, dict(spec.options), f"sync {sync.to_meta()}" if sync else "async")
         else:
             log.info("%s: already initialized; kept the current values (not overwritten)", self.store.task)
         return {"initialized": created}, {}
@@ -58,17 +63,23 @@ class PsService:
         if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
             raise InvalidArgumentError(f"Pull 'names' must be a list of strings, got {names!r:.100}")
         values, step = self.store.read(names)
-        return {"global_step": step}, values
+        return {"step": step}, values
 
     def push(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
+        if "step" in meta:
+            replica, step = _int_field(meta, "replica"), _int_field(meta, "step")
+            new_step, offer = self.store.push_sync(replica, step, tensors)
+            return {"step": new_step, "outcome": offer.value}, {}
         advance = meta.get("advance_step", False)
         if not isinstance(advance, bool):
             raise InvalidArgumentError(f"Push 'advance_step' must be a bool, got {advance!r:.50}")
-        return {"global_step": self.store.apply(tensors, advance_step=advance)}, {}
+        return {"step": self.store.apply(tensors, advance_step=advance), "outcome": "applied"}, {}
 
     def status(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         reply = dataclasses.asdict(self.store.status())
-        reply.update(task=self.store.task, workers_done=len(self._done), num_workers=self.num_workers)
+        sync = self.store.sync_options
+        reply.update(task=self.store.task, workers_done=len(self._done), num_workers=self.num_workers,
+                     sync=sync.to_meta() if sync else None)
         return reply, {}
 
     def done(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
@@ -81,3 +92,10 @@ class PsService:
         if count >= self.num_workers:
             self.finished.set()
         return {"workers_done": count, "num_workers": self.num_workers}, {}
+
+
+def _int_field(meta: dict[str, Any], name: str) -> int:
+    value = meta.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(f"Push {name!r} must be a non-negative integer, got {value!r:.50}")
+    return value

@@ -1,60 +1,83 @@
-"""The variables of one ps shard, their optimizer, the global step and the counters.
+"""The variables of one ps shard, their optimizer, the step and the counters.
 
-All mutation happens under one lock, and every request is validated before the
-lock is taken for writing, so a bad request leaves the shard bit-identical.
+All mutation happens under one lock, and every request is validated before
+anything is written, so a bad request leaves the shard bit-identical.
 
-``global_step`` is only meaningful on ps task 0: the worker tags exactly one
-shard's part of each push (task 0's) with ``advance_step``.
+Steps: in async mode only ps task 0 counts the global step (the worker tags
+exactly one shard's part of each push with ``advance_step``).  In sync mode
+every shard counts its own aggregations (they advance together, since every
+replica pushes to every shard), and ps task 0's count is the global step.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from tensorfleet.errors import InvalidArgumentError, NotInitializedError
+from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError
+from tensorfleet.ps.aggregate import Offer, SyncAccumulator, SyncOptions
 from tensorfleet.ps.apply import Applier, OptimizerSpec, check_gradients
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class StoreStatus:
     initialized: bool
+    mode: str | None
     global_step: int
     applied_updates: int
+    dropped_stale: int
+    dropped_duplicate: int
     num_variables: int
     num_bytes: int
 
 
 class VariableStore:
-    """Variables of one shard. Thread-safe; every method is one atomic step."""
+    """Variables of one shard. Thread-safe; every method is one atomic step (a sync push waits inside).
 
-    def __init__(self, *, task: str) -> None:
+    Args:
+        task: this shard's task name, for messages.
+        replica_names: task names of the training replicas by replica id, to name missing ones.
+    """
+
+    def __init__(self, *, task: str, replica_names: Sequence[str] = ()) -> None:
         self.task = task
-        self._lock = threading.Lock()
+        self.replica_names = list(replica_names)
+        self._cond = threading.Condition()
         self._variables: dict[str, torch.Tensor] = {}
         self._applier: Applier | None = None
+        self._sync: SyncAccumulator | None = None
         self._global_step = 0
         self._applied_updates = 0
 
-    def initialize(self, values: Mapping[str, torch.Tensor], spec: OptimizerSpec) -> bool:
-        """Take initial values (copied) and the optimizer. Return False, changing nothing, if already initialized.
+    def initialize(self, values: Mapping[str, torch.Tensor], spec: OptimizerSpec,
+                   sync: SyncOptions | None = None) -> bool:
+        """Take initial values (copied), the optimizer and the mode. Return False, changing nothing, if already done.
 
         A second initialization (a restarted chief) must never overwrite trained values.
         """
         owned = {name: value.detach().clone() for name, value in values.items()}
         applier = Applier(spec, owned)  # validates the spec before anything is stored
-        with self._lock:
+        accumulator = SyncAccumulator(sync) if sync is not None else None
+        with self._cond:
             if self._applier is not None:
                 return False
-            self._variables, self._applier = owned, applier
+            self._variables, self._applier, self._sync = owned, applier, accumulator
             return True
 
+    @property
+    def sync_options(self) -> SyncOptions | None:
+        return self._sync.options if self._sync is not None else None
+
     def read(self, names: Iterable[str] | None = None) -> tuple[dict[str, torch.Tensor], int]:
-        """A consistent snapshot (copies) of some or all variables, with the global step."""
-        with self._lock:
+        """A consistent snapshot (copies) of some or all variables, with this shard's step."""
+        with self._cond:
             self._require_initialized()
             wanted = list(self._variables) if names is None else list(names)
             unknown = [n for n in wanted if n not in self._variables]
@@ -64,9 +87,12 @@ class VariableStore:
             return {name: self._variables[name].clone() for name in wanted}, self._global_step
 
     def apply(self, gradients: Mapping[str, torch.Tensor], *, advance_step: bool) -> int:
-        """Apply one update; advance the global step by one if asked. Return the global step after it."""
-        with self._lock:
+        """Async mode: apply one update now; advance the global step if asked. Return the step after it."""
+        with self._cond:
             self._require_initialized()
+            if self._sync is not None:
+                raise InvalidArgumentError("this ps runs in sync mode: a push must carry the replica and the step "
+                                           "of the parameters it was computed from", task=self.task)
             check_gradients(self._variables, gradients, task=self.task)
             if gradients:
                 self._applier.apply(gradients)
@@ -75,11 +101,88 @@ class VariableStore:
                 self._global_step += 1
             return self._global_step
 
+    def push_sync(self, replica: int, step: int, gradients: Mapping[str, torch.Tensor]) -> tuple[int, Offer]:
+        """Sync mode: offer one replica's gradients for ``step`` and wait until that step is aggregated.
+
+        Returns:
+            (this shard's step afterwards, what became of the gradients).
+        Raises:
+            DeadlineExceededError: the step did not gather enough gradients in time (``on_missing="error"``);
+                the message names the replicas that did not push.
+        """
+        with self._cond:
+            self._require_initialized()
+            sync = self._sync
+            if sync is None:
+                raise InvalidArgumentError("this ps runs in async mode: push without a step", task=self.task)
+            if not 0 <= replica < sync.options.total_num_replicas:
+                raise InvalidArgumentError(f"replica {replica} is not in 0..{sync.options.total_num_replicas - 1}",
+                                           task=self.task)
+            check_gradients(self._variables, gradients, task=self.task)
+            missing = set(self._variables) - set(gradients)
+            if missing:
+                raise InvalidArgumentError(f"a sync push must carry every variable of the shard; missing "
+                                           f"{sorted(missing)[:5]}", task=self.task)
+            offer = sync.offer(replica, step, gradients)
+            if offer is Offer.COMPLETE:
+                self._aggregate()
+            elif offer is Offer.ACCEPTED:
+                self._wait_for_step(step)
+            else:
+                self._log_drop(offer, replica, step)
+            return self._global_step, offer
+
+    def _aggregate(self) -> None:
+        mean = self._sync.take_mean()
+        self._applier.apply(mean)
+        self._applied_updates += 1
+        self._global_step += 1
+        self._cond.notify_all()
+
+    def _wait_for_step(self, step: int) -> None:
+        options = self._sync.options
+        deadline = time.monotonic() + options.timeout_s
+        while self._sync.step <= step:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._on_timeout(step)
+                return
+            self._cond.wait(remaining)
+
+    def _on_timeout(self, step: int) -> None:
+        sync = self._sync
+        have = [self._replica_name(r) for r in sync.contributors]
+        missing = [self._replica_name(r) for r in range(sync.options.total_num_replicas)
+                   if r not in sync.contributors]
+        summary = (f"step {step} gathered {len(have)} of {sync.options.replicas_to_aggregate} gradient(s) in "
+                   f"{sync.options.timeout_s:g} s (from {', '.join(have)}); missing: {', '.join(missing)}")
+        if sync.options.on_missing == "continue":
+            log.warning("%s: %s; applying the %d that arrived (on_missing='continue')", self.task, summary, len(have))
+            self._aggregate()
+            return
+        raise DeadlineExceededError(f"{summary}. Restart the missing worker(s), add backup workers "
+                                    "(total_num_replicas > replicas_to_aggregate), or use on_missing='continue'",
+                                    task=self.task, step=step)
+
+    def _log_drop(self, offer: Offer, replica: int, step: int) -> None:
+        count = self._sync.dropped_stale if offer is Offer.STALE else self._sync.dropped_duplicate
+        if count <= 5 or count % 100 == 0:
+            log.info("%s: dropped a %s gradient from %s (step %d, shard at step %d); %d %s dropped so far",
+                     self.task, offer.value, self._replica_name(replica), step, self._sync.step, count, offer.value)
+
+    def _replica_name(self, replica: int) -> str:
+        return self.replica_names[replica] if replica < len(self.replica_names) else f"replica {replica}"
+
     def status(self) -> StoreStatus:
-        with self._lock:
+        with self._cond:
+            sync = self._sync
             return StoreStatus(
-                initialized=self._applier is not None, global_step=self._global_step,
-                applied_updates=self._applied_updates, num_variables=len(self._variables),
+                initialized=self._applier is not None,
+                mode=None if self._applier is None else ("sync" if sync else "async"),
+                global_step=self._global_step, applied_updates=self._applied_updates,
+                dropped_stale=sync.dropped_stale if sync else 0,
+                dropped_duplicate=sync.dropped_duplicate if sync else 0,
+                num_variables=len(self._variables),
                 num_bytes=sum(v.numel() * v.element_size() for v in self._variables.values()))
 
     def _require_initialized(self) -> None:

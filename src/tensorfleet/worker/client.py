@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from tensorfleet.cluster.spec import ClusterSpec
 from tensorfleet.errors import DeadlineExceededError, UnavailableError
+from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.wire.rpc import Channel, RpcFuture, WireOptions
 
@@ -73,15 +75,16 @@ class PsClient:
                     "is it running? (start it with --job_name=ps, or use 'tensorfleet launch')") from None
         return statuses
 
-    def initialize(self, values: Mapping[str, torch.Tensor], optimizer: OptimizerSpec) -> bool:
-        """Send initial values to every shard. Return True if any shard took them, False if all had values."""
-        meta = {"optimizer": optimizer.to_meta()}
+    def initialize(self, values: Mapping[str, torch.Tensor], optimizer: OptimizerSpec,
+                   sync: SyncOptions | None = None) -> bool:
+        """Send initial values, optimizer and mode to every shard. True if any took them, False if all had values."""
+        meta = {"optimizer": optimizer.to_meta(), "sync": sync.to_meta() if sync else None}
         futures = [ch.call_async("Init", meta, part) for ch, part in zip(self.channels, self._split(values))]
         replies = [f.result()[0] for f in futures]  # wait for every shard, not just the first to say yes
         return any(reply["initialized"] for reply in replies)
 
-    def wait_initialized(self, timeout_s: float, poll_s: float = 0.2) -> int:
-        """Poll until every shard is initialized by the chief; return the global step.
+    def wait_initialized(self, timeout_s: float, poll_s: float = 0.2) -> dict[str, Any]:
+        """Poll until every shard is initialized by the chief; return ps 0's status (mode, sync, step).
 
         Raises:
             DeadlineExceededError: naming the shards still uninitialized after ``timeout_s``.
@@ -92,7 +95,7 @@ class PsClient:
             statuses = self.wait_for_shards(max(deadline - time.monotonic(), 0.1))
             waiting = [ch.task for ch, st in zip(self.channels, statuses) if not st["initialized"]]
             if not waiting:
-                return statuses[0]["global_step"]
+                return statuses[0]
             if time.monotonic() >= deadline:
                 raise DeadlineExceededError(f"waited {timeout_s:.0f} s for the chief to initialize the variables "
                                             f"on {', '.join(waiting)}; is the chief (worker 0) running?")
@@ -112,35 +115,70 @@ class PsClient:
     # --- data path ----------------------------------------------------------------------------
 
     def pull_async(self) -> Gathered:
-        """Fetch every variable from its shard; ``result()`` is (values, global step)."""
+        """Fetch every variable from its shard; ``result()`` is a ``Pulled`` (values and each shard's step)."""
         # ps 0 is always asked, even if it holds none of the variables: it keeps the global step.
-        futures = [ch.call_async("Pull") for shard, (ch, names) in enumerate(zip(self.channels, self._names_by_shard))
-                   if names or shard == 0]
-        return Gathered(futures, _merge_pulls)
+        shards = [s for s, names in enumerate(self._names_by_shard) if names or s == 0]
+        futures = [self.channels[s].call_async("Pull") for s in shards]
+        return Gathered(futures, lambda replies: _merge_pulls(shards, replies, len(self.channels)))
 
-    def pull(self) -> tuple[dict[str, torch.Tensor], int]:
+    def pull(self) -> "Pulled":
         return self.pull_async().result()
 
-    def push_async(self, gradients: Mapping[str, torch.Tensor]) -> Gathered:
-        """Send each shard its gradients; ps 0 advances the global step. ``result()`` is the new step."""
-        futures = []
-        for shard, (channel, part) in enumerate(zip(self.channels, self._split(gradients))):
-            if part or shard == 0:
-                futures.append(channel.call_async("Push", {"advance_step": shard == 0}, part))
-        return Gathered(futures, lambda replies: replies[0][0]["global_step"])
+    def push_async(self, gradients: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
+                   replica: int = 0, timeout_s: float | None = None) -> Gathered:
+        """Send each shard its gradients; ``result()`` is a ``Pushed``.
 
-    def push(self, gradients: Mapping[str, torch.Tensor]) -> int:
-        return self.push_async(gradients).result()
+        Async (``sync_steps`` is None): each shard applies on arrival, ps 0 advances the global step.
+        Sync: each shard's part is tagged with the step that shard served at the last pull
+        (``Pulled.shard_steps``), and the call returns once every shard has aggregated that step.
+        """
+        futures, shards = [], []
+        for shard, (channel, part) in enumerate(zip(self.channels, self._split(gradients))):
+            if not part and shard != 0:
+                continue
+            if sync_steps is None:
+                meta = {"advance_step": shard == 0}
+            else:
+                meta = {"replica": replica, "step": sync_steps[shard]}
+            futures.append(channel.call_async("Push", meta, part, timeout=timeout_s))
+            shards.append(shard)
+        return Gathered(futures, lambda replies: Pushed(
+            global_step=replies[0][0]["step"], outcomes={s: r[0]["outcome"] for s, r in zip(shards, replies)}))
+
+    def push(self, gradients: Mapping[str, torch.Tensor], **kwargs: Any) -> "Pushed":
+        return self.push_async(gradients, **kwargs).result()
 
     def close(self) -> None:
         for channel in self.channels:
             channel.close()
 
 
-def _merge_pulls(replies: list[tuple[dict, dict]]) -> tuple[dict[str, torch.Tensor], int]:
-    values: dict[str, torch.Tensor] = {}
-    for _, tensors in replies:
-        values.update(tensors)
-    step = replies[0][0]["global_step"]
-    return values, step
+@dataclass(frozen=True)
+class Pulled:
+    """Values by name on the ps, the global step (ps 0's) and the step each shard served."""
 
+    values: dict[str, torch.Tensor]
+    global_step: int
+    shard_steps: list[int]
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """The global step after the push, and what each shard did with its part
+    (``applied``, ``accepted``/``complete`` in sync mode, or ``stale``/``duplicate`` if dropped)."""
+
+    global_step: int
+    outcomes: dict[int, str]
+
+    @property
+    def dropped(self) -> bool:
+        return any(outcome in ("stale", "duplicate") for outcome in self.outcomes.values())
+
+
+def _merge_pulls(shards: list[int], replies: list[tuple[dict, dict]], num_shards: int) -> Pulled:
+    values: dict[str, torch.Tensor] = {}
+    steps = [0] * num_shards
+    for shard, (meta, tensors) in zip(shards, replies):
+        values.update(tensors)
+        steps[shard] = meta["step"]
+    return Pulled(values, steps[0], steps)

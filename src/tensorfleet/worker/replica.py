@@ -24,15 +24,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensorfleet.cluster.placement import PlacementStrategy, RoundRobin, VariableInfo, format_placement
+from tensorfleet.cluster.placement import PlacementStrategy, RoundRobin, RowPartitioner, VariableInfo, place
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import PsClient
 
 log = logging.getLogger(__name__)
+
+MODES = ("async", "sync")
 
 
 class Replica:
@@ -43,7 +46,11 @@ class Replica:
         cluster: the cluster.
         task: this worker's task (``worker:i`` or ``chief:0``).
         optimizer: the optimizer the ps runs (``OptimizerSpec.adam(lr=0.01)``).
-        placement: how variables are spread over the ps shards (default round-robin).
+        mode: ``"async"`` (each gradient applied on arrival) or ``"sync"`` (averaged per step, see
+            ``tensorfleet.ps.aggregate``). The chief's choice is the job's; a worker that disagrees fails.
+        sync: aggregation options for sync mode (default: aggregate every replica, no backups).
+        placement: how variables are spread over the ps shards (``RoundRobin()`` or ``GreedyByBytes()``).
+        partitioner: split large variables into row parts first (``RowPartitioner(num_parts=2)``).
         init_timeout_s: how long a worker waits for the ps and the chief before giving up.
         log_placement: log where each variable lives, like ``log_device_placement``.
 
@@ -56,23 +63,32 @@ class Replica:
     """
 
     def __init__(self, module: nn.Module, cluster: ClusterSpec, task: TaskSpec, *, optimizer: OptimizerSpec,
-                 placement: PlacementStrategy = RoundRobin(), options: WireOptions = WireOptions(),
-                 init_timeout_s: float = 300.0, log_placement: bool = False) -> None:
+                 mode: str = "async", sync: SyncOptions | None = None,
+                 placement: PlacementStrategy = RoundRobin(), partitioner: RowPartitioner | None = None,
+                 options: WireOptions = WireOptions(), init_timeout_s: float = 300.0,
+                 log_placement: bool = False) -> None:
+        if mode not in MODES:
+            raise InvalidArgumentError(f"mode={mode!r}: choose 'async' or 'sync'")
         self.module = module
         self.task = task
         self.replica_id = cluster.replica_id(task)
         self.is_chief = cluster.is_chief(task)
         self.optimizer = optimizer
+        self.mode = mode
+        self.sync = (sync or SyncOptions()).resolve(len(cluster.replicas)) if mode == "sync" else None
         self.init_timeout_s = init_timeout_s
         self.global_step = 0
+        self.dropped_gradients = 0
         self._params = dict(module.named_parameters())
         if not self._params:
             raise InvalidArgumentError("the module has no parameters to train")
         infos = [VariableInfo(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in self._params.items()]
-        self.placement = placement.place(infos, len(cluster.ps_addresses))
+        self.placement = place(infos, len(cluster.ps_addresses), strategy=placement, partitioner=partitioner)
         if log_placement:
-            log.info("variable placement:\n%s", format_placement(self.placement))
-        self.client = PsClient(cluster, self.placement, options=options)
+            log.info("variable placement (%s):\n%s", task.name, self.placement.describe())
+        self.client = PsClient(cluster, self.placement.shard_map(), options=options)
+        self._param_views = self.placement.views({n: p.data for n, p in self._params.items()})
+        self._shard_steps = [0] * len(cluster.ps_addresses)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -80,13 +96,19 @@ class Replica:
         """Chief: initialize the ps (unless already done). Others: wait until it is. Then pull once."""
         self.client.wait_for_shards(self.init_timeout_s)
         if self.is_chief:
-            values = {name: p.detach() for name, p in self._params.items()}
-            if self.client.initialize(values, self.optimizer):
-                log.info("%s (chief): initialized %d variable(s) on the ps", self.task.name, len(values))
+            values = self.placement.views({name: p.detach() for name, p in self._params.items()})
+            if self.client.initialize(values, self.optimizer, self.sync):
+                log.info("%s (chief): initialized %d variable(s) on the ps, %s mode",
+                         self.task.name, len(values), self.mode)
             else:
                 log.info("%s (chief): the ps already holds trained variables; not re-initializing", self.task.name)
-        else:
-            self.client.wait_initialized(self.init_timeout_s)
+        status = self.client.wait_initialized(self.init_timeout_s)
+        if status["mode"] != self.mode:
+            raise InvalidArgumentError(f"{self.task.name} was started in {self.mode} mode, but the job runs in "
+                                       f"{status['mode']} mode (the chief chose it): start every task with the "
+                                       "same --sync/--async choice")
+        if status["sync"] is not None:
+            self.sync = SyncOptions.from_meta(status["sync"])  # the job's options win
         self.pull()
         return self
 
@@ -107,20 +129,30 @@ class Replica:
 
     def pull(self) -> int:
         """Copy the current values of every variable into the module; return the global step."""
-        values, self.global_step = self.client.pull()
+        pulled = self.client.pull()
         with torch.no_grad():
-            for name, param in self._params.items():
-                param.copy_(values[name])
+            for name, view in self._param_views.items():
+                view.copy_(pulled.values[name])
+        self.global_step, self._shard_steps = pulled.global_step, pulled.shard_steps
         return self.global_step
 
     def push(self) -> int:
         """Send the module's gradients (and clear them); return the global step after the update.
 
         A parameter without a gradient (unused in this step) is sent as zeros, so every
-        push is one complete update, as a local optimizer step would be.
+        push is one complete update, as a local optimizer step would be.  In sync mode
+        the call returns once the step is aggregated; a gradient that arrived too late
+        (a backup worker's) is dropped by the ps and counted in ``dropped_gradients``.
         """
         grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._params.items()}
-        self.global_step = self.client.push(grads)
+        parts = self.placement.views(grads)
+        if self.sync is None:
+            pushed = self.client.push(parts)
+        else:
+            pushed = self.client.push(parts, sync_steps=self._shard_steps, replica=self.replica_id,
+                                      timeout_s=self.sync.timeout_s + 60.0)
+        self.global_step = pushed.global_step
+        self.dropped_gradients += pushed.dropped
         for param in self._params.values():
             param.grad = None
         return self.global_step

@@ -5,9 +5,8 @@ import struct
 import pytest
 import torch
 
-from tensorfleet.cluster.placement import RoundRobin, VariableInfo, format_placement
 from tensorfleet.data.mnist import batches, default_data_dir, load_mnist, read_idx, IMAGES_MAGIC
-from tensorfleet.errors import ClusterSpecError, DataError
+from tensorfleet.errors import DataError
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +70,3 @@ def test_wrong_count_is_reported(tmp_path):
     (data / "t10k-images-idx3-ubyte.gz").write_bytes(gzip.compress(raw))
     with pytest.raises(DataError, match="test set has 5 images and 10000 labels"):
         load_mnist(data)
-
-
-def test_round_robin_in_creation_order():
-    variables = [VariableInfo(f"v{i}", (2,), "float32") for i in range(3)]
-    assert RoundRobin().place(variables, 2) == {"v0": 0, "v1": 1, "v2": 0}
-    assert format_placement({"hid_w": 1}) == "hid_w: /job:ps/replica:0/task:1/device:CPU:0"
-
-
-def test_placement_needs_a_ps():
-    with pytest.raises(ClusterSpecError, match="no ps task"):
-        RoundRobin().place([VariableInfo("v", (1,), "float32")], 0)

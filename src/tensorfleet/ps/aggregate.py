@@ -1,0 +1,148 @@
+"""Synchronous aggregation on one ps shard: N-of-M, stale drop, backup workers. Plain torch, no RPC.
+
+The protocol, ps side (compare ``tf.train.SyncReplicasOptimizer``):
+
+1. The shard has a step ``k`` = the number of aggregations it has applied.
+2. A worker pulls the parameters of step ``k`` and pushes its gradient tagged
+   with ``k`` (the step of the parameters it was computed from).
+3. A gradient tagged ``k`` is accumulated (summed in place).  A gradient tagged
+   ``< k`` is *stale*: dropped and counted.  A tag ``> k`` cannot come from a
+   parameter this shard ever served and is refused as invalid.  A second
+   gradient from the same replica for the same step is dropped as a duplicate.
+4. When ``replicas_to_aggregate`` gradients of step ``k`` are in, their *mean*
+   is applied once and the step becomes ``k + 1``.  With more replicas than
+   that (backup workers) the slowest ones arrive stale and nobody waits for them.
+
+Replica side: push, then wait until the shard's step passes the tag (the push
+RPC itself blocks), then pull.  So every replica starts step ``k + 1`` from the
+parameters of aggregation ``k``; there are no tokens to hand out, lose, or
+leave behind when a worker dies.
+
+Differences from TF, on purpose: the wait is bounded.  When it runs out with
+gradients still missing, ``on_missing="error"`` (default) fails the waiting
+pushes with an error that names the replicas that did not push (the step's
+gradients are kept, so a restarted worker can still complete it), and
+``on_missing="continue"`` applies the mean of the gradients that did arrive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Mapping
+
+import torch
+
+from tensorfleet.errors import InvalidArgumentError
+
+ON_MISSING = ("error", "continue")
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """How a synchronous job aggregates.
+
+    Args:
+        replicas_to_aggregate: gradients averaged per step (default: every replica).
+        total_num_replicas: replicas in the job (default: every replica of the cluster);
+            more than ``replicas_to_aggregate`` makes the extra ones backups.
+        timeout_s: how long a push waits for the other replicas of its step.
+        on_missing: ``"error"`` (name the missing replicas and fail) or ``"continue"``
+            (apply what arrived) when ``timeout_s`` runs out.
+    """
+
+    replicas_to_aggregate: int | None = None
+    total_num_replicas: int | None = None
+    timeout_s: float = 300.0
+    on_missing: str = "error"
+
+    def resolve(self, num_replicas: int) -> "SyncOptions":
+        """Fill the defaults from the cluster and check the numbers fit it."""
+        total = self.total_num_replicas if self.total_num_replicas is not None else num_replicas
+        aggregate = self.replicas_to_aggregate if self.replicas_to_aggregate is not None else total
+        resolved = SyncOptions(aggregate, total, self.timeout_s, self.on_missing)
+        resolved.check()
+        if total > num_replicas:
+            raise InvalidArgumentError(f"total_num_replicas={total} but the cluster has only {num_replicas} "
+                                       "training task(s)")
+        return resolved
+
+    def check(self) -> None:
+        r, n = self.replicas_to_aggregate, self.total_num_replicas
+        if not isinstance(r, int) or not isinstance(n, int) or not 1 <= r <= n:
+            raise InvalidArgumentError(f"need 1 <= replicas_to_aggregate ({r}) <= total_num_replicas ({n}): "
+                                       "a step could never gather more gradients than there are replicas")
+        if not self.timeout_s > 0:
+            raise InvalidArgumentError(f"sync timeout_s={self.timeout_s} must be positive")
+        if self.on_missing not in ON_MISSING:
+            raise InvalidArgumentError(f"on_missing={self.on_missing!r}: choose one of {ON_MISSING}")
+
+    def to_meta(self) -> dict:
+        return {"replicas_to_aggregate": self.replicas_to_aggregate, "total_num_replicas": self.total_num_replicas,
+                "timeout_s": self.timeout_s, "on_missing": self.on_missing}
+
+    @classmethod
+    def from_meta(cls, meta: object) -> "SyncOptions":
+        if not isinstance(meta, dict):
+            raise InvalidArgumentError(f"sync options must be an object, got {meta!r:.100}")
+        try:
+            options = cls(**meta)
+        except TypeError as exc:
+            raise InvalidArgumentError(f"bad sync options {meta!r:.200}: {exc}") from None
+        options.check()
+        return options
+
+
+class Offer(Enum):
+    ACCEPTED = "accepted"    # counted toward the current step; wait for the step to complete
+    COMPLETE = "complete"    # this gradient completed the step: apply ``mean()`` now
+    STALE = "stale"          # tagged with an older step: dropped
+    DUPLICATE = "duplicate"  # this replica already gave a gradient for this step: dropped
+
+
+class SyncAccumulator:
+    """Sums the gradients of the current step until enough have arrived. Not thread-safe: the store locks."""
+
+    def __init__(self, options: SyncOptions) -> None:
+        options.check()
+        self.options = options
+        self.step = 0
+        self.dropped_stale = 0
+        self.dropped_duplicate = 0
+        self._sums: dict[str, torch.Tensor] = {}
+        self._contributors: list[int] = []
+
+    @property
+    def contributors(self) -> tuple[int, ...]:
+        """Replicas whose gradient is in the current step's sum, in arrival order."""
+        return tuple(self._contributors)
+
+    def offer(self, replica: int, step: int, gradients: Mapping[str, torch.Tensor]) -> Offer:
+        """Take one replica's gradients tagged with ``step``; say what became of them."""
+        if step > self.step:
+            raise InvalidArgumentError(f"gradient tagged with step {step}, but this shard is at step {self.step}: "
+                                       "a step from the future (the worker must tag the step it pulled)")
+        if step < self.step:
+            self.dropped_stale += 1
+            return Offer.STALE
+        if replica in self._contributors:
+            self.dropped_duplicate += 1
+            return Offer.DUPLICATE
+        for name, grad in gradients.items():
+            total = self._sums.get(name)
+            if total is None:
+                self._sums[name] = grad.detach().clone()
+            else:
+                total.add_(grad)
+        self._contributors.append(replica)
+        return Offer.COMPLETE if len(self._contributors) >= self.options.replicas_to_aggregate else Offer.ACCEPTED
+
+    def take_mean(self) -> dict[str, torch.Tensor]:
+        """The mean of the gradients gathered for this step; resets and advances to the next step."""
+        count = len(self._contributors)
+        if count == 0:
+            raise InvalidArgumentError(f"step {self.step} has no gradient to apply")
+        mean = {name: total.div_(count) for name, total in self._sums.items()}
+        self._sums, self._contributors = {}, []
+        self.step += 1
+        return mean
