@@ -18,7 +18,10 @@ RPC itself blocks), then pull.  So every replica starts step ``k + 1`` from the
 parameters of aggregation ``k``; there are no tokens to hand out, lose, or
 leave behind when a worker dies.
 
-Differences from TF, on purpose: the wait is bounded.  When it runs out with
+Differences from TF, on purpose: a step that can no longer gather enough
+gradients because the other replicas have finished (said Done) releases its
+waiters at once as *abandoned*, instead of leaving a straggler stuck at the end
+of the job.  And the wait is bounded.  When it runs out with
 gradients still missing, ``on_missing="error"`` (default) fails the waiting
 pushes with an error that names the replicas that did not push (the step's
 gradients are kept, so a restarted worker can still complete it), and
@@ -98,6 +101,7 @@ class Offer(Enum):
     COMPLETE = "complete"    # this gradient completed the step: apply ``mean()`` now
     STALE = "stale"          # tagged with an older step: dropped
     DUPLICATE = "duplicate"  # this replica already gave a gradient for this step: dropped
+    ABANDONED = "abandoned"  # the step can no longer complete (the other replicas finished): not applied
 
 
 class SyncAccumulator:

@@ -41,8 +41,7 @@ class PsService:
         self.store = store
         self.num_workers = num_workers
         self.finished = threading.Event()
-        self._done: set[int] = set()
-        self._done_lock = threading.Lock()
+        self._workers_done = 0
 
     def handlers(self) -> dict[str, Handler]:
         return {"Init": self.init, "Pull": self.pull, "Push": self.push, "Status": self.status, "Done": self.done}
@@ -78,7 +77,7 @@ class PsService:
     def status(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         reply = dataclasses.asdict(self.store.status())
         sync = self.store.sync_options
-        reply.update(task=self.store.task, workers_done=len(self._done), num_workers=self.num_workers,
+        reply.update(task=self.store.task, workers_done=self._workers_done, num_workers=self.num_workers,
                      sync=sync.to_meta() if sync else None)
         return reply, {}
 
@@ -86,9 +85,7 @@ class PsService:
         replica = meta.get("replica")
         if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < self.num_workers:
             raise InvalidArgumentError(f"Done 'replica' must be an int in 0..{self.num_workers - 1}, got {replica!r}")
-        with self._done_lock:
-            self._done.add(replica)
-            count = len(self._done)
+        count = self._workers_done = self.store.replica_done(replica)
         if count >= self.num_workers:
             self.finished.set()
         return {"workers_done": count, "num_workers": self.num_workers}, {}

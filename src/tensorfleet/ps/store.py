@@ -55,6 +55,7 @@ class VariableStore:
         self._sync: SyncAccumulator | None = None
         self._global_step = 0
         self._applied_updates = 0
+        self._done: set[int] = set()
 
     def initialize(self, values: Mapping[str, torch.Tensor], spec: OptimizerSpec,
                    sync: SyncOptions | None = None) -> bool:
@@ -127,10 +128,24 @@ class VariableStore:
             if offer is Offer.COMPLETE:
                 self._aggregate()
             elif offer is Offer.ACCEPTED:
-                self._wait_for_step(step)
-            else:
+                offer = self._wait_for_step(step)
+            if offer in (Offer.STALE, Offer.DUPLICATE, Offer.ABANDONED):
                 self._log_drop(offer, replica, step)
             return self._global_step, offer
+
+    def replica_done(self, replica: int) -> int:
+        """Record that a replica finished; return how many have. Wakes sync waits that can no longer complete."""
+        with self._cond:
+            self._done.add(replica)
+            self._cond.notify_all()
+            return len(self._done)
+
+    def _cannot_complete(self) -> bool:
+        """True when the replicas still training cannot bring the current step to replicas_to_aggregate."""
+        sync = self._sync
+        contributed = set(sync.contributors)
+        could_still_push = set(range(sync.options.total_num_replicas)) - self._done - contributed
+        return len(contributed) + len(could_still_push) < sync.options.replicas_to_aggregate
 
     def _aggregate(self) -> None:
         mean = self._sync.take_mean()
@@ -139,15 +154,18 @@ class VariableStore:
         self._global_step += 1
         self._cond.notify_all()
 
-    def _wait_for_step(self, step: int) -> None:
+    def _wait_for_step(self, step: int) -> Offer:
         options = self._sync.options
         deadline = time.monotonic() + options.timeout_s
         while self._sync.step <= step:
+            if self._cannot_complete():
+                return Offer.ABANDONED
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._on_timeout(step)
-                return
+                break
             self._cond.wait(remaining)
+        return Offer.ACCEPTED
 
     def _on_timeout(self, step: int) -> None:
         sync = self._sync
@@ -165,6 +183,10 @@ class VariableStore:
                                     task=self.task, step=step)
 
     def _log_drop(self, offer: Offer, replica: int, step: int) -> None:
+        if offer is Offer.ABANDONED:
+            log.info("%s: step %d cannot complete: the other replicas have finished; released %s",
+                     self.task, step, self._replica_name(replica))
+            return
         count = self._sync.dropped_stale if offer is Offer.STALE else self._sync.dropped_duplicate
         if count <= 5 or count % 100 == 0:
             log.info("%s: dropped a %s gradient from %s (step %d, shard at step %d); %d %s dropped so far",

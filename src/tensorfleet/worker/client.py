@@ -165,14 +165,14 @@ class Pulled:
 @dataclass(frozen=True)
 class Pushed:
     """The global step after the push, and what each shard did with its part
-    (``applied``, ``accepted``/``complete`` in sync mode, or ``stale``/``duplicate`` if dropped)."""
+    (``applied``; in sync mode ``accepted``/``complete``, or ``stale``/``duplicate``/``abandoned`` if dropped)."""
 
     global_step: int
     outcomes: dict[int, str]
 
     @property
     def dropped(self) -> bool:
-        return any(outcome in ("stale", "duplicate") for outcome in self.outcomes.values())
+        return any(outcome in ("stale", "duplicate", "abandoned") for outcome in self.outcomes.values())
 
 
 def _merge_pulls(shards: list[int], replies: list[tuple[dict, dict]], num_shards: int) -> Pulled:
