@@ -1,9 +1,10 @@
 """Distributed MNIST, the classic configuration: a 784-100-10 MLP trained by ps + workers.
 
-Adam (lr 0.01) runs on the ps, batch 100, asynchronous updates, and every worker
-stops once the global step reaches 10,000.  Start it on a local cluster:
+Adam (lr 0.01) runs on the ps, batch 100, asynchronous updates (or --sync), and
+every worker stops once the global step reaches 10,000.  Start it on a local cluster:
 
     tensorfleet launch --ps 1 --workers 2 examples/mnist_mlp.py
+    tensorfleet launch --ps 2 --workers 3 examples/mnist_mlp.py -- --sync --replicas_to_aggregate 2
 
 or by hand, one terminal per task, like distributed TensorFlow:
 
@@ -34,6 +35,7 @@ REPO_DATA = Path(__file__).resolve().parent.parent / "data" / "mnist"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     tfl.add_cluster_flags(parser)
+    tfl.add_training_flags(parser)
     parser.add_argument("--data_dir", default=str(REPO_DATA), help="folder with the four MNIST IDX files")
     parser.add_argument("--train_steps", type=int, default=10000, help="stop when the global step reaches this")
     parser.add_argument("--batch_size", type=int, default=100)
@@ -43,7 +45,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train_limit", type=int, default=None, help="train on the first N examples only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--intra_op_threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--log_device_placement", action="store_true", help="log where each variable lives")
     return parser.parse_args(argv)
 
 
@@ -72,12 +73,13 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
     torch.manual_seed(args.seed)  # only the chief's initial values reach the ps
     model = build_model(args.hidden_units)
     optimizer = tfl.OptimizerSpec.adam(lr=args.learning_rate)
-    with tfl.Replica(model, cluster, task, optimizer=optimizer, log_placement=args.log_device_placement) as replica:
+    with tfl.Replica(model, cluster, task, optimizer=optimizer, **tfl.training_options(args)) as replica:
         start = time.time()
         print(f"Worker {replica_id}: training begins @ {start:f}")
         local_step, step = 0, replica.global_step
         while step < args.train_steps:
-            replica.pull()
+            if replica.pull() >= args.train_steps:
+                break
             images, labels = next(data)
             nn.functional.cross_entropy(model(images), labels).backward()
             step = replica.push()
@@ -87,8 +89,9 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
                 print(f"{time.time():f}: Worker {replica_id}: training step {local_step} done "
                       f"(global step: {step}), loss: {loss:.4f}")
         elapsed = time.time() - start
-        replica.pull()
-    print(f"Worker {replica_id}: done after {local_step} local step(s) (global step: {step})")
+        step = replica.pull()
+    print(f"Worker {replica_id}: done after {local_step} local step(s) (global step: {step}), "
+          f"{replica.dropped_gradients} gradient(s) dropped by the ps")
     print(f"Training elapsed time: {elapsed:.2f} s")
     val_loss, _ = evaluate(model, mnist.validation)
     print(f"After {step} training step(s), validation cross entropy = {val_loss:g}")

@@ -3,17 +3,20 @@
 The public API is what ``__all__`` lists; everything else is internal.
 """
 
-from tensorfleet.cluster.placement import RoundRobin
+from tensorfleet.cluster.placement import GreedyByBytes, RoundRobin, RowPartitioner
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, add_cluster_flags, cluster_from_flags, from_tf_config
 from tensorfleet.errors import TensorfleetError
-from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.ps.aggregate import SyncOptions
+from tensorfleet.ps.apply import ExponentialDecay, OptimizerSpec
 from tensorfleet.ps.server import Server
 from tensorfleet.wire.rpc import WireOptions
+from tensorfleet.worker.flags import add_training_flags, training_options
 from tensorfleet.worker.replica import Replica
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ClusterSpec", "TaskSpec", "add_cluster_flags", "cluster_from_flags", "from_tf_config",
-    "OptimizerSpec", "Replica", "RoundRobin", "Server", "TensorfleetError", "WireOptions",
+    "ExponentialDecay", "GreedyByBytes", "OptimizerSpec", "Replica", "RoundRobin", "RowPartitioner", "Server",
+    "SyncOptions", "TensorfleetError", "WireOptions", "add_training_flags", "training_options",
 ]

@@ -96,3 +96,25 @@ def test_sigterm_to_launcher_tears_down_every_task():
     assert "received SIGTERM; stopping every task" in rest
     gone, alive = psutil.wait_procs(tasks, timeout=10)
     assert not alive, f"tasks left running after SIGTERM: {alive}"
+
+
+def test_sync_mnist_on_two_ps_every_worker_contributes_to_every_step():
+    result = run_launcher(EXAMPLE, ["--sync", *QUICK, "--train_steps", "150"], num_ps=2, num_workers=2)
+    assert result.returncode == 0, result.output
+    done = re.findall(r"Worker \d: done after (\d+) local step\(s\) \(global step: (\d+)\), (\d+) gradient", result.output)
+    assert len(done) == 2, result.output
+    # No backups: each of the 150 steps averaged one gradient from each worker, none dropped.
+    assert all(int(local) == int(step) == 150 and int(dropped) == 0 for local, step, dropped in done)
+    exits = re.findall(r"exiting \(global_step=(\d+), applied_updates=(\d+), dropped_stale=(\d+)\)", result.output)
+    assert exits == [("150", "150", "0")] * 2, exits  # both shards hold variables, both aggregated 150 times
+    assert all(float(a) > 0.8 for a in re.findall(r"test accuracy: ([\d.]+)", result.output))
+
+
+def test_cnn_example_runs_sync_with_greedy_placement_and_partitions():
+    args = ["--train_steps", "8", "--train_limit", "640", "--log_every", "4", "--placement", "greedy",
+            "--partitions", "2", "--partition_min_bytes", "1000000", "--log_device_placement"]
+    result = run_launcher(REPO / "examples" / "mnist_cnn.py", args, num_ps=2, num_workers=2)
+    assert result.returncode == 0, result.output
+    assert "fc1.weight/part_1: /job:ps/replica:0/task:1/device:CPU:0" in result.output
+    assert len(re.findall(r"done after 8 local step\(s\) \(global step: 8\)", result.output)) == 2
+    assert "examples/sec" in result.output and "sec/batch" in result.output

@@ -105,8 +105,8 @@ def test_sync_equals_one_process_with_the_union_batch(num_workers, strategy, par
 def test_backup_worker_slow_one_is_dropped_and_nobody_waits_for_it():
     target_steps = 20
     with ps_servers(num_ps=2, num_workers=3) as (cluster, servers):
-        status = servers[0].store.status
         sync = SyncOptions(replicas_to_aggregate=2, total_num_replicas=3, timeout_s=30)
+        everyone_pulled_step_0 = threading.Barrier(3, timeout=30)
 
         def worker(index):
             model = make_model()
@@ -115,12 +115,17 @@ def test_backup_worker_slow_one_is_dropped_and_nobody_waits_for_it():
                          mode="sync", sync=sync) as replica:
                 while replica.global_step < target_steps:
                     pulled_step = replica.pull()
+                    if pushes == 0:  # so the straggler has a step-0 gradient to be late with
+                        everyone_pulled_step_0.wait()
                     if pulled_step >= target_steps:
                         break
                     x, y = batch_for(pulled_step, index)
                     nn.functional.cross_entropy(model(x), y).backward()
-                    if index == 2:  # the straggler: its gradient arrives after two more steps were applied
-                        while status().global_step < min(pulled_step + 2, target_steps):
+                    if index == 2:  # the straggler: its gradient arrives after every shard moved past its tag
+                        tags = replica.shard_steps  # shards may be a step apart while pushes are in flight
+                        if max(tags) >= target_steps:
+                            break
+                        while any(server.store.status().global_step <= tag for server, tag in zip(servers, tags)):
                             threading.Event().wait(0.005)
                     replica.push()
                     pushes += 1
@@ -128,7 +133,7 @@ def test_backup_worker_slow_one_is_dropped_and_nobody_waits_for_it():
             return pushes, dropped
 
         (p0, d0), (p1, d1), (p2, d2) = run_workers(3, worker)
-        final = status()
+        final = servers[0].store.status()
         # Exactly one step per aggregation; every fast push counted toward one; every slow push dropped.
         assert final.global_step == final.applied_updates == target_steps
         assert d0 == d1 == 0 and p0 + p1 == 2 * target_steps

@@ -62,11 +62,12 @@ def test_invalid_options(options, message):
         options.check()
 
 
-def test_defaults_resolve_from_cluster_and_total_cannot_exceed_it():
+def test_defaults_resolve_from_cluster_and_total_must_match_it():
     assert SyncOptions().resolve(3) == SyncOptions(3, 3)
     assert SyncOptions(replicas_to_aggregate=2).resolve(3) == SyncOptions(2, 3)
-    with pytest.raises(InvalidArgumentError, match="only 2 training task"):
-        SyncOptions(total_num_replicas=3).resolve(2)
+    for total in (2, 4):
+        with pytest.raises(InvalidArgumentError, match="the cluster has 3 training task"):
+            SyncOptions(total_num_replicas=total).resolve(3)
 
 
 def sync_store(r: int, n: int, **kwargs) -> VariableStore:

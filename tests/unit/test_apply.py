@@ -110,3 +110,35 @@ def test_invalid_optimizer_specs(name, options, message):
 def test_spec_meta_round_trip():
     spec = OptimizerSpec.adam(lr=0.01, betas=(0.8, 0.9))
     assert OptimizerSpec.from_meta(copy.deepcopy(spec.to_meta())) == spec
+
+
+def test_exponential_decay_matches_torch_scheduler_per_global_step():
+    from tensorfleet.ps.apply import ExponentialDecay
+    local = model()
+    spec = OptimizerSpec.sgd(lr=0.1, momentum=0.9).with_schedule(ExponentialDecay(decay_steps=1, decay_rate=0.9))
+    store = VariableStore(task="t")
+    store.initialize({n: p.detach() for n, p in local.named_parameters()}, spec)
+    optimizer = torch.optim.SGD(local.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)
+    for _ in range(6):
+        optimizer.zero_grad()
+        local(torch.ones(2, 6)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in local.named_parameters()}
+        optimizer.step()
+        scheduler.step()
+        store.apply(grads, advance_step=True)
+    remote, _ = store.read()
+    for name, param in local.named_parameters():
+        torch.testing.assert_close(remote[name], param.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_staircase_and_schedule_meta_round_trip():
+    from tensorfleet.ps.apply import ExponentialDecay
+    decay = ExponentialDecay(decay_steps=10, decay_rate=0.5, staircase=True)
+    assert [decay.factor(s) for s in (0, 9, 10, 25)] == [1.0, 1.0, 0.5, 0.25]
+    spec = OptimizerSpec.sgd(lr=0.1).with_schedule(decay)
+    assert OptimizerSpec.from_meta(spec.to_meta()) == spec
+    with pytest.raises(InvalidArgumentError, match="unknown learning-rate schedule"):
+        OptimizerSpec.from_meta({"name": "sgd", "options": {"lr": 0.1}, "schedule": {"kind": "cosine"}})
+    with pytest.raises(InvalidArgumentError, match="decay_rate"):
+        ExponentialDecay(decay_steps=10, decay_rate=1.5)

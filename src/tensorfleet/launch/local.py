@@ -4,8 +4,9 @@ Each task is ``python SCRIPT ARGS`` with its own ``TF_CONFIG``, in a process
 group of its own (so a Ctrl-C reaches the launcher, which then stops every task
 in order, rather than racing the tasks).  The job is over when every worker has
 exited; the ps tasks then exit by themselves (each worker's Done tells them)
-or are stopped after a grace period.  A ps that dies early ends the job: there
-is no restart yet, and the workers could only wait for it.
+or are stopped after a grace period.  A ps that fails (non-zero exit) before
+the workers finish ends the job: there is no restart yet, and the workers
+could only wait for it.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ class LocalLauncher:
         workers = [t for t in self.tasks if t.task.job_name != "ps"]
         ps_tasks = [t for t in self.tasks if t.task.job_name == "ps"]
         while not self._stopping.is_set() and any(t.process.poll() is None for t in workers):
-            dead_ps = [t for t in ps_tasks if t.process.poll() is not None]
+            # A ps exits 0 once every worker said Done (workers may still be evaluating): that is normal.
+            dead_ps = [t for t in ps_tasks if t.process.poll() not in (None, 0)]
             if dead_ps:
                 self.say(f"[launch] {dead_ps[0].task.short} exited with code {dead_ps[0].process.returncode} "
                          "before the workers finished; stopping the job")

@@ -47,8 +47,8 @@ class SyncOptions:
 
     Args:
         replicas_to_aggregate: gradients averaged per step (default: every replica).
-        total_num_replicas: replicas in the job (default: every replica of the cluster);
-            more than ``replicas_to_aggregate`` makes the extra ones backups.
+        total_num_replicas: replicas in the job; defaults to, and must equal, the training tasks of the
+            cluster. More than ``replicas_to_aggregate`` makes the extra ones backups.
         timeout_s: how long a push waits for the other replicas of its step.
         on_missing: ``"error"`` (name the missing replicas and fail) or ``"continue"``
             (apply what arrived) when ``timeout_s`` runs out.
@@ -65,9 +65,10 @@ class SyncOptions:
         aggregate = self.replicas_to_aggregate if self.replicas_to_aggregate is not None else total
         resolved = SyncOptions(aggregate, total, self.timeout_s, self.on_missing)
         resolved.check()
-        if total > num_replicas:
-            raise InvalidArgumentError(f"total_num_replicas={total} but the cluster has only {num_replicas} "
-                                       "training task(s)")
+        if total != num_replicas:
+            raise InvalidArgumentError(
+                f"total_num_replicas={total} but the cluster has {num_replicas} training task(s): every worker "
+                "pushes one gradient per step, so backups are the cluster's workers beyond replicas_to_aggregate")
         return resolved
 
     def check(self) -> None:

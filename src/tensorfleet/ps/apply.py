@@ -31,16 +31,45 @@ _FORBIDDEN_OPTIONS = {"foreach", "fused", "capturable", "differentiable"}
 
 
 @dataclass(frozen=True)
+class ExponentialDecay:
+    """``lr = base_lr * decay_rate ** (step / decay_steps)``; with ``staircase`` the exponent is floored.
+
+    As ``tf.train.exponential_decay``. The step is the number of updates this shard has
+    applied, which equals the global step on every shard (every update reaches every shard).
+    """
+
+    decay_steps: int
+    decay_rate: float
+    staircase: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.decay_steps, int) or self.decay_steps < 1:
+            raise InvalidArgumentError(f"decay_steps={self.decay_steps!r} must be a positive integer")
+        if not (isinstance(self.decay_rate, (int, float)) and 0 < self.decay_rate <= 1):
+            raise InvalidArgumentError(f"decay_rate={self.decay_rate!r} must be in (0, 1]")
+
+    def factor(self, step: int) -> float:
+        exponent = step // self.decay_steps if self.staircase else step / self.decay_steps
+        return self.decay_rate ** exponent
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"kind": "exponential", "decay_steps": self.decay_steps, "decay_rate": self.decay_rate,
+                "staircase": self.staircase}
+
+
+@dataclass(frozen=True)
 class OptimizerSpec:
-    """Which optimizer the ps runs and with which options (keyword arguments of the torch.optim class).
+    """Which optimizer the ps runs, with which options (keyword arguments of the torch.optim class),
+    and an optional learning-rate schedule (constant when None).
 
     Example:
         >>> OptimizerSpec.adam(lr=0.01)
-        OptimizerSpec(name='adam', options={'lr': 0.01})
+        OptimizerSpec(name='adam', options={'lr': 0.01}, schedule=None)
     """
 
     name: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    schedule: ExponentialDecay | None = None
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -65,15 +94,30 @@ class OptimizerSpec:
              weight_decay: float = 0.0) -> "OptimizerSpec":
         return cls("adam", _nondefault(lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay))
 
+    def with_schedule(self, schedule: ExponentialDecay | None) -> "OptimizerSpec":
+        return OptimizerSpec(self.name, self.options, schedule)
+
     def to_meta(self) -> dict[str, Any]:
-        return {"name": self.name, "options": dict(self.options)}
+        return {"name": self.name, "options": dict(self.options),
+                "schedule": self.schedule.to_meta() if self.schedule else None}
 
     @classmethod
     def from_meta(cls, meta: Any) -> "OptimizerSpec":
         if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) \
                 or not isinstance(meta.get("options", {}), dict):
             raise InvalidArgumentError(f"optimizer must be {{'name': str, 'options': dict}}, got {meta!r:.200}")
-        return cls(meta["name"], dict(meta.get("options", {})))
+        return cls(meta["name"], dict(meta.get("options", {})), _schedule_from_meta(meta.get("schedule")))
+
+
+def _schedule_from_meta(meta: Any) -> ExponentialDecay | None:
+    if meta is None:
+        return None
+    if not isinstance(meta, dict) or meta.get("kind") != "exponential":
+        raise InvalidArgumentError(f"unknown learning-rate schedule {meta!r:.200}: use {{'kind': 'exponential', ...}}")
+    try:
+        return ExponentialDecay(meta["decay_steps"], meta["decay_rate"], bool(meta.get("staircase", False)))
+    except KeyError as exc:
+        raise InvalidArgumentError(f"exponential schedule needs {exc.args[0]!r}") from None
 
 
 _DEFAULTS = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
@@ -106,13 +150,23 @@ class Applier:
             self.optimizer = OPTIMIZERS[spec.name](params or [torch.zeros(0)], **options)
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"cannot build optimizer {spec.name} with {dict(spec.options)}: {exc}") from None
+        self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
 
-    def apply(self, gradients: Mapping[str, torch.Tensor]) -> None:
-        """Apply one update with ``gradients`` (a subset of the variables may be given).
+    def learning_rate(self, step: int) -> float:
+        """The learning rate the update number ``step`` uses."""
+        base = self._base_lrs[0]
+        return base * self.spec.schedule.factor(step) if self.spec.schedule else base
+
+    def apply(self, gradients: Mapping[str, torch.Tensor], *, step: int = 0) -> None:
+        """Apply update number ``step`` with ``gradients`` (a subset of the variables may be given).
 
         The caller validates names, shapes and dtypes first (``check_gradients``),
         so a bad request never reaches this point and changes nothing.
         """
+        if self.spec.schedule is not None:
+            factor = self.spec.schedule.factor(step)
+            for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+                group["lr"] = base * factor
         try:
             for name, grad in gradients.items():
                 self._variables[name].grad = grad

@@ -66,7 +66,7 @@ class PsService:
 
     def push(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         if "step" in meta:
-            replica, step = _int_field(meta, "replica"), _int_field(meta, "step")
+            replica, step = _int_field(meta, "replica", method="Push"), _int_field(meta, "step", method="Push")
             new_step, offer = self.store.push_sync(replica, step, tensors)
             return {"step": new_step, "outcome": offer.value}, {}
         advance = meta.get("advance_step", False)
@@ -82,17 +82,17 @@ class PsService:
         return reply, {}
 
     def done(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
-        replica = meta.get("replica")
-        if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < self.num_workers:
-            raise InvalidArgumentError(f"Done 'replica' must be an int in 0..{self.num_workers - 1}, got {replica!r}")
+        replica = _int_field(meta, "replica", method="Done")
+        if replica >= self.num_workers:
+            raise InvalidArgumentError(f"Done 'replica' must be in 0..{self.num_workers - 1}, got {replica}")
         count = self._workers_done = self.store.replica_done(replica)
         if count >= self.num_workers:
             self.finished.set()
         return {"workers_done": count, "num_workers": self.num_workers}, {}
 
 
-def _int_field(meta: dict[str, Any], name: str) -> int:
+def _int_field(meta: dict[str, Any], name: str, *, method: str) -> int:
     value = meta.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgumentError(f"Push {name!r} must be a non-negative integer, got {value!r:.50}")
+        raise InvalidArgumentError(f"{method} {name!r} must be a non-negative integer, got {value!r:.50}")
     return value

@@ -96,7 +96,7 @@ class VariableStore:
                                            "of the parameters it was computed from", task=self.task)
             check_gradients(self._variables, gradients, task=self.task)
             if gradients:
-                self._applier.apply(gradients)
+                self._applier.apply(gradients, step=self._applied_updates)
                 self._applied_updates += 1
             if advance_step:
                 self._global_step += 1
@@ -149,7 +149,7 @@ class VariableStore:
 
     def _aggregate(self) -> None:
         mean = self._sync.take_mean()
-        self._applier.apply(mean)
+        self._applier.apply(mean, step=self._applied_updates)
         self._applied_updates += 1
         self._global_step += 1
         self._cond.notify_all()

@@ -125,6 +125,11 @@ class Replica:
     def __exit__(self, *exc_info: Any) -> None:
         self.finish()
 
+    @property
+    def shard_steps(self) -> tuple[int, ...]:
+        """The step each ps shard served at the last pull: the tags of the next sync push."""
+        return tuple(self._shard_steps)
+
     # --- the step --------------------------------------------------------------------------------
 
     def pull(self) -> int:

@@ -1,0 +1,138 @@
+"""Distributed MNIST with the classic two-conv-layer CNN, trained synchronously by ps + workers.
+
+The network of TensorFlow's ``convolutional.py`` tutorial: conv 5x5x32 - max-pool -
+conv 5x5x64 - max-pool - fully connected 512 with dropout 0.5 - softmax 10; L2
+regularization (5e-4) on the fully connected layers; momentum 0.9 with a
+learning rate decaying exponentially by 0.95 per epoch (on the ps, by global
+step).  Sync mode by default: each step averages one batch per worker.
+
+    tensorfleet launch --ps 2 --workers 2 examples/mnist_cnn.py
+    tensorfleet launch --ps 2 --workers 2 examples/mnist_cnn.py -- --placement greedy --partitions 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import tensorfleet as tfl
+from tensorfleet.data.mnist import Split, batches, load_mnist
+
+REPO_DATA = Path(__file__).resolve().parent.parent / "data" / "mnist"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    tfl.add_cluster_flags(parser)
+    tfl.add_training_flags(parser, default_mode="sync")
+    parser.add_argument("--data_dir", default=str(REPO_DATA), help="folder with the four MNIST IDX files")
+    parser.add_argument("--num_epochs", type=float, default=10.0,
+                        help="train for this many passes over the training set (as the classic example)")
+    parser.add_argument("--train_steps", type=int, default=None,
+                        help="stop when the global step reaches this (overrides --num_epochs)")
+    parser.add_argument("--batch_size", type=int, default=64, help="examples per worker per step")
+    parser.add_argument("--learning_rate", type=float, default=0.01, help="initial learning rate")
+    parser.add_argument("--decay_rate", type=float, default=0.95, help="learning-rate decay per epoch")
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--l2", type=float, default=5e-4, help="L2 regularization of the fully connected layers")
+    parser.add_argument("--log_every", type=int, default=100, help="print a line every N local steps")
+    parser.add_argument("--train_limit", type=int, default=None, help="train on the first N examples only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--intra_op_threads", type=int, default=1, help="torch threads per process")
+    return parser.parse_args(argv)
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, kernel_size=5, padding=2)
+        self.conv2 = nn.Conv2d(32, 64, kernel_size=5, padding=2)
+        self.fc1 = nn.Linear(7 * 7 * 64, 512)
+        self.fc2 = nn.Linear(512, 10)
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.view(-1, 1, 28, 28)
+        x = nn.functional.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
+        x = self.dropout(torch.relu(self.fc1(x.flatten(1))))
+        return self.fc2(x)
+
+    def l2_penalty(self) -> torch.Tensor:
+        """As the classic example: (sum of squares / 2) over fc1 and fc2 weights and biases."""
+        return sum(p.pow(2).sum() / 2 for layer in (self.fc1, self.fc2) for p in layer.parameters())
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, split: Split, batch: int = 1000) -> float:
+    model.eval()
+    correct = sum((model(split.images[i:i + batch]).argmax(1) == split.labels[i:i + batch]).sum().item()
+                  for i in range(0, len(split), batch))
+    model.train()
+    return correct / len(split)
+
+
+def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec) -> None:
+    mnist = load_mnist(args.data_dir)
+    replica_id = cluster.replica_id(task)
+    data = batches(mnist.train, args.batch_size, seed=args.seed * 1000 + replica_id, limit=args.train_limit)
+    torch.manual_seed(args.seed + replica_id)  # dropout differs per worker; only the chief's init reaches the ps
+    model = ConvNet()
+    examples_per_step = args.batch_size * len(cluster.replicas)
+    steps_per_epoch = max(1, len(mnist.train) // examples_per_step)
+    if args.train_steps is None:
+        args.train_steps = int(args.num_epochs * steps_per_epoch)
+    decay = tfl.ExponentialDecay(decay_steps=steps_per_epoch, decay_rate=args.decay_rate, staircase=True)
+    optimizer = tfl.OptimizerSpec.sgd(lr=args.learning_rate, momentum=args.momentum).with_schedule(decay)
+    with tfl.Replica(model, cluster, task, optimizer=optimizer, **tfl.training_options(args)) as replica:
+        start = last = time.time()
+        print(f"Worker {replica_id}: training begins @ {start:f}")
+        local_step, step = 0, replica.global_step
+        while step < args.train_steps:
+            if replica.pull() >= args.train_steps:
+                break
+            images, labels = next(data)
+            loss = nn.functional.cross_entropy(model(images), labels) + args.l2 * model.l2_penalty()
+            loss.backward()
+            step = replica.push()
+            local_step += 1
+            if local_step % args.log_every == 0:
+                now = time.time()
+                sec_per_batch = (now - last) / args.log_every
+                print(f"{now:f}: Worker {replica_id}: training step {local_step} done (global step: {step}), "
+                      f"loss: {loss.item():.4f}, {args.batch_size / sec_per_batch:.1f} examples/sec, "
+                      f"{sec_per_batch:.3f} sec/batch")
+                last = now
+        elapsed = time.time() - start
+        step = replica.pull()
+    print(f"Worker {replica_id}: done after {local_step} local step(s) (global step: {step}), "
+          f"{replica.dropped_gradients} gradient(s) dropped by the ps")
+    print(f"Training elapsed time: {elapsed:.2f} s")
+    print(f"validation accuracy: {accuracy(model, mnist.validation):.4f}")
+    print(f"test accuracy: {accuracy(model, mnist.test):.4f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cluster, task = tfl.cluster_from_flags(args)
+    except tfl.TensorfleetError as exc:
+        print(f"mnist_cnn.py: error: {exc}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.intra_op_threads)
+    if task.job_name == "ps":
+        tfl.Server(cluster, job_name="ps", task_index=task.index).join()
+    else:
+        train(args, cluster, task)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

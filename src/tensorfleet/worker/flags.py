@@ -1,0 +1,46 @@
+"""Command-line flags for the training choices of a job, shared by every training script.
+
+    --sync | --async                 how the ps applies gradients (classic `issync`; default async)
+    --replicas_to_aggregate R        sync: gradients averaged per step (default: every worker)
+    --total_num_replicas N           sync: workers in the job; N > R makes backups (default: every worker)
+    --sync_timeout_s S               sync: how long a step waits for missing workers before failing
+    --placement round_robin|greedy   how variables are spread over the ps tasks
+    --partitions P                   split variables of at least --partition_min_bytes into P row parts
+    --log_device_placement           log where each variable lives
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from tensorfleet.cluster.placement import STRATEGIES, RowPartitioner
+from tensorfleet.ps.aggregate import SyncOptions
+
+
+def add_training_flags(parser: argparse.ArgumentParser, *, default_mode: str = "async") -> None:
+    group = parser.add_argument_group("training")
+    mode = group.add_mutually_exclusive_group()
+    mode.add_argument("--sync", dest="mode", action="store_const", const="sync",
+                      help="synchronous: the ps averages one gradient per worker per step")
+    mode.add_argument("--async", dest="mode", action="store_const", const="async",
+                      help="asynchronous: the ps applies each gradient as it arrives")
+    parser.set_defaults(mode=default_mode)
+    group.add_argument("--replicas_to_aggregate", type=int, default=None)
+    group.add_argument("--total_num_replicas", type=int, default=None)
+    group.add_argument("--sync_timeout_s", type=float, default=300.0)
+    group.add_argument("--placement", choices=sorted(STRATEGIES), default="round_robin")
+    group.add_argument("--partitions", type=int, default=1, help="row parts per large variable (1: no split)")
+    group.add_argument("--partition_min_bytes", type=int, default=256 * 1024)
+    group.add_argument("--log_device_placement", action="store_true", help="log where each variable lives")
+
+
+def training_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments for ``Replica`` from the flags above."""
+    return {
+        "mode": args.mode,
+        "sync": SyncOptions(args.replicas_to_aggregate, args.total_num_replicas, args.sync_timeout_s),
+        "placement": STRATEGIES[args.placement](),
+        "partitioner": RowPartitioner(args.partitions, args.partition_min_bytes) if args.partitions > 1 else None,
+        "log_placement": args.log_device_placement,
+    }
