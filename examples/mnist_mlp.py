@@ -18,7 +18,6 @@ or with TF_CONFIG set instead of the four cluster flags.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 from pathlib import Path
@@ -101,18 +100,7 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cluster, task = tfl.cluster_from_flags(args)
-    except tfl.TensorfleetError as exc:
-        print(f"mnist_mlp.py: error: {exc}", file=sys.stderr)
-        return 2
-    torch.set_num_threads(args.intra_op_threads)
-    if task.job_name == "ps":
-        tfl.Server(cluster, job_name="ps", task_index=task.index).join()
-    else:
-        train(args, cluster, task)
-    return 0
+    return tfl.run_task(args, train, intra_op_threads=args.intra_op_threads)
 
 
 if __name__ == "__main__":

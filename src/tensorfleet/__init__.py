@@ -6,6 +6,7 @@ The public API is what ``__all__`` lists; everything else is internal.
 from tensorfleet.cluster.placement import GreedyByBytes, RoundRobin, RowPartitioner
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, add_cluster_flags, cluster_from_flags, from_tf_config
 from tensorfleet.errors import TensorfleetError
+from tensorfleet.launch.task import run_task
 from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import ExponentialDecay, OptimizerSpec
 from tensorfleet.ps.server import Server
@@ -18,5 +19,5 @@ __version__ = "0.1.0"
 __all__ = [
     "ClusterSpec", "TaskSpec", "add_cluster_flags", "cluster_from_flags", "from_tf_config",
     "ExponentialDecay", "GreedyByBytes", "OptimizerSpec", "Replica", "RoundRobin", "RowPartitioner", "Server",
-    "SyncOptions", "TensorfleetError", "WireOptions", "add_training_flags", "training_options",
+    "SyncOptions", "TensorfleetError", "WireOptions", "add_training_flags", "run_task", "training_options",
 ]

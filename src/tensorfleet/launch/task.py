@@ -1,0 +1,49 @@
+"""The entry point of one task of a training script, like ``tf.app.run`` for a cluster.
+
+Every task runs the same script; this resolves which task this process is (flags
+or TF_CONFIG), then either serves as a ps until the job is done or calls the
+script's training function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Callable
+
+import torch
+
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, cluster_from_flags
+from tensorfleet.errors import TensorfleetError
+from tensorfleet.ps.server import Server
+
+TrainFn = Callable[[argparse.Namespace, ClusterSpec, TaskSpec], None]
+
+
+def run_task(args: argparse.Namespace, train: TrainFn, *, intra_op_threads: int = 1) -> int:
+    """Run this process's task: a ps serves until every worker is done; a worker calls ``train``.
+
+    Args:
+        args: parsed flags, including the cluster flags of ``add_cluster_flags``.
+        train: ``train(args, cluster, task)``, called on chief and worker tasks.
+        intra_op_threads: torch threads for this process (one per task suits a machine shared by tasks).
+    Returns:
+        the process exit code: 0, or 2 when the cluster flags or TF_CONFIG are wrong.
+
+    Example:
+        >>> sys.exit(run_task(parse_args(), train))   # doctest: +SKIP
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cluster, task = cluster_from_flags(args)
+    except TensorfleetError as exc:
+        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(intra_op_threads)
+    if task.job_name == "ps":
+        Server(cluster, job_name="ps", task_index=task.index).join()
+    else:
+        train(args, cluster, task)
+    return 0
