@@ -202,3 +202,32 @@ def test_straggler_waiting_at_the_end_is_released_when_the_others_finish():
         assert released == [0] and replicas[2].dropped_gradients == 1
         assert servers[0].store.status().applied_updates == 0
         replicas[2].finish()
+
+
+def test_moving_averages_update_once_per_aggregation_and_load_into_the_model():
+    with ps_servers(num_ps=2, num_workers=2) as (cluster, _):
+        def worker(index):
+            model = make_model()
+            snapshot = lambda: {n: p.detach().clone() for n, p in model.named_parameters()}  # noqa: E731
+            with Replica(model, cluster, TaskSpec("worker", index), optimizer=OptimizerSpec.sgd(lr=LR),
+                         mode="sync", average_decay=0.5) as replica:
+                history = [snapshot()]  # the initial values, then the values after each aggregation
+                for step in range(3):
+                    x, y = batch_for(step, index)
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    replica.push()
+                    replica.pull()
+                    history.append(snapshot())
+                replica.load_averages()
+                averaged = snapshot()
+                replica.pull()  # the training values come back
+                return history, averaged, snapshot()
+
+        (history, averaged, restored), _ = run_workers(2, worker)
+    # One update per aggregation (not per push): shadow -= (1 - min(0.5, (1+n)/(10+n))) * (shadow - value_n).
+    for name, initial in history[0].items():
+        shadow = initial.clone()
+        for n, values in enumerate(history[1:]):
+            shadow -= (1 - min(0.5, (1 + n) / (10 + n))) * (shadow - values[name])
+        torch.testing.assert_close(averaged[name], shadow)
+        assert torch.equal(restored[name], history[-1][name])

@@ -142,3 +142,31 @@ def test_staircase_and_schedule_meta_round_trip():
         OptimizerSpec.from_meta({"name": "sgd", "options": {"lr": 0.1}, "schedule": {"kind": "cosine"}})
     with pytest.raises(InvalidArgumentError, match="decay_rate"):
         ExponentialDecay(decay_steps=10, decay_rate=1.5)
+
+
+def test_moving_average_follows_tf_rule_and_updates_once_per_update():
+    from tensorfleet.ps.apply import MovingAverage
+    variable = torch.zeros(2)
+    average = MovingAverage(0.9, {"w": variable})
+    expected = torch.zeros(2)
+    for n in range(5):
+        variable += 1.0
+        average.update(n)
+        decay = min(0.9, (1 + n) / (10 + n))
+        expected -= (1 - decay) * (expected - variable)
+        torch.testing.assert_close(average.shadows["w"], expected)
+    assert not torch.equal(average.shadows["w"], variable)  # a shadow, not the variable itself
+
+
+def test_store_keeps_averages_only_when_asked():
+    store = VariableStore(task="t")
+    store.initialize({"w": torch.zeros(1)}, OptimizerSpec.sgd(lr=1.0), average_decay=0.5)
+    store.apply({"w": torch.full((1,), -2.0)}, advance_step=True)  # w: 0 -> 2
+    values, _ = store.read()
+    averages, _ = store.read(averages=True)
+    assert values["w"].item() == 2.0 and 0.0 < averages["w"].item() < 2.0
+    plain = _store()
+    with pytest.raises(InvalidArgumentError, match="no moving averages"):
+        plain.read(averages=True)
+    with pytest.raises(InvalidArgumentError, match="decay"):
+        VariableStore(task="t").initialize({"w": torch.zeros(1)}, OptimizerSpec.sgd(lr=1.0), average_decay=1.5)

@@ -5,9 +5,11 @@ Request and reply fields (the ``meta`` of a codec message):
 ==========  ===========================================  ==========================================
 method      request                                      reply
 ==========  ===========================================  ==========================================
-Init        optimizer: {name, options}; sync: {..} or    initialized: bool (False: already was)
-            absent (async); tensors: values
-Pull        names: [str] or absent (all)                 step (this shard's); tensors: values
+Init        optimizer: {name, options, schedule};        initialized: bool (False: already was)
+            sync: {..} or absent (async); average_decay:
+            float or absent; tensors: values
+Pull        names: [str] or absent (all); averages:      step (this shard's); tensors: values
+            bool (moving averages instead of values)
 Push        async: advance_step: bool                    step (this shard's); outcome
             sync: replica: int, step: int (blocks until
             the step is aggregated); tensors: gradients
@@ -49,7 +51,10 @@ class PsService:
     def init(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         spec = OptimizerSpec.from_meta(meta.get("optimizer"))
         sync = SyncOptions.from_meta(meta["sync"]) if meta.get("sync") is not None else None
-        created = self.store.initialize(tensors, spec, sync)
+        decay = meta.get("average_decay")
+        if decay is not None and (isinstance(decay, bool) or not isinstance(decay, (int, float))):
+            raise InvalidArgumentError(f"Init 'average_decay' must be a number, got {decay!r:.50}")
+        created = self.store.initialize(tensors, spec, sync, decay)
         if created:
             log.info("%s: initialized %d variable(s), optimizer %s %s, %s", self.store.task, len(tensors),
                      spec.name, dict(spec.options), f"sync {sync.to_meta()}" if sync else "async")
@@ -61,7 +66,10 @@ class PsService:
         names = meta.get("names")
         if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
             raise InvalidArgumentError(f"Pull 'names' must be a list of strings, got {names!r:.100}")
-        values, step = self.store.read(names)
+        averages = meta.get("averages", False)
+        if not isinstance(averages, bool):
+            raise InvalidArgumentError(f"Pull 'averages' must be a bool, got {averages!r:.50}")
+        values, step = self.store.read(names, averages=averages)
         return {"step": step}, values
 
     def push(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:

@@ -21,7 +21,7 @@ import torch
 
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError
 from tensorfleet.ps.aggregate import Offer, SyncAccumulator, SyncOptions
-from tensorfleet.ps.apply import Applier, OptimizerSpec, check_gradients
+from tensorfleet.ps.apply import Applier, MovingAverage, OptimizerSpec, check_gradients
 
 log = logging.getLogger(__name__)
 
@@ -53,39 +53,47 @@ class VariableStore:
         self._variables: dict[str, torch.Tensor] = {}
         self._applier: Applier | None = None
         self._sync: SyncAccumulator | None = None
+        self._average: MovingAverage | None = None
         self._global_step = 0
         self._applied_updates = 0
         self._done: set[int] = set()
 
     def initialize(self, values: Mapping[str, torch.Tensor], spec: OptimizerSpec,
-                   sync: SyncOptions | None = None) -> bool:
-        """Take initial values (copied), the optimizer and the mode. Return False, changing nothing, if already done.
+                   sync: SyncOptions | None = None, average_decay: float | None = None) -> bool:
+        """Take initial values (copied), the optimizer, the mode and the moving-average decay (None: no averages).
 
-        A second initialization (a restarted chief) must never overwrite trained values.
+        Return False, changing nothing, if already initialized: a second initialization
+        (a restarted chief) must never overwrite trained values.
         """
         owned = {name: value.detach().clone() for name, value in values.items()}
-        applier = Applier(spec, owned)  # validates the spec before anything is stored
+        applier = Applier(spec, owned)  # validates everything before anything is stored
         accumulator = SyncAccumulator(sync) if sync is not None else None
+        average = MovingAverage(average_decay, owned) if average_decay is not None else None
         with self._cond:
             if self._applier is not None:
                 return False
-            self._variables, self._applier, self._sync = owned, applier, accumulator
+            self._variables, self._applier, self._sync, self._average = owned, applier, accumulator, average
             return True
 
     @property
     def sync_options(self) -> SyncOptions | None:
         return self._sync.options if self._sync is not None else None
 
-    def read(self, names: Iterable[str] | None = None) -> tuple[dict[str, torch.Tensor], int]:
-        """A consistent snapshot (copies) of some or all variables, with this shard's step."""
+    def read(self, names: Iterable[str] | None = None, *,
+             averages: bool = False) -> tuple[dict[str, torch.Tensor], int]:
+        """A consistent snapshot (copies) of some or all variables (or their moving averages), with the step."""
         with self._cond:
             self._require_initialized()
-            wanted = list(self._variables) if names is None else list(names)
-            unknown = [n for n in wanted if n not in self._variables]
+            if averages and self._average is None:
+                raise InvalidArgumentError("this job keeps no moving averages: the chief sets average_decay",
+                                           task=self.task)
+            source = self._average.shadows if averages else self._variables
+            wanted = list(source) if names is None else list(names)
+            unknown = [n for n in wanted if n not in source]
             if unknown:
                 raise InvalidArgumentError(f"unknown variable(s) {unknown[:5]}: this shard holds "
-                                           f"{', '.join(sorted(self._variables)[:8])}", task=self.task)
-            return {name: self._variables[name].clone() for name in wanted}, self._global_step
+                                           f"{', '.join(sorted(source)[:8])}", task=self.task)
+            return {name: source[name].clone() for name in wanted}, self._global_step
 
     def apply(self, gradients: Mapping[str, torch.Tensor], *, advance_step: bool) -> int:
         """Async mode: apply one update now; advance the global step if asked. Return the step after it."""
@@ -96,8 +104,7 @@ class VariableStore:
                                            "of the parameters it was computed from", task=self.task)
             check_gradients(self._variables, gradients, task=self.task)
             if gradients:
-                self._applier.apply(gradients, step=self._applied_updates)
-                self._applied_updates += 1
+                self._apply(gradients)
             if advance_step:
                 self._global_step += 1
             return self._global_step
@@ -148,11 +155,16 @@ class VariableStore:
         return len(contributed) + len(could_still_push) < sync.options.replicas_to_aggregate
 
     def _aggregate(self) -> None:
-        mean = self._sync.take_mean()
-        self._applier.apply(mean, step=self._applied_updates)
-        self._applied_updates += 1
+        self._apply(self._sync.take_mean())
         self._global_step += 1
         self._cond.notify_all()
+
+    def _apply(self, gradients: Mapping[str, torch.Tensor]) -> None:
+        """One update (async push, or a sync aggregation): optimizer, then the moving averages."""
+        self._applier.apply(gradients, step=self._applied_updates)
+        if self._average is not None:
+            self._average.update(self._applied_updates)
+        self._applied_updates += 1
 
     def _wait_for_step(self, step: int) -> Offer:
         options = self._sync.options

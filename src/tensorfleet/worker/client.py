@@ -76,9 +76,13 @@ class PsClient:
         return statuses
 
     def initialize(self, values: Mapping[str, torch.Tensor], optimizer: OptimizerSpec,
-                   sync: SyncOptions | None = None) -> bool:
-        """Send initial values, optimizer and mode to every shard. True if any took them, False if all had values."""
-        meta = {"optimizer": optimizer.to_meta(), "sync": sync.to_meta() if sync else None}
+                   sync: SyncOptions | None = None, average_decay: float | None = None) -> bool:
+        """Send initial values, optimizer, mode and moving-average decay to every shard.
+
+        Returns True if any shard took them, False if all already had values.
+        """
+        meta = {"optimizer": optimizer.to_meta(), "sync": sync.to_meta() if sync else None,
+                "average_decay": average_decay}
         futures = [ch.call_async("Init", meta, part) for ch, part in zip(self.channels, self._split(values))]
         replies = [f.result()[0] for f in futures]  # wait for every shard, not just the first to say yes
         return any(reply["initialized"] for reply in replies)
@@ -114,15 +118,16 @@ class PsClient:
 
     # --- data path ----------------------------------------------------------------------------
 
-    def pull_async(self) -> Gathered:
-        """Fetch every variable from its shard; ``result()`` is a ``Pulled`` (values and each shard's step)."""
+    def pull_async(self, *, averages: bool = False) -> Gathered:
+        """Fetch every variable (or its moving average) from its shard; ``result()`` is a ``Pulled``."""
         # ps 0 is always asked, even if it holds none of the variables: it keeps the global step.
         shards = [s for s, names in enumerate(self._names_by_shard) if names or s == 0]
-        futures = [self.channels[s].call_async("Pull") for s in shards]
+        futures = [self.channels[s].call_async("Pull", {"averages": averages} if averages else None)
+                   for s in shards]
         return Gathered(futures, lambda replies: _merge_pulls(shards, replies, len(self.channels)))
 
-    def pull(self) -> "Pulled":
-        return self.pull_async().result()
+    def pull(self, *, averages: bool = False) -> "Pulled":
+        return self.pull_async(averages=averages).result()
 
     def push_async(self, gradients: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
                    replica: int = 0, timeout_s: float | None = None) -> Gathered:

@@ -7,6 +7,8 @@
     --placement round_robin|greedy   how variables are spread over the ps tasks
     --partitions P                   split variables of at least --partition_min_bytes into P row parts
     --log_device_placement           log where each variable lives
+    --moving_average_decay D         keep an exponential moving average of the variables on the ps
+                                     (0: none), for evaluation with Replica.load_averages()
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def add_training_flags(parser: argparse.ArgumentParser, *, default_mode: str = "
     group.add_argument("--partitions", type=int, default=1, help="row parts per large variable (1: no split)")
     group.add_argument("--partition_min_bytes", type=int, default=256 * 1024)
     group.add_argument("--log_device_placement", action="store_true", help="log where each variable lives")
+    group.add_argument("--moving_average_decay", type=float, default=0.0,
+                       help="keep a moving average of the variables on the ps with this decay (0: none)")
 
 
 def training_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -43,4 +47,5 @@ def training_options(args: argparse.Namespace) -> dict[str, Any]:
         "placement": STRATEGIES[args.placement](),
         "partitioner": RowPartitioner(args.partitions, args.partition_min_bytes) if args.partitions > 1 else None,
         "log_placement": args.log_device_placement,
+        "average_decay": args.moving_average_decay or None,
     }

@@ -31,7 +31,7 @@ from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
-from tensorfleet.worker.client import PsClient
+from tensorfleet.worker.client import PsClient, Pulled
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ class Replica:
         sync: aggregation options for sync mode (default: aggregate every replica, no backups).
         placement: how variables are spread over the ps shards (``RoundRobin()`` or ``GreedyByBytes()``).
         partitioner: split large variables into row parts first (``RowPartitioner(num_parts=2)``).
+        average_decay: keep an exponential moving average of every variable on the ps with this
+            decay (e.g. 0.99), for evaluation with ``load_averages()``; None keeps none.
         init_timeout_s: how long a worker waits for the ps and the chief before giving up.
         log_placement: log where each variable lives, like ``log_device_placement``.
 
@@ -65,8 +67,8 @@ class Replica:
     def __init__(self, module: nn.Module, cluster: ClusterSpec, task: TaskSpec, *, optimizer: OptimizerSpec,
                  mode: str = "async", sync: SyncOptions | None = None,
                  placement: PlacementStrategy = RoundRobin(), partitioner: RowPartitioner | None = None,
-                 options: WireOptions = WireOptions(), init_timeout_s: float = 300.0,
-                 log_placement: bool = False) -> None:
+                 average_decay: float | None = None, options: WireOptions = WireOptions(),
+                 init_timeout_s: float = 300.0, log_placement: bool = False) -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode={mode!r}: choose 'async' or 'sync'")
         self.module = module
@@ -76,6 +78,7 @@ class Replica:
         self.optimizer = optimizer
         self.mode = mode
         self.sync = (sync or SyncOptions()).resolve(len(cluster.replicas)) if mode == "sync" else None
+        self.average_decay = average_decay
         self.init_timeout_s = init_timeout_s
         self.global_step = 0
         self.dropped_gradients = 0
@@ -97,7 +100,7 @@ class Replica:
         self.client.wait_for_shards(self.init_timeout_s)
         if self.is_chief:
             values = self.placement.views({name: p.detach() for name, p in self._params.items()})
-            if self.client.initialize(values, self.optimizer, self.sync):
+            if self.client.initialize(values, self.optimizer, self.sync, self.average_decay):
                 log.info("%s (chief): initialized %d variable(s) on the ps, %s mode",
                          self.task.name, len(values), self.mode)
             else:
@@ -134,12 +137,23 @@ class Replica:
 
     def pull(self) -> int:
         """Copy the current values of every variable into the module; return the global step."""
-        pulled = self.client.pull()
+        pulled = self._copy_in(averages=False)
+        self.global_step, self._shard_steps = pulled.global_step, pulled.shard_steps
+        return self.global_step
+
+    def load_averages(self) -> int:
+        """Copy the ps's moving averages into the module, for evaluation; return the global step.
+
+        Training continues from the real values: the next ``pull()`` brings them back.
+        """
+        return self._copy_in(averages=True).global_step
+
+    def _copy_in(self, *, averages: bool) -> Pulled:
+        pulled = self.client.pull(averages=averages)
         with torch.no_grad():
             for name, view in self._param_views.items():
                 view.copy_(pulled.values[name])
-        self.global_step, self._shard_steps = pulled.global_step, pulled.shard_steps
-        return self.global_step
+        return pulled
 
     def push(self) -> int:
         """Send the module's gradients (and clear them); return the global step after the update.
