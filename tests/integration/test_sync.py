@@ -17,21 +17,13 @@ from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError
 from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
+from tensorfleet.testing.models import seeded_mlp
 from tensorfleet.worker.replica import Replica
 
 STEPS, BATCH, LR = 20, 8, 0.1
 
 
-def _initial_model() -> nn.Module:
-    generator = torch.Generator().manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    return model
-
-
-INITIAL = _initial_model()
+INITIAL = seeded_mlp(12, 16, 3, scale=0.3)
 
 
 def make_model() -> nn.Module:

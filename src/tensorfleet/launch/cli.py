@@ -1,6 +1,8 @@
 """The ``tensorfleet`` command line.
 
     tensorfleet launch --ps N --workers M SCRIPT [-- ARGS]
+    tensorfleet ckpt ls DIR
+    tensorfleet ckpt show DIR|FILE
 
 Every flag can also come from a ``TENSORFLEET_*`` environment variable
 (``TENSORFLEET_PS``, ``TENSORFLEET_WORKERS``); a flag on the command line wins.
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from tensorfleet.errors import TensorfleetError
 from tensorfleet.launch.local import launch
 
 
@@ -49,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="number of worker tasks (env TENSORFLEET_WORKERS, default 2)")
     run.add_argument("script", help="the training script every task runs")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for SCRIPT (after '--')")
+    ckpt = commands.add_parser("ckpt", help="list or show checkpoints")
+    ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
+    ckpt_commands.add_parser("ls", help="list the checkpoints of a directory").add_argument("directory")
+    ckpt_commands.add_parser("show", help="variables, shapes, step and optimizer of a checkpoint").add_argument(
+        "path", help="a checkpoint directory (its latest checkpoint) or one checkpoint file")
     return parser
 
 
@@ -64,6 +72,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tensorfleet: error: script {args.script!r} does not exist", file=sys.stderr)
             return 2
         return launch(args.script, script_args(args), num_ps=args.ps, num_workers=args.workers)
+    if args.command == "ckpt":
+        from tensorfleet.launch import ckpt  # only this command needs safetensors loaded
+        try:
+            print(ckpt.list_text(args.directory) if args.ckpt_command == "ls" else ckpt.show_text(args.path))
+        except TensorfleetError as exc:
+            print(f"tensorfleet: error: {exc}", file=sys.stderr)
+            return 1
+        return 0
     return 2
 
 

@@ -176,8 +176,24 @@ class Applier:
             for name in gradients:
                 self._variables[name].grad = None
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+    def slots(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer's per-variable state (momentum buffers, Adam moments and step), by variable name."""
+        names = list(self._variables)
+        state = self.optimizer.state_dict()["state"]
+        return {names[index]: {slot: value.detach().clone() for slot, value in entries.items()
+                               if isinstance(value, torch.Tensor)}
+                for index, entries in state.items() if index < len(names)}
+
+    def load_slots(self, slots: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Restore per-variable optimizer state saved by ``slots()`` (possibly by another shard layout)."""
+        names = list(self._variables)
+        unknown = set(slots) - set(names)
+        if unknown:
+            raise InvalidArgumentError(f"optimizer state for unknown variable(s) {sorted(unknown)[:5]}")
+        state = {names.index(name): {slot: value.clone() for slot, value in entries.items()}
+                 for name, entries in slots.items()}
+        current = self.optimizer.state_dict()
+        self.optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
 
 
 class MovingAverage:

@@ -7,12 +7,16 @@ method      request                                      reply
 ==========  ===========================================  ==========================================
 Init        optimizer: {name, options, schedule};        initialized: bool (False: already was)
             sync: {..} or absent (async); average_decay:
-            float or absent; tensors: values
+            float or absent; restore: {global_step,
+            applied_updates} or absent; tensors: values,
+            or with restore a flattened ShardState
 Pull        names: [str] or absent (all); averages:      step (this shard's); tensors: values
             bool (moving averages instead of values)
 Push        async: advance_step: bool                    step (this shard's); outcome
             sync: replica: int, step: int (blocks until
             the step is aggregated); tensors: gradients
+Snapshot    -                                            global_step, applied_updates; tensors: the
+                                                         flattened ShardState (values, slots, averages)
 Status      -                                            initialized, mode, sync, step, counters
 Done        replica: int                                 workers_done, num_workers
 ==========  ===========================================  ==========================================
@@ -30,7 +34,7 @@ import torch
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
-from tensorfleet.ps.store import VariableStore
+from tensorfleet.ps.store import ShardState, VariableStore
 from tensorfleet.wire.rpc import Handler, Message
 
 log = logging.getLogger(__name__)
@@ -46,7 +50,8 @@ class PsService:
         self._workers_done = 0
 
     def handlers(self) -> dict[str, Handler]:
-        return {"Init": self.init, "Pull": self.pull, "Push": self.push, "Status": self.status, "Done": self.done}
+        return {"Init": self.init, "Pull": self.pull, "Push": self.push, "Snapshot": self.snapshot,
+                "Status": self.status, "Done": self.done}
 
     def init(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         spec = OptimizerSpec.from_meta(meta.get("optimizer"))
@@ -54,9 +59,16 @@ class PsService:
         decay = meta.get("average_decay")
         if decay is not None and (isinstance(decay, bool) or not isinstance(decay, (int, float))):
             raise InvalidArgumentError(f"Init 'average_decay' must be a number, got {decay!r:.50}")
-        created = self.store.initialize(tensors, spec, sync, decay)
+        restore = None
+        if meta.get("restore") is not None:  # tensors are a flattened ShardState from a checkpoint
+            counters = meta["restore"]
+            restore = ShardState.unflatten(tensors, global_step=_int_field(counters, "global_step", method="Init"),
+                                           applied_updates=_int_field(counters, "applied_updates", method="Init"))
+            tensors = restore.values
+        created = self.store.initialize(tensors, spec, sync, decay, restore)
         if created:
-            log.info("%s: initialized %d variable(s), optimizer %s %s, %s", self.store.task, len(tensors),
+            log.info("%s: initialized %d variable(s)%s, optimizer %s %s, %s", self.store.task, len(tensors),
+                     f" from a checkpoint at step {restore.global_step}" if restore else "",
                      spec.name, dict(spec.options), f"sync {sync.to_meta()}" if sync else "async")
         else:
             log.info("%s: already initialized; kept the current values (not overwritten)", self.store.task)
@@ -81,6 +93,10 @@ class PsService:
         if not isinstance(advance, bool):
             raise InvalidArgumentError(f"Push 'advance_step' must be a bool, got {advance!r:.50}")
         return {"step": self.store.apply(tensors, advance_step=advance), "outcome": "applied"}, {}
+
+    def snapshot(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
+        state = self.store.snapshot()
+        return {"global_step": state.global_step, "applied_updates": state.applied_updates}, state.flatten()
 
     def status(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         reply = dataclasses.asdict(self.store.status())

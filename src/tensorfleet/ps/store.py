@@ -27,6 +27,48 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class ShardState:
+    """Everything a shard holds, for checkpoints: values, optimizer slots, averages and counters."""
+
+    values: dict[str, torch.Tensor]
+    slots: dict[str, dict[str, torch.Tensor]]
+    averages: dict[str, torch.Tensor] | None
+    global_step: int
+    applied_updates: int
+
+    def flatten(self) -> dict[str, torch.Tensor]:
+        """One flat name per tensor: ``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``."""
+        flat = {f"value/{name}": value for name, value in self.values.items()}
+        for name, entries in self.slots.items():
+            flat.update({f"slot/{slot}/{name}": value for slot, value in entries.items()})
+        for name, value in (self.averages or {}).items():
+            flat[f"average/{name}"] = value
+        return flat
+
+    @classmethod
+    def unflatten(cls, flat: Mapping[str, torch.Tensor], *, global_step: int, applied_updates: int) -> "ShardState":
+        values: dict[str, torch.Tensor] = {}
+        slots: dict[str, dict[str, torch.Tensor]] = {}
+        averages: dict[str, torch.Tensor] = {}
+        for key, tensor in flat.items():
+            kind, _, rest = key.partition("/")
+            if kind == "value" and rest:
+                values[rest] = tensor
+            elif kind == "average" and rest:
+                averages[rest] = tensor
+            elif kind == "slot" and "/" in rest:
+                slot, _, name = rest.partition("/")
+                slots.setdefault(name, {})[slot] = tensor
+            else:
+                raise InvalidArgumentError(f"state tensor {key!r} is not value/<var>, slot/<slot>/<var> "
+                                           "or average/<var>")
+        stray = (set(slots) | set(averages)) - set(values)
+        if stray:
+            raise InvalidArgumentError(f"slots or averages for variable(s) with no value: {sorted(stray)[:5]}")
+        return cls(values, slots, averages or None, global_step, applied_updates)
+
+
+@dataclass(frozen=True)
 class StoreStatus:
     initialized: bool
     mode: str | None
@@ -59,8 +101,10 @@ class VariableStore:
         self._done: set[int] = set()
 
     def initialize(self, values: Mapping[str, torch.Tensor], spec: OptimizerSpec,
-                   sync: SyncOptions | None = None, average_decay: float | None = None) -> bool:
-        """Take initial values (copied), the optimizer, the mode and the moving-average decay (None: no averages).
+                   sync: SyncOptions | None = None, average_decay: float | None = None,
+                   restore: ShardState | None = None) -> bool:
+        """Take initial values (copied), the optimizer, the mode and the moving-average decay (None: no averages);
+        with ``restore``, also the optimizer slots, averages and counters of a checkpoint.
 
         Return False, changing nothing, if already initialized: a second initialization
         (a restarted chief) must never overwrite trained values.
@@ -69,11 +113,30 @@ class VariableStore:
         applier = Applier(spec, owned)  # validates everything before anything is stored
         accumulator = SyncAccumulator(sync) if sync is not None else None
         average = MovingAverage(average_decay, owned) if average_decay is not None else None
+        if restore is not None:
+            applier.load_slots(restore.slots)
+            if average is not None and restore.averages is not None:
+                for name, shadow in average.shadows.items():
+                    shadow.copy_(restore.averages.get(name, shadow))
+            if accumulator is not None:
+                accumulator.step = restore.global_step
         with self._cond:
             if self._applier is not None:
                 return False
             self._variables, self._applier, self._sync, self._average = owned, applier, accumulator, average
+            if restore is not None:
+                self._global_step, self._applied_updates = restore.global_step, restore.applied_updates
             return True
+
+    def snapshot(self) -> ShardState:
+        """A consistent copy of the whole shard, taken under the lock."""
+        with self._cond:
+            self._require_initialized()
+            return ShardState(
+                values={name: value.clone() for name, value in self._variables.items()},
+                slots=self._applier.slots(),
+                averages={n: v.clone() for n, v in self._average.shadows.items()} if self._average else None,
+                global_step=self._global_step, applied_updates=self._applied_updates)
 
     @property
     def sync_options(self) -> SyncOptions | None:

@@ -29,6 +29,7 @@ METHODS = (
     "Init",    # chief -> ps: initial values + optimizer; refused politely if already initialized
     "Pull",    # worker -> ps: current values of some (or all) variables of the shard
     "Push",    # worker -> ps: gradients of the shard's variables; applied on arrival (async)
+    "Snapshot",  # chief -> ps: the whole shard (values, optimizer slots, averages, counters) for a checkpoint
     "Status",  # anyone -> ps: initialized?, global step, counters
     "Done",    # worker -> ps: this worker finished; the ps exits when every worker has
 )

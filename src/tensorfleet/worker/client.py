@@ -20,6 +20,7 @@ from tensorfleet.cluster.spec import ClusterSpec
 from tensorfleet.errors import DeadlineExceededError, UnavailableError
 from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.ps.store import ShardState
 from tensorfleet.wire.rpc import Channel, RpcFuture, WireOptions
 
 log = logging.getLogger(__name__)
@@ -76,14 +77,22 @@ class PsClient:
         return statuses
 
     def initialize(self, values: Mapping[str, torch.Tensor], optimizer: OptimizerSpec,
-                   sync: SyncOptions | None = None, average_decay: float | None = None) -> bool:
-        """Send initial values, optimizer, mode and moving-average decay to every shard.
+                   sync: SyncOptions | None = None, average_decay: float | None = None,
+                   restore: Sequence[ShardState] | None = None) -> bool:
+        """Send initial values (or, with ``restore``, each shard's checkpointed state), optimizer, mode
+        and moving-average decay to every shard.
 
         Returns True if any shard took them, False if all already had values.
         """
         meta = {"optimizer": optimizer.to_meta(), "sync": sync.to_meta() if sync else None,
                 "average_decay": average_decay}
-        futures = [ch.call_async("Init", meta, part) for ch, part in zip(self.channels, self._split(values))]
+        if restore is None:
+            requests = [(meta, part) for part in self._split(values)]
+        else:
+            requests = [({**meta, "restore": {"global_step": state.global_step,
+                                              "applied_updates": state.applied_updates}}, state.flatten())
+                        for state in restore]
+        futures = [ch.call_async("Init", m, t) for ch, (m, t) in zip(self.channels, requests)]
         replies = [f.result()[0] for f in futures]  # wait for every shard, not just the first to say yes
         return any(reply["initialized"] for reply in replies)
 
@@ -107,6 +116,13 @@ class PsClient:
                 log.info("still waiting for the chief to initialize the variables on %s", ", ".join(waiting))
                 next_log += 10.0
             time.sleep(poll_s)
+
+    def snapshot(self) -> list[ShardState]:
+        """Every shard's whole state (values, optimizer slots, averages, counters), fetched concurrently."""
+        futures = [ch.call_async("Snapshot") for ch in self.channels]
+        return [ShardState.unflatten(tensors, global_step=meta["global_step"],
+                                     applied_updates=meta["applied_updates"])
+                for meta, tensors in (f.result() for f in futures)]
 
     def done(self, replica: int) -> None:
         """Tell every shard this replica finished; a ps exits once all replicas have."""

@@ -19,7 +19,7 @@ On leaving, the replica tells the ps it is done, so the ps can exit.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.ps.store import ShardState
 from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import PsClient, Pulled
@@ -79,6 +80,8 @@ class Replica:
         self.mode = mode
         self.sync = (sync or SyncOptions()).resolve(len(cluster.replicas)) if mode == "sync" else None
         self.average_decay = average_decay
+        self.num_ps = len(cluster.ps_addresses)
+        self._started = False
         self.init_timeout_s = init_timeout_s
         self.global_step = 0
         self.dropped_gradients = 0
@@ -95,16 +98,19 @@ class Replica:
 
     # --- lifecycle -------------------------------------------------------------------------------
 
-    def start(self) -> "Replica":
-        """Chief: initialize the ps (unless already done). Others: wait until it is. Then pull once."""
+    def start(self, *, restore: Sequence[ShardState] | None = None) -> "Replica":
+        """Chief: initialize the ps (unless already done). Others: wait until it is. Then pull once.
+
+        Args:
+            restore: the chief's alternative to its module's initial values: each shard's state from a
+                checkpoint (see ``tensorfleet.train.checkpoint.Checkpointer``). Ignored on other workers.
+        Starting twice is harmless (``with`` after an explicit ``start``).
+        """
+        if self._started:
+            return self
         self.client.wait_for_shards(self.init_timeout_s)
         if self.is_chief:
-            values = self.placement.views({name: p.detach() for name, p in self._params.items()})
-            if self.client.initialize(values, self.optimizer, self.sync, self.average_decay):
-                log.info("%s (chief): initialized %d variable(s) on the ps, %s mode",
-                         self.task.name, len(values), self.mode)
-            else:
-                log.info("%s (chief): the ps already holds trained variables; not re-initializing", self.task.name)
+            self._initialize(restore)
         status = self.client.wait_initialized(self.init_timeout_s)
         if status["mode"] != self.mode:
             raise InvalidArgumentError(f"{self.task.name} was started in {self.mode} mode, but the job runs in "
@@ -113,7 +119,19 @@ class Replica:
         if status["sync"] is not None:
             self.sync = SyncOptions.from_meta(status["sync"])  # the job's options win
         self.pull()
+        self._started = True
         return self
+
+    def _initialize(self, restore: Sequence[ShardState] | None) -> None:
+        values = self.placement.views({name: p.detach() for name, p in self._params.items()})
+        if not self.client.initialize(values, self.optimizer, self.sync, self.average_decay, restore):
+            log.info("%s (chief): the ps already holds trained variables; not re-initializing", self.task.name)
+        elif restore is not None:
+            log.info("%s (chief): restored a checkpoint (global step %d) onto %d ps",
+                     self.task.name, restore[0].global_step, self.num_ps)
+        else:
+            log.info("%s (chief): initialized %d variable(s) on the ps, %s mode",
+                     self.task.name, len(values), self.mode)
 
     def finish(self) -> None:
         """Tell the ps this worker is done (the ps exits when every worker is), and close the channels."""

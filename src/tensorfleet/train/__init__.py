@@ -1,0 +1,1 @@
+"""The worker's training session: checkpoints (and, next, the session and its hooks)."""

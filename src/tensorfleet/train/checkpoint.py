@@ -1,0 +1,293 @@
+"""Checkpoints of a whole fleet, written by the chief, restorable into any number of ps.
+
+One checkpoint is one safetensors file (no pickle) holding every variable under its
+*model* name (partitioned variables reassembled), its optimizer slots and its moving
+average, with the global step, the optimizer, the mode and the placement it was
+saved from in the file's metadata.  Because it is stored by model variable and not
+by shard, a checkpoint written with N ps restores into M ps: ``split`` cuts it
+along the new placement (row slots like their variables, scalar slots such as
+Adam's step copied to every part).
+
+Files, in ``DIR``::
+
+    model.ckpt-<step>.safetensors     one per checkpoint
+    checkpoint.json                   manifest: {"latest": ..., "all": [...]} (oldest first)
+
+Every file is written to a temporary name, flushed to disk and renamed, and the
+manifest is written last, so a crash at any moment leaves the previous
+checkpoint intact and named by the manifest.  ``max_to_keep`` old files are
+deleted only after the new manifest is in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save as save_bytes
+
+from tensorfleet.cluster.placement import Part, Placement
+from tensorfleet.errors import DataError, InvalidArgumentError
+from tensorfleet.ps.store import ShardState
+from tensorfleet.worker.replica import Replica
+
+FORMAT = "tensorfleet-checkpoint-1"
+MANIFEST = "checkpoint.json"
+PREFIX = "model.ckpt-"
+SUFFIX = ".safetensors"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded checkpoint: the whole state by model variable, and what it was saved with."""
+
+    path: Path
+    state: ShardState
+    info: dict[str, Any]
+
+    @property
+    def global_step(self) -> int:
+        return self.state.global_step
+
+
+# --- parts <-> whole variables ------------------------------------------------------------------
+
+def gather(placement: Placement, shards: list[ShardState]) -> ShardState:
+    """Reassemble the shards' states (by part name) into one state by model variable name."""
+    held: dict[str, ShardState] = {}
+    for shard in shards:
+        held.update({name: shard for name in shard.values})
+    values, slots, averages = {}, {}, {}
+    for variable, parts in _parts_by_variable(placement).items():
+        missing = [p.name for p in parts if p.name not in held]
+        if missing:
+            raise InvalidArgumentError(f"no shard holds {missing}: the ps does not match this placement")
+        values[variable] = _join([held[p.name].values[p.name] for p in parts], parts)
+        slot_names = held[parts[0].name].slots.get(parts[0].name, {})
+        slots[variable] = {slot: _join([held[p.name].slots[p.name][slot] for p in parts], parts)
+                           for slot in slot_names}
+        if held[parts[0].name].averages is not None:
+            averages[variable] = _join([held[p.name].averages[p.name] for p in parts], parts)
+    return ShardState(values, slots, averages or None, shards[0].global_step, shards[0].applied_updates)
+
+
+def split(state: ShardState, placement: Placement, num_ps: int, *, sync: bool) -> list[ShardState]:
+    """Cut a whole-variable state along ``placement`` into one state per ps shard.
+
+    Every shard resumes the update count; ps 0 (and, in sync mode, every shard) resumes the step.
+    """
+    expected = {p.variable for p in placement.parts}
+    if set(state.values) != expected:
+        missing, extra = sorted(expected - set(state.values)), sorted(set(state.values) - expected)
+        raise InvalidArgumentError(f"the checkpoint does not fit this model: missing {missing[:5]}, "
+                                   f"unexpected {extra[:5]}")
+    shards = [ShardState({}, {}, {} if state.averages is not None else None,
+                         state.global_step if (sync or s == 0) else 0, state.applied_updates)
+              for s in range(num_ps)]
+    for part in placement.parts:
+        shard, full = shards[part.shard], state.values[part.variable]
+        if _rows(part, full).shape != _part_shape(part, full):
+            raise InvalidArgumentError(f"{part.variable} has shape {tuple(full.shape)} in the checkpoint, "
+                                       "which does not fit this model")
+        shard.values[part.name] = _rows(part, full)
+        shard.slots[part.name] = {slot: (_rows(part, value) if value.shape == full.shape else value)
+                                  for slot, value in state.slots.get(part.variable, {}).items()}
+        if state.averages is not None:
+            shard.averages[part.name] = _rows(part, state.averages[part.variable])
+    return shards
+
+
+def _parts_by_variable(placement: Placement) -> dict[str, list[Part]]:
+    grouped: dict[str, list[Part]] = {}
+    for part in placement.parts:
+        grouped.setdefault(part.variable, []).append(part)
+    return grouped
+
+
+def _join(tensors: list[torch.Tensor], parts: list[Part]) -> torch.Tensor:
+    if parts[0].rows is None:
+        return tensors[0]
+    if tensors[0].dim() == 0:  # a scalar slot (Adam's step): the same on every part
+        return tensors[0]
+    return torch.cat(tensors, dim=0)
+
+
+def _rows(part: Part, tensor: torch.Tensor) -> torch.Tensor:
+    if part.rows is None:
+        return tensor
+    return tensor[part.rows[0]:part.rows[1]].contiguous()
+
+
+def _part_shape(part: Part, full: torch.Tensor) -> torch.Size:
+    if part.rows is None:
+        return full.shape
+    return torch.Size((part.rows[1] - part.rows[0], *full.shape[1:]))
+
+
+# --- files -------------------------------------------------------------------------------------
+
+def save(directory: str | Path, state: ShardState, *, info: Mapping[str, Any], max_to_keep: int = 5) -> Path:
+    """Write ``state`` as ``model.ckpt-<step>`` in ``directory`` atomically; keep the newest ``max_to_keep``."""
+    if max_to_keep < 1:
+        raise InvalidArgumentError(f"max_to_keep={max_to_keep} must be at least 1")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"{PREFIX}{state.global_step}{SUFFIX}"
+    metadata = {"format": FORMAT, "global_step": str(state.global_step),
+                "applied_updates": str(state.applied_updates), "saved_at": f"{time.time():.3f}",
+                "info": json.dumps(dict(info))}
+    tensors = {key: value.contiguous() for key, value in state.flatten().items()}
+    _write_atomically(directory / name, save_bytes(tensors, metadata=metadata))
+    kept = [n for n in _manifest(directory).get("all", []) if n != name and (directory / n).exists()] + [name]
+    dropped, kept = kept[:-max_to_keep], kept[-max_to_keep:]
+    _write_atomically(directory / MANIFEST, json.dumps({"latest": name, "all": kept}, indent=1).encode())
+    for old in dropped:
+        (directory / old).unlink(missing_ok=True)
+    return directory / name
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(temporary, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    directory_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory_fd)  # the rename itself must survive a crash
+    finally:
+        os.close(directory_fd)
+
+
+def _manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    if not path.exists():
+        return {}
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path} is not valid JSON ({exc.msg}): the checkpoint manifest is damaged") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("all", []), list):
+        raise DataError(f"{path} is not a checkpoint manifest")
+    return manifest
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """The checkpoints the manifest names, oldest first."""
+    directory = Path(directory)
+    return [directory / name for name in _manifest(directory).get("all", [])]
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest checkpoint in ``directory``, or None if there is none yet."""
+    directory = Path(directory)
+    name = _manifest(directory).get("latest")
+    return directory / name if name else None
+
+
+def load(path: str | Path) -> Checkpoint:
+    """Load a checkpoint file, or the latest one when ``path`` is a directory; raise DataError if damaged."""
+    path = Path(path)
+    if path.is_dir():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise DataError(f"{path} holds no checkpoint (no {MANIFEST})")
+        path = latest
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"checkpoint {path} does not exist") from None
+    try:
+        tensors = load_bytes(data)
+        metadata = _read_metadata(data)
+    except (SafetensorError, ValueError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path} is not a readable checkpoint: {exc}") from None
+    if metadata.get("format") != FORMAT:
+        raise DataError(f"{path} has format {metadata.get('format')!r}, expected {FORMAT!r}")
+    state = ShardState.unflatten(tensors, global_step=int(metadata["global_step"]),
+                                 applied_updates=int(metadata["applied_updates"]))
+    info = json.loads(metadata.get("info", "{}"))
+    info["saved_at"] = float(metadata.get("saved_at", 0))
+    return Checkpoint(path, state, info)
+
+
+def _read_metadata(data: bytes) -> dict[str, str]:
+    """The safetensors header's ``__metadata__`` (8-byte little-endian length, then JSON)."""
+    length = int.from_bytes(data[:8], "little")
+    if length > len(data) - 8:
+        raise ValueError("header length runs past the end of the file")
+    return json.loads(data[8:8 + length]).get("__metadata__", {})
+
+
+def load_into_module(module: torch.nn.Module, path: str | Path, *, averages: bool = False) -> int:
+    """Copy a checkpoint's variables (or their moving averages) into a plain module, no cluster needed.
+
+    Returns:
+        the global step of the checkpoint.
+    Raises:
+        InvalidArgumentError: the checkpoint does not hold exactly this module's parameters, or shapes differ.
+    """
+    checkpoint = load(path)
+    source = checkpoint.state.averages if averages else checkpoint.state.values
+    if source is None:
+        raise InvalidArgumentError(f"{checkpoint.path} holds no moving averages")
+    params = dict(module.named_parameters())
+    missing, extra = sorted(set(params) - set(source)), sorted(set(source) - set(params))
+    if missing or extra:
+        raise InvalidArgumentError(f"{checkpoint.path} does not match the module: missing {missing[:5]}, "
+                                   f"unexpected {extra[:5]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            if param.shape != source[name].shape:
+                raise InvalidArgumentError(f"{name}: the module has {tuple(param.shape)}, the checkpoint "
+                                           f"{tuple(source[name].shape)}")
+            param.copy_(source[name])
+    return checkpoint.global_step
+
+
+class Checkpointer:
+    """Saves the fleet's state from the chief, and restores the latest checkpoint when the fleet starts empty.
+
+    Example:
+        >>> saver = Checkpointer("/tmp/run1", max_to_keep=5)                       # doctest: +SKIP
+        >>> with saver.start(Replica(model, cluster, task, optimizer=spec)) as replica:
+        ...     ...
+        ...     if replica.is_chief and replica.global_step % 1000 == 0:
+        ...         saver.save(replica)
+    """
+
+    def __init__(self, directory: str | Path, *, max_to_keep: int = 5) -> None:
+        if max_to_keep < 1:
+            raise InvalidArgumentError(f"max_to_keep={max_to_keep} must be at least 1")
+        self.directory = Path(directory)
+        self.max_to_keep = max_to_keep
+
+    def start(self, replica: Replica) -> Replica:
+        """Start ``replica``; the chief restores the latest checkpoint (if any) instead of initializing.
+
+        A ps that already holds variables keeps them: a restarted chief never rolls training back.
+        """
+        restore = None
+        latest = latest_checkpoint(self.directory) if replica.is_chief else None
+        if latest is not None:
+            saved = load(latest)
+            restore = split(saved.state, replica.placement, replica.num_ps, sync=replica.sync is not None)
+        return replica.start(restore=restore)
+
+    def save(self, replica: Replica) -> Path:
+        """Write every shard's state as one checkpoint named by the global step; return its path."""
+        whole = gather(replica.placement, replica.client.snapshot())
+        info = {"optimizer": replica.optimizer.to_meta(), "mode": replica.mode,
+                "sync": replica.sync.to_meta() if replica.sync else None, "average_decay": replica.average_decay,
+                "num_ps": replica.num_ps,
+                "placement": [{"name": p.name, "variable": p.variable, "shard": p.shard, "rows": p.rows}
+                              for p in replica.placement.parts]}
+        return save(self.directory, whole, info=info, max_to_keep=self.max_to_keep)
