@@ -61,3 +61,7 @@ class DataError(TensorfleetError, ValueError):
 
 class LaunchError(TensorfleetError):
     """The launcher could not start or supervise the fleet. Not recoverable."""
+
+
+class NanLossError(TensorfleetError):
+    """The loss was NaN or infinite; nothing was pushed. Not recoverable by retrying the same step."""

@@ -94,6 +94,11 @@ class OptimizerSpec:
              weight_decay: float = 0.0) -> "OptimizerSpec":
         return cls("adam", _nondefault(lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay))
 
+    def learning_rate(self, step: int) -> float:
+        """The learning rate of update number ``step`` (the schedule applied to ``options['lr']``)."""
+        base = float(self.options.get("lr", 0.0))
+        return base * self.schedule.factor(step) if self.schedule else base
+
     def with_schedule(self, schedule: ExponentialDecay | None) -> "OptimizerSpec":
         return OptimizerSpec(self.name, self.options, schedule)
 
@@ -151,11 +156,6 @@ class Applier:
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"cannot build optimizer {spec.name} with {dict(spec.options)}: {exc}") from None
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
-
-    def learning_rate(self, step: int) -> float:
-        """The learning rate the update number ``step`` uses."""
-        base = self._base_lrs[0]
-        return base * self.spec.schedule.factor(step) if self.spec.schedule else base
 
     def apply(self, gradients: Mapping[str, torch.Tensor], *, step: int = 0) -> None:
         """Apply update number ``step`` with ``gradients`` (a subset of the variables may be given).

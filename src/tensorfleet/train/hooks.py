@@ -1,0 +1,176 @@
+"""Hooks of the training session, as in ``tf.train.SessionRunHook``.
+
+A hook sees the session at five moments: ``begin`` (before the fleet starts),
+``after_create_session`` (the variables are initialized or restored),
+``before_step`` / ``after_step`` (around each step, with its ``StepResult``), and
+``end`` (a clean exit only).  A hook stops training with ``session.request_stop()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.train.checkpoint import Checkpointer
+
+if TYPE_CHECKING:  # the session imports the hooks; hooks only need its type
+    from tensorfleet.train.session import TrainingSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one ``run_step`` did."""
+
+    loss: float
+    global_step: int     # after the push
+    local_step: int      # steps this worker has run in this session
+    seconds: float       # wall time of the step (pull, compute, push)
+    batch_size: int | None
+    dropped: bool        # the ps dropped the gradient (stale, in sync mode)
+    skipped: bool        # nothing was pushed (non-finite loss, NanLossHook(mode="skip"))
+
+
+class Hook:
+    """Base class: every method does nothing."""
+
+    def begin(self, session: "TrainingSession") -> None: ...
+
+    def after_create_session(self, session: "TrainingSession") -> None: ...
+
+    def before_step(self, session: "TrainingSession") -> None: ...
+
+    def after_step(self, session: "TrainingSession", result: StepResult) -> None: ...
+
+    def end(self, session: "TrainingSession") -> None: ...
+
+
+class StepTimer:
+    """Triggers every ``every_steps`` global steps or ``every_secs`` seconds (exactly one), and first at once.
+
+    As TF's SecondOrStepTimer: never twice for the same step.
+    """
+
+    def __init__(self, *, every_steps: int | None = None, every_secs: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if (every_steps is None) == (every_secs is None):
+            raise InvalidArgumentError("give exactly one of every_steps and every_secs")
+        if (every_steps is not None and every_steps < 1) or (every_secs is not None and every_secs <= 0):
+            raise InvalidArgumentError(f"every_steps={every_steps}, every_secs={every_secs} must be positive")
+        self.every_steps, self.every_secs, self._clock = every_steps, every_secs, clock
+        self._last_step: int | None = None
+        self._last_time = 0.0
+
+    def should_trigger(self, step: int) -> bool:
+        if self._last_step is None:
+            return True
+        if step == self._last_step:
+            return False
+        if self.every_steps is not None:
+            return step >= self._last_step + self.every_steps
+        return self._clock() >= self._last_time + self.every_secs
+
+    def mark(self, step: int) -> None:
+        self._last_step, self._last_time = step, self._clock()
+
+    @property
+    def last_step(self) -> int | None:
+        return self._last_step
+
+
+class StopAtStepHook(Hook):
+    """Stop at a global step: ``last_step``, or ``num_steps`` after the step the session started at."""
+
+    def __init__(self, *, num_steps: int | None = None, last_step: int | None = None) -> None:
+        if (num_steps is None) == (last_step is None):
+            raise InvalidArgumentError("StopAtStepHook takes exactly one of num_steps and last_step")
+        self.num_steps, self.last_step = num_steps, last_step
+
+    def after_create_session(self, session: "TrainingSession") -> None:
+        if self.num_steps is not None and self.last_step is None:  # not recomputed after a recovery
+            self.last_step = session.global_step + self.num_steps
+        if session.global_step >= self.last_step:
+            session.request_stop()
+
+    def after_step(self, session: "TrainingSession", result: StepResult) -> None:
+        if result.global_step >= self.last_step:
+            session.request_stop()
+
+
+class CheckpointSaverHook(Hook):
+    """The chief saves a checkpoint when the session starts, every N steps or seconds, and at the end.
+
+    Only the chief saves; on other workers the hook does nothing.
+    """
+
+    def __init__(self, directory: str | Path, *, save_steps: int | None = None, save_secs: float | None = None,
+                 max_to_keep: int = 5, clock: Callable[[], float] = time.monotonic) -> None:
+        if save_steps is None and save_secs is None:
+            save_secs = 600.0  # MonitoredTrainingSession's default
+        self.checkpointer = Checkpointer(directory, max_to_keep=max_to_keep)
+        self._timer = StepTimer(every_steps=save_steps, every_secs=save_secs, clock=clock)
+        self.saved: list[Path] = []
+
+    def after_create_session(self, session: "TrainingSession") -> None:
+        self._save(session, session.global_step)
+
+    def after_step(self, session: "TrainingSession", result: StepResult) -> None:
+        if self._timer.should_trigger(result.global_step):
+            self._save(session, result.global_step)
+
+    def end(self, session: "TrainingSession") -> None:
+        step = session.replica.pull()
+        if step != self._timer.last_step:
+            self._save(session, step)
+
+    def _save(self, session: "TrainingSession", step: int) -> None:
+        if not session.replica.is_chief:
+            return
+        path = self.checkpointer.save(session.replica)
+        self.saved.append(path)
+        self._timer.mark(step)
+        log.info("saved checkpoint %s", path)
+
+
+class LoggingHook(Hook):
+    """Every N local steps: loss, global step, examples/sec and sec/batch (the classic multi-GPU line)."""
+
+    def __init__(self, *, every_n_steps: int = 100) -> None:
+        if every_n_steps < 1:
+            raise InvalidArgumentError(f"every_n_steps={every_n_steps} must be at least 1")
+        self.every_n_steps = every_n_steps
+        self._seconds = 0.0
+        self._examples = 0
+
+    def after_step(self, session: "TrainingSession", result: StepResult) -> None:
+        self._seconds += result.seconds
+        self._examples += result.batch_size or 0
+        if result.local_step % self.every_n_steps:
+            return
+        sec_per_batch = self._seconds / self.every_n_steps
+        rate = f"{self._examples / self._seconds:.1f} examples/sec; " if self._examples and self._seconds else ""
+        log.info("%s: step %d, loss = %.4f (%s%.3f sec/batch)", session.replica.task.name, result.global_step,
+                 result.loss, rate, sec_per_batch)
+        self._seconds, self._examples = 0.0, 0
+
+
+class NanLossHook(Hook):
+    """What to do when the loss is NaN or infinite; nothing is ever pushed for such a step.
+
+    Args:
+        mode: ``"stop"`` raises NanLossError naming the step; ``"skip"`` drops the step, counts it
+            (``skipped``), logs it and goes on.
+    """
+
+    MODES = ("stop", "skip")
+
+    def __init__(self, *, mode: str = "stop") -> None:
+        if mode not in self.MODES:
+            raise InvalidArgumentError(f"NanLossHook mode={mode!r}: choose 'stop' or 'skip'")
+        self.mode = mode
+        self.skipped = 0

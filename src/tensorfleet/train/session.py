@@ -1,0 +1,147 @@
+"""TrainingSession: the worker's side of training, as ``tf.train.MonitoredTrainingSession``.
+
+    with TrainingSession(replica, hooks=[StopAtStepHook(last_step=10000)],
+                         checkpoint_dir="runs/1", save_checkpoint_steps=1000) as session:
+        while not session.should_stop():
+            images, labels = next(data)
+            session.run_step(lambda: loss_fn(model(images), labels), batch_size=len(labels))
+
+The order of events (as MTS): every hook's ``begin``; the fleet starts (the chief
+restores the latest checkpoint of ``checkpoint_dir`` if the ps is empty, else
+initializes; other workers wait for it); every hook's ``after_create_session``;
+then per step ``before_step``, pull, the closure's forward, backward, push,
+``after_step``.  Leaving the block cleanly runs every hook's ``end``; running out
+of data (StopIteration) counts as a clean end.  The replica then tells the ps it
+is done, so the ps exits when every worker has.
+
+A step whose loss is NaN or infinite never reaches the ps: the gradients are
+dropped before the push, and a ``NanLossHook`` decides whether that stops
+training (the default, with a clear error) or skips the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from tensorfleet.errors import NanLossError
+from tensorfleet.train.checkpoint import Checkpointer
+from tensorfleet.train.hooks import CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult
+from tensorfleet.worker.replica import Replica
+
+log = logging.getLogger(__name__)
+
+
+class TrainingSession:
+    """Owns a replica's training: start (init or restore), hooks, steps, stop, and a clean end.
+
+    Args:
+        replica: the worker's model bound to the ps (not started yet).
+        hooks: run on every worker.
+        chief_only_hooks: run on the chief only (summaries, extra savers).
+        checkpoint_dir: where the chief saves checkpoints and restores from; None: no checkpoints.
+        save_checkpoint_steps / save_checkpoint_secs: how often to save (default: every 600 s).
+        max_to_keep: checkpoints kept in ``checkpoint_dir``.
+        log_step_count_steps: a LoggingHook line every N local steps (None: no log lines).
+    """
+
+    def __init__(self, replica: Replica, *, hooks: Sequence[Hook] = (), chief_only_hooks: Sequence[Hook] = (),
+                 checkpoint_dir: str | Path | None = None, save_checkpoint_steps: int | None = None,
+                 save_checkpoint_secs: float | None = None, max_to_keep: int = 5,
+                 log_step_count_steps: int | None = 100) -> None:
+        self.replica = replica
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.hooks: list[Hook] = list(chief_only_hooks) if replica.is_chief else []
+        if self.checkpoint_dir is not None and replica.is_chief:
+            self.hooks.append(CheckpointSaverHook(self.checkpoint_dir, save_steps=save_checkpoint_steps,
+                                                  save_secs=save_checkpoint_secs, max_to_keep=max_to_keep))
+        if log_step_count_steps:
+            self.hooks.append(LoggingHook(every_n_steps=log_step_count_steps))
+        self.hooks += list(hooks)
+        self._nan_hook = next((h for h in self.hooks if isinstance(h, NanLossHook)), NanLossHook(mode="stop"))
+        self._stop_requested = False
+        self.local_step = 0
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def __enter__(self) -> "TrainingSession":
+        for hook in self.hooks:
+            hook.begin(self)
+        if self.checkpoint_dir is not None:
+            Checkpointer(self.checkpoint_dir).start(self.replica)
+        else:
+            self.replica.start()
+        for hook in self.hooks:
+            hook.after_create_session(self)
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> bool:
+        clean = exc_type is None or issubclass(exc_type, StopIteration)
+        try:
+            if clean:
+                for hook in self.hooks:
+                    hook.end(self)
+        finally:
+            self.replica.finish()
+        return clean and exc_type is not None  # swallow StopIteration: running out of data ends training
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    @property
+    def global_step(self) -> int:
+        return self.replica.global_step
+
+    def should_stop(self) -> bool:
+        return self._stop_requested
+
+    def request_stop(self) -> None:
+        self._stop_requested = True
+
+    def run_step(self, closure: Callable[[], torch.Tensor], *, batch_size: int | None = None) -> StepResult:
+        """One step: pull, ``loss = closure()``, backward, push. Returns what happened.
+
+        Raises:
+            RuntimeError: a hook already requested a stop (check ``should_stop()`` first).
+            NanLossError: the loss was not finite and the NanLossHook's mode is "stop".
+        """
+        if self._stop_requested:
+            raise RuntimeError("run_step() after a stop was requested: check should_stop() in the loop")
+        for hook in self.hooks:
+            hook.before_step(self)
+        start = time.perf_counter()
+        self.replica.pull()
+        loss = closure()
+        value = float(loss.detach())
+        skipped = not math.isfinite(value)
+        if skipped:
+            self._on_nonfinite(value)
+            dropped = False
+        else:
+            loss.backward()
+            dropped_before = self.replica.dropped_gradients
+            self.replica.push()
+            dropped = self.replica.dropped_gradients > dropped_before
+        self.local_step += 1
+        result = StepResult(loss=value, global_step=self.replica.global_step, local_step=self.local_step,
+                            seconds=time.perf_counter() - start, batch_size=batch_size, dropped=dropped,
+                            skipped=skipped)
+        for hook in self.hooks:
+            hook.after_step(self, result)
+        return result
+
+    def _on_nonfinite(self, value: float) -> None:
+        for param in self.replica.module.parameters():
+            param.grad = None
+        where = f"{self.replica.task.name}, local step {self.local_step + 1}, global step {self.global_step}"
+        if self._nan_hook.mode == "stop":
+            raise NanLossError(f"the loss is {value} at {where}; nothing was pushed. Lower the learning rate, "
+                               "check the data, or use NanLossHook(mode='skip') to skip such steps")
+        self._nan_hook.skipped += 1
+        log.warning("the loss is %s at %s; step skipped, nothing pushed (%d skipped so far)",
+                    value, where, self._nan_hook.skipped)
+

@@ -1,0 +1,188 @@
+"""TrainingSession and its hooks against a real ps on 127.0.0.1 (one worker in this process)."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+from tensorfleet.cluster.spec import TaskSpec
+from tensorfleet.errors import InvalidArgumentError, NanLossError
+from tensorfleet.ps.apply import ExponentialDecay, OptimizerSpec
+from tensorfleet.testing.local_cluster import ps_servers
+from tensorfleet.testing.models import seeded_mlp
+from tensorfleet.train.checkpoint import list_checkpoints
+from tensorfleet.train.hooks import CheckpointSaverHook, Hook, NanLossHook, StepTimer, StopAtStepHook
+from tensorfleet.train.session import TrainingSession
+from tensorfleet.train.summary import SummaryHook
+from tensorfleet.worker.replica import Replica
+
+INITIAL = seeded_mlp(4, 6, 2)
+SPEC = OptimizerSpec.sgd(lr=0.1)
+
+
+def batch(step: int):
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(8, 4, generator=generator), torch.randint(0, 2, (8,), generator=generator)
+
+
+def fit(session: TrainingSession, model: nn.Module) -> list:
+    results = []
+    while not session.should_stop():
+        x, y = batch(session.global_step)
+        results.append(session.run_step(lambda: nn.functional.cross_entropy(model(x), y), batch_size=8))
+    return results
+
+
+@pytest.fixture
+def cluster():
+    with ps_servers(num_ps=2, num_workers=1) as (cluster, servers):
+        yield cluster, servers
+
+
+def replica_for(cluster, model, spec=SPEC, **kwargs):
+    return Replica(model, cluster, TaskSpec("worker", 0), optimizer=spec, **kwargs)
+
+
+class Recorder(Hook):
+    def __init__(self):
+        self.events = []
+
+    def begin(self, session):
+        self.events.append("begin")
+
+    def after_create_session(self, session):
+        self.events.append(f"created@{session.global_step}")
+
+    def before_step(self, session):
+        self.events.append("before")
+
+    def after_step(self, session, result):
+        self.events.append(f"after@{result.global_step}")
+
+    def end(self, session):
+        self.events.append("end")
+
+
+def test_hook_order_and_stop_at_last_step(cluster):
+    model = copy.deepcopy(INITIAL)
+    recorder = Recorder()
+    with TrainingSession(replica_for(cluster[0], model), hooks=[recorder, StopAtStepHook(last_step=3)]) as session:
+        results = fit(session, model)
+    assert [r.global_step for r in results] == [1, 2, 3]
+    assert recorder.events == ["begin", "created@0", "before", "after@1", "before", "after@2", "before", "after@3",
+                               "end"]
+    with pytest.raises(RuntimeError, match="after a stop was requested"):
+        session.run_step(lambda: torch.zeros(()))
+    assert cluster[1][0].service.finished.is_set()  # leaving the session told the ps this worker is done
+
+
+def test_num_steps_counts_from_the_step_the_session_started_at(cluster, tmp_path):
+    model = copy.deepcopy(INITIAL)
+    with TrainingSession(replica_for(cluster[0], model), hooks=[StopAtStepHook(num_steps=5)],
+                         checkpoint_dir=tmp_path, save_checkpoint_steps=100) as session:
+        fit(session, model)
+    assert session.global_step == 5
+    # A new fleet restores step 5; num_steps=10 from there stops at 15 (TF's StopAtStepHook test).
+    with ps_servers(num_ps=3, num_workers=1) as (other, _):
+        model = copy.deepcopy(INITIAL)
+        with TrainingSession(replica_for(other, model), hooks=[StopAtStepHook(num_steps=10)],
+                             checkpoint_dir=tmp_path, save_checkpoint_steps=100) as session:
+            assert session.global_step == 5
+            fit(session, model)
+        assert session.global_step == 15
+
+
+def test_checkpoints_at_start_every_n_steps_and_at_end(cluster, tmp_path):
+    model = copy.deepcopy(INITIAL)
+    with TrainingSession(replica_for(cluster[0], model), hooks=[StopAtStepHook(last_step=7)],
+                         checkpoint_dir=tmp_path, save_checkpoint_steps=3, max_to_keep=10) as session:
+        fit(session, model)
+    assert [p.name for p in list_checkpoints(tmp_path)] == [f"model.ckpt-{s}.safetensors" for s in (0, 3, 6, 7)]
+
+
+def test_checkpoint_by_seconds_uses_the_clock_not_sleep(cluster, tmp_path):
+    now = [0.0]
+    saver = CheckpointSaverHook(tmp_path, save_secs=10, clock=lambda: now[0])
+    model = copy.deepcopy(INITIAL)
+    with TrainingSession(replica_for(cluster[0], model), hooks=[StopAtStepHook(last_step=4)],
+                         chief_only_hooks=[saver], log_step_count_steps=None) as session:
+        x, y = batch(0)
+        for advance in (3.0, 8.0, 1.0):  # 3 s, 11 s (save), 12 s
+            now[0] += advance
+            session.run_step(lambda: nn.functional.cross_entropy(model(x), y))
+        now[0] += 1.0
+        session.run_step(lambda: nn.functional.cross_entropy(model(x), y))
+    assert [p.name for p in saver.saved] == ["model.ckpt-0.safetensors", "model.ckpt-2.safetensors",
+                                              "model.ckpt-4.safetensors"]
+
+
+def test_step_timer_rules():
+    timer = StepTimer(every_steps=10)
+    assert timer.should_trigger(0)
+    timer.mark(5)
+    assert not timer.should_trigger(5) and not timer.should_trigger(14) and timer.should_trigger(15)
+    with pytest.raises(InvalidArgumentError, match="exactly one"):
+        StepTimer(every_steps=1, every_secs=1.0)
+    with pytest.raises(InvalidArgumentError, match="exactly one"):
+        StopAtStepHook()
+
+
+def test_nan_loss_stops_with_a_clear_error_and_pushes_nothing(cluster):
+    model = copy.deepcopy(INITIAL)
+    servers = cluster[1]
+    with pytest.raises(NanLossError, match=r"loss is nan at /job:worker/task:0.*nothing was pushed"):
+        with TrainingSession(replica_for(cluster[0], model)) as session:
+            session.run_step(lambda: model(torch.ones(1, 4)).sum() * float("nan"))
+    assert servers[0].store.status().applied_updates == 0 and servers[0].store.status().global_step == 0
+
+
+def test_nan_loss_skip_mode_skips_and_goes_on(cluster):
+    model = copy.deepcopy(INITIAL)
+    nan_hook = NanLossHook(mode="skip")
+    with TrainingSession(replica_for(cluster[0], model), hooks=[nan_hook, StopAtStepHook(last_step=2)]) as session:
+        skipped = session.run_step(lambda: model(torch.ones(1, 4)).sum() * float("inf"))
+        assert skipped.skipped and skipped.global_step == 0
+        fit(session, model)
+    assert nan_hook.skipped == 1 and session.global_step == 2
+
+
+def test_running_out_of_data_ends_cleanly(cluster):
+    model = copy.deepcopy(INITIAL)
+    recorder = Recorder()
+    data = iter([batch(0), batch(1)])
+    with TrainingSession(replica_for(cluster[0], model), hooks=[recorder]) as session:
+        while not session.should_stop():
+            x, y = next(data)  # the third next() raises StopIteration: the session ends cleanly
+            session.run_step(lambda: nn.functional.cross_entropy(model(x), y))
+    assert recorder.events[-1] == "end" and session.global_step == 2
+
+
+def test_summaries_are_readable_by_tensorboard(cluster, tmp_path):
+    model = copy.deepcopy(INITIAL)
+    spec = OptimizerSpec.sgd(lr=0.1).with_schedule(ExponentialDecay(decay_steps=2, decay_rate=0.5))
+    summaries = SummaryHook(tmp_path / "logs", save_steps=2, histograms=True)
+    with TrainingSession(replica_for(cluster[0], model, spec), hooks=[StopAtStepHook(last_step=6)],
+                         chief_only_hooks=[summaries]) as session:
+        fit(session, model)
+    events = EventAccumulator(str(tmp_path / "logs"), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    tags = events.Tags()
+    assert {"loss", "learning_rate", "examples_per_sec", "dropped_stale_gradients"} <= set(tags["scalars"])
+    assert [e.step for e in events.Scalars("loss")] == [1, 3, 5]
+    lr = {e.step: e.value for e in events.Scalars("learning_rate")}  # the schedule at each global step
+    assert lr == pytest.approx({1: 0.1 * 0.5 ** 0.5, 3: 0.1 * 0.5 ** 1.5, 5: 0.1 * 0.5 ** 2.5})
+    assert "0.weight" in tags["histograms"]
+
+
+def test_logging_hook_prints_the_classic_line(cluster, caplog):
+    model = copy.deepcopy(INITIAL)
+    caplog.set_level(logging.INFO, logger="tensorfleet.train.hooks")
+    with TrainingSession(replica_for(cluster[0], model), hooks=[StopAtStepHook(last_step=4)],
+                         log_step_count_steps=2) as session:
+        fit(session, model)
+    lines = [r.getMessage() for r in caplog.records if "sec/batch" in r.getMessage()]
+    assert len(lines) == 2
+    assert lines[0].startswith("/job:worker/task:0: step 2, loss = ") and "examples/sec" in lines[0]
