@@ -30,6 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     tfl.add_cluster_flags(parser)
     tfl.add_training_flags(parser, default_mode="sync")
+    parser.set_defaults(moving_average_decay=0.999)  # evaluate the averaged parameters (0: the last ones)
     parser.add_argument("--data_dir", default=str(REPO_DATA), help="folder with the four MNIST IDX files")
     parser.add_argument("--num_epochs", type=float, default=10.0,
                         help="train for this many passes over the training set (as the classic example)")
@@ -40,7 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decay_rate", type=float, default=0.95, help="learning-rate decay per epoch")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--l2", type=float, default=5e-4, help="L2 regularization of the fully connected layers")
-    parser.add_argument("--log_every", type=int, default=100, help="print a line every N local steps")
+    parser.add_argument("--log_every", type=int, default=100, help="log a line every N local steps")
+    parser.add_argument("--checkpoint_dir", default=None, help="save checkpoints here; restore from here on start")
+    parser.add_argument("--save_checkpoint_steps", type=int, default=500)
+    parser.add_argument("--summary_dir", default=None, help="write TensorBoard summaries here (chief)")
     parser.add_argument("--train_limit", type=int, default=None, help="train on the first N examples only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--intra_op_threads", type=int, default=1, help="torch threads per process")
@@ -89,32 +93,35 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
         args.train_steps = int(args.num_epochs * steps_per_epoch)
     decay = tfl.ExponentialDecay(decay_steps=steps_per_epoch, decay_rate=args.decay_rate, staircase=True)
     optimizer = tfl.OptimizerSpec.sgd(lr=args.learning_rate, momentum=args.momentum).with_schedule(decay)
-    with tfl.Replica(model, cluster, task, optimizer=optimizer, **tfl.training_options(args)) as replica:
-        start = last = time.time()
-        print(f"Worker {replica_id}: training begins @ {start:f}")
-        local_step, step = 0, replica.global_step
-        while step < args.train_steps:
-            if replica.pull() >= args.train_steps:
-                break
+    replica = tfl.Replica(model, cluster, task, optimizer=optimizer, **tfl.training_options(args))
+    summaries = [tfl.SummaryHook(args.summary_dir, save_steps=100)] if args.summary_dir else []
+
+    def loss_of(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(images), labels) + args.l2 * model.l2_penalty()
+
+    start = time.time()
+    with tfl.TrainingSession(replica, hooks=[tfl.StopAtStepHook(last_step=args.train_steps)],
+                             chief_only_hooks=summaries, checkpoint_dir=args.checkpoint_dir,
+                             save_checkpoint_steps=args.save_checkpoint_steps,
+                             log_step_count_steps=args.log_every) as session:
+        print(f"Worker {replica_id}: training begins @ {start:f} at global step {session.global_step}")
+        while not session.should_stop():
             images, labels = next(data)
-            loss = nn.functional.cross_entropy(model(images), labels) + args.l2 * model.l2_penalty()
-            loss.backward()
-            step = replica.push()
-            local_step += 1
-            if local_step % args.log_every == 0:
-                now = time.time()
-                sec_per_batch = (now - last) / args.log_every
-                print(f"{now:f}: Worker {replica_id}: training step {local_step} done (global step: {step}), "
-                      f"loss: {loss.item():.4f}, {args.batch_size / sec_per_batch:.1f} examples/sec, "
-                      f"{sec_per_batch:.3f} sec/batch")
-                last = now
+            session.run_step(lambda: loss_of(images, labels), batch_size=len(labels))
         elapsed = time.time() - start
         step = replica.pull()
+        last_accuracy = accuracy(model, mnist.test)
+        if replica.average_decay:  # evaluate the moving average kept on the ps, as the classic example does
+            replica.load_averages()
+    local_step = session.local_step
     print(f"Worker {replica_id}: done after {local_step} local step(s) (global step: {step}), "
           f"{replica.dropped_gradients} gradient(s) dropped by the ps")
     print(f"Training elapsed time: {elapsed:.2f} s")
-    print(f"validation accuracy: {accuracy(model, mnist.validation):.4f}")
-    print(f"test accuracy: {accuracy(model, mnist.test):.4f}")
+    evaluated = f"moving average, decay {replica.average_decay:g}" if replica.average_decay else "last parameters"
+    print(f"validation accuracy: {accuracy(model, mnist.validation):.4f} ({evaluated})")
+    print(f"test accuracy: {accuracy(model, mnist.test):.4f} ({evaluated})")
+    if replica.average_decay:
+        print(f"test accuracy of the last parameters: {last_accuracy:.4f}")
 
 
 def main(argv: list[str] | None = None) -> int:
