@@ -186,3 +186,53 @@ def test_logging_hook_prints_the_classic_line(cluster, caplog):
     lines = [r.getMessage() for r in caplog.records if "sec/batch" in r.getMessage()]
     assert len(lines) == 2
     assert lines[0].startswith("/job:worker/task:0: step 2, loss = ") and "examples/sec" in lines[0]
+
+
+def test_a_ps_restarted_empty_is_restored_from_the_checkpoint_and_training_goes_on(tmp_path):
+    with ps_servers(num_ps=2, num_workers=1) as (cluster, servers):
+        model = copy.deepcopy(INITIAL)
+        with TrainingSession(replica_for(cluster, model), hooks=[StopAtStepHook(last_step=8)],
+                             checkpoint_dir=tmp_path, save_checkpoint_steps=2, recovery_timeout_s=30) as session:
+            steps = []
+            while session.global_step < 5:
+                x, y = batch(session.global_step)
+                steps.append(session.run_step(lambda: nn.functional.cross_entropy(model(x), y)).global_step)
+            servers[1].stop(grace_s=0)  # ps 1 dies...
+            from tensorfleet.ps.server import Server
+            servers[1] = Server(cluster, job_name="ps", task_index=1)  # ...and comes back empty
+            while not session.should_stop():
+                x, y = batch(session.global_step)
+                steps.append(session.run_step(lambda: nn.functional.cross_entropy(model(x), y)).global_step)
+        assert session.recoveries == 1
+        # Back to the step-4 checkpoint (at most to the checkpoint's step), then on to the end.
+        assert steps == [1, 2, 3, 4, 5, 5, 6, 7, 8]
+        assert servers[0].store.status().global_step == 8
+        assert servers[1].store.status().applied_updates == servers[0].store.status().applied_updates == 8
+
+
+def test_a_checkpoint_due_while_a_ps_is_down_is_skipped_not_fatal(tmp_path, caplog):
+    from tensorfleet.ps.server import Server
+    from tensorfleet.train.hooks import StepResult
+    with ps_servers(num_ps=2, num_workers=1) as (cluster, servers):
+        saver = CheckpointSaverHook(tmp_path, save_steps=1)
+        with TrainingSession(replica_for(cluster, copy.deepcopy(INITIAL)), chief_only_hooks=[saver],
+                             log_step_count_steps=None) as session:
+            servers[1].stop(grace_s=0)
+            caplog.set_level(logging.WARNING, logger="tensorfleet.train.hooks")
+            saver.after_step(session, StepResult(loss=1.0, global_step=5, local_step=5, seconds=0.1,
+                                                 batch_size=None, dropped=False, skipped=False))
+            assert any("checkpoint at global step 5 skipped" in r.getMessage() for r in caplog.records)
+            servers[1] = Server(cluster, job_name="ps", task_index=1)
+        assert [p.name for p in saver.saved] == ["model.ckpt-0.safetensors"]
+
+
+def test_ending_the_session_leaves_the_model_as_the_user_left_it(cluster, tmp_path):
+    model = copy.deepcopy(INITIAL)
+    replica = replica_for(cluster[0], model, average_decay=0.5)
+    with TrainingSession(replica, hooks=[StopAtStepHook(last_step=3)], checkpoint_dir=tmp_path) as session:
+        fit(session, model)
+        replica.load_averages()  # evaluate the averages after the loop, inside the block
+        averaged = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # The end-of-session checkpoint must not have pulled the raw values over the averages.
+    assert all(torch.equal(p.detach(), averaged[n]) for n, p in model.named_parameters())
+    assert [p.name for p in list_checkpoints(tmp_path)][-1] == "model.ckpt-3.safetensors"

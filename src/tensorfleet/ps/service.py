@@ -65,7 +65,11 @@ class PsService:
             restore = ShardState.unflatten(tensors, global_step=_int_field(counters, "global_step", method="Init"),
                                            applied_updates=_int_field(counters, "applied_updates", method="Init"))
             tensors = restore.values
-        created = self.store.initialize(tensors, spec, sync, decay, restore)
+        force = meta.get("force", False)
+        if not isinstance(force, bool) or (force and restore is None):
+            raise InvalidArgumentError("Init 'force' must be a bool and needs 'restore': only a checkpoint "
+                                       "may overwrite a live shard")
+        created = self.store.initialize(tensors, spec, sync, decay, restore, force=force)
         if created:
             log.info("%s: initialized %d variable(s)%s, optimizer %s %s, %s", self.store.task, len(tensors),
                      f" from a checkpoint at step {restore.global_step}" if restore else "",

@@ -99,15 +99,18 @@ class VariableStore:
         self._global_step = 0
         self._applied_updates = 0
         self._done: set[int] = set()
+        self._generation = 0  # bumped by a forced restore: releases sync waits of the old timeline
 
     def initialize(self, values: Mapping[str, torch.Tensor], spec: OptimizerSpec,
                    sync: SyncOptions | None = None, average_decay: float | None = None,
-                   restore: ShardState | None = None) -> bool:
+                   restore: ShardState | None = None, force: bool = False) -> bool:
         """Take initial values (copied), the optimizer, the mode and the moving-average decay (None: no averages);
         with ``restore``, also the optimizer slots, averages and counters of a checkpoint.
 
         Return False, changing nothing, if already initialized: a second initialization
-        (a restarted chief) must never overwrite trained values.
+        (a restarted chief) must never overwrite trained values.  ``force`` is the one
+        exception: after a ps was lost, the chief rolls *every* shard back to the same
+        checkpoint so that they agree again.
         """
         owned = {name: value.detach().clone() for name, value in values.items()}
         applier = Applier(spec, owned)  # validates everything before anything is stored
@@ -121,11 +124,13 @@ class VariableStore:
             if accumulator is not None:
                 accumulator.step = restore.global_step
         with self._cond:
-            if self._applier is not None:
+            if self._applier is not None and not force:
                 return False
             self._variables, self._applier, self._sync, self._average = owned, applier, accumulator, average
-            if restore is not None:
-                self._global_step, self._applied_updates = restore.global_step, restore.applied_updates
+            self._global_step = restore.global_step if restore is not None else 0
+            self._applied_updates = restore.applied_updates if restore is not None else 0
+            self._generation += 1
+            self._cond.notify_all()
             return True
 
     def snapshot(self) -> ShardState:
@@ -232,7 +237,10 @@ class VariableStore:
     def _wait_for_step(self, step: int) -> Offer:
         options = self._sync.options
         deadline = time.monotonic() + options.timeout_s
+        generation = self._generation
         while self._sync.step <= step:
+            if self._generation != generation:  # the shard was restored from a checkpoint meanwhile
+                return Offer.ABANDONED
             if self._cannot_complete():
                 return Offer.ABANDONED
             remaining = deadline - time.monotonic()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.errors import InvalidArgumentError, NotInitializedError, UnavailableError
 from tensorfleet.train.checkpoint import Checkpointer
 
 if TYPE_CHECKING:  # the session imports the hooks; hooks only need its type
@@ -124,14 +124,21 @@ class CheckpointSaverHook(Hook):
             self._save(session, result.global_step)
 
     def end(self, session: "TrainingSession") -> None:
-        step = session.replica.pull()
-        if step != self._timer.last_step:
-            self._save(session, step)
+        if session.replica.is_chief:
+            self._save(session, None)
 
-    def _save(self, session: "TrainingSession", step: int) -> None:
+    def _save(self, session: "TrainingSession", step: int | None) -> None:
+        """Save unless this step was just saved. A ps that is down skips the save: the next step recovers."""
         if not session.replica.is_chief:
             return
-        path = self.checkpointer.save(session.replica)
+        try:
+            step = session.replica.client.global_step() if step is None else step  # never touch the model
+            if step == self._timer.last_step:
+                return
+            path = self.checkpointer.save(session.replica)
+        except (UnavailableError, NotInitializedError) as exc:
+            log.warning("checkpoint at global step %s skipped: %s", step, exc)
+            return
         self.saved.append(path)
         self._timer.mark(step)
         log.info("saved checkpoint %s", path)

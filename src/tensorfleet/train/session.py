@@ -14,6 +14,11 @@ then per step ``before_step``, pull, the closure's forward, backward, push,
 of data (StopIteration) counts as a clean end.  The replica then tells the ps it
 is done, so the ps exits when every worker has.
 
+When a ps dies mid-step (UNAVAILABLE, or an empty restarted ps), the step waits
+for it to answer again (bounded by ``recovery_timeout_s``, with log lines), the chief
+rolls every shard back to the latest checkpoint (``Replica.recover``), and the step
+is run again from the restored parameters.
+
 A step whose loss is NaN or infinite never reaches the ps: the gradients are
 dropped before the push, and a ``NanLossHook`` decides whether that stops
 training (the default, with a clear error) or skips the step.
@@ -29,12 +34,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tensorfleet.errors import NanLossError
-from tensorfleet.train.checkpoint import Checkpointer
+from tensorfleet.errors import NanLossError, NotInitializedError, UnavailableError
+from tensorfleet.train.checkpoint import Checkpointer, latest_checkpoint, load, split
 from tensorfleet.train.hooks import CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult
 from tensorfleet.worker.replica import Replica
 
 log = logging.getLogger(__name__)
+
+MAX_STEP_ATTEMPTS = 3  # a step is retried after each recovery; the third failure propagates
 
 
 class TrainingSession:
@@ -48,13 +55,16 @@ class TrainingSession:
         save_checkpoint_steps / save_checkpoint_secs: how often to save (default: every 600 s).
         max_to_keep: checkpoints kept in ``checkpoint_dir``.
         log_step_count_steps: a LoggingHook line every N local steps (None: no log lines).
+        recovery_timeout_s: how long a step waits for a lost ps to come back before failing.
     """
 
     def __init__(self, replica: Replica, *, hooks: Sequence[Hook] = (), chief_only_hooks: Sequence[Hook] = (),
                  checkpoint_dir: str | Path | None = None, save_checkpoint_steps: int | None = None,
                  save_checkpoint_secs: float | None = None, max_to_keep: int = 5,
-                 log_step_count_steps: int | None = 100) -> None:
+                 log_step_count_steps: int | None = 100, recovery_timeout_s: float = 300.0) -> None:
         self.replica = replica
+        self.recovery_timeout_s = recovery_timeout_s
+        self.recoveries = 0
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.hooks: list[Hook] = list(chief_only_hooks) if replica.is_chief else []
         if self.checkpoint_dir is not None and replica.is_chief:
@@ -114,18 +124,15 @@ class TrainingSession:
         for hook in self.hooks:
             hook.before_step(self)
         start = time.perf_counter()
-        self.replica.pull()
-        loss = closure()
-        value = float(loss.detach())
-        skipped = not math.isfinite(value)
-        if skipped:
-            self._on_nonfinite(value)
-            dropped = False
-        else:
-            loss.backward()
-            dropped_before = self.replica.dropped_gradients
-            self.replica.push()
-            dropped = self.replica.dropped_gradients > dropped_before
+        for attempt in range(MAX_STEP_ATTEMPTS):
+            try:
+                value, dropped, skipped = self._step(closure)
+                break
+            except (UnavailableError, NotInitializedError) as exc:
+                if attempt == MAX_STEP_ATTEMPTS - 1:
+                    raise
+                log.warning("%s: step failed (%s); recovering", self.replica.task.name, exc)
+                self._recover()
         self.local_step += 1
         result = StepResult(loss=value, global_step=self.replica.global_step, local_step=self.local_step,
                             seconds=time.perf_counter() - start, batch_size=batch_size, dropped=dropped,
@@ -133,6 +140,33 @@ class TrainingSession:
         for hook in self.hooks:
             hook.after_step(self, result)
         return result
+
+    def _step(self, closure: Callable[[], torch.Tensor]) -> tuple[float, bool, bool]:
+        """Pull, compute, push once; return (loss, dropped by the ps, skipped as non-finite)."""
+        self.replica.pull()
+        loss = closure()
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            self._on_nonfinite(value)
+            return value, False, True
+        loss.backward()
+        dropped_before = self.replica.dropped_gradients
+        self.replica.push()
+        return value, self.replica.dropped_gradients > dropped_before, False
+
+    def _recover(self) -> None:
+        """A ps went away: wait for it, let the chief restore the latest checkpoint onto every shard, go on."""
+        restore = None
+        if self.replica.is_chief and self.checkpoint_dir is not None:
+            latest = latest_checkpoint(self.checkpoint_dir)
+            if latest is not None:
+                state = load(latest).state
+                restore = split(state, self.replica.placement, self.replica.num_ps, sync=self.replica.sync is not None)
+        started = time.monotonic()
+        self.replica.recover(restore=restore, timeout_s=self.recovery_timeout_s)
+        self.recoveries += 1
+        log.warning("%s: recovered in %.2f s (recovery %d), at global step %d", self.replica.task.name,
+                    time.monotonic() - started, self.recoveries, self.global_step)
 
     def _on_nonfinite(self, value: float) -> None:
         for param in self.replica.module.parameters():

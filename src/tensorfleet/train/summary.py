@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from torch.utils.tensorboard import SummaryWriter
 
+from tensorfleet.errors import NotInitializedError, UnavailableError
 from tensorfleet.train.hooks import Hook, StepResult, StepTimer
 
 if TYPE_CHECKING:
@@ -47,8 +48,11 @@ class SummaryHook(Hook):
         self._writer.add_scalar("learning_rate", session.replica.optimizer.learning_rate(step), step)
         if self._examples and self._seconds:
             self._writer.add_scalar("examples_per_sec", self._examples / self._seconds, step)
-        status = session.replica.client.channels[0].call("Status")[0]
-        self._writer.add_scalar("dropped_stale_gradients", status["dropped_stale"], step)
+        try:
+            status = session.replica.client.channels[0].call("Status")[0]  # no pull: the model stays as it is
+            self._writer.add_scalar("dropped_stale_gradients", status["dropped_stale"], step)
+        except (UnavailableError, NotInitializedError):
+            pass  # the ps is restarting: the next step recovers; this one summary goes without the count
         if self.histograms:
             for name, param in session.replica.module.named_parameters():
                 self._writer.add_histogram(name, param.detach(), step)

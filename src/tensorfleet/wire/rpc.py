@@ -59,7 +59,12 @@ class WireOptions:
     def grpc_options(self) -> list[tuple[str, int]]:
         return [("grpc.max_send_message_length", self.max_message_bytes),
                 ("grpc.max_receive_message_length", self.max_message_bytes),
-                ("grpc.so_reuseport", 0)]
+                ("grpc.so_reuseport", 0),
+                # A restarted ps must be found again within a second, not after gRPC's default
+                # exponential backoff (up to 120 s).
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 _ERROR_CODES: list[tuple[type[errors.TensorfleetError], grpc.StatusCode]] = [
@@ -142,6 +147,9 @@ class RpcFuture:
 
     def done(self) -> bool:
         return self._inner.done()
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        self._inner.add_done_callback(lambda _inner: callback())
 
 
 class Channel:

@@ -10,6 +10,7 @@ holds none of the pushed variables.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -27,13 +28,27 @@ log = logging.getLogger(__name__)
 
 
 class Gathered:
-    """Futures of several shards combined into one result by ``combine``."""
+    """Futures of several shards combined into one result by ``combine``.
+
+    ``result()`` raises as soon as *any* shard fails, without waiting for the others: in sync
+    mode a live shard may hold its reply until a step completes, which a dead shard prevents.
+    """
 
     def __init__(self, futures: list[RpcFuture], combine: Callable[[list], Any]) -> None:
         self._futures, self._combine = futures, combine
+        self._changed = threading.Event()
+        for future in futures:
+            future.add_done_callback(self._changed.set)
 
     def result(self) -> Any:
-        return self._combine([f.result() for f in self._futures])
+        replies: dict[int, Any] = {}
+        while len(replies) < len(self._futures):
+            self._changed.wait()
+            self._changed.clear()  # completions after this line set it again; the scan below sees earlier ones
+            for index, future in enumerate(self._futures):
+                if index not in replies and future.done():
+                    replies[index] = future.result()  # a failed shard raises here, at once
+        return self._combine([replies[i] for i in range(len(self._futures))])
 
 
 class PsClient:
@@ -78,14 +93,14 @@ class PsClient:
 
     def initialize(self, values: Mapping[str, torch.Tensor], optimizer: OptimizerSpec,
                    sync: SyncOptions | None = None, average_decay: float | None = None,
-                   restore: Sequence[ShardState] | None = None) -> bool:
+                   restore: Sequence[ShardState] | None = None, force: bool = False) -> bool:
         """Send initial values (or, with ``restore``, each shard's checkpointed state), optimizer, mode
-        and moving-average decay to every shard.
+        and moving-average decay to every shard; ``force`` overwrites live shards (recovery only).
 
         Returns True if any shard took them, False if all already had values.
         """
         meta = {"optimizer": optimizer.to_meta(), "sync": sync.to_meta() if sync else None,
-                "average_decay": average_decay}
+                "average_decay": average_decay, "force": force}
         if restore is None:
             requests = [(meta, part) for part in self._split(values)]
         else:
@@ -116,6 +131,10 @@ class PsClient:
                 log.info("still waiting for the chief to initialize the variables on %s", ", ".join(waiting))
                 next_log += 10.0
             time.sleep(poll_s)
+
+    def global_step(self) -> int:
+        """The global step as ps 0 counts it now (one Status call; nothing is pulled)."""
+        return self.channels[0].call("Status")[0]["global_step"]
 
     def snapshot(self) -> list[ShardState]:
         """Every shard's whole state (values, optimizer slots, averages, counters), fetched concurrently."""

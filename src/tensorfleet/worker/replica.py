@@ -122,6 +122,37 @@ class Replica:
         self._started = True
         return self
 
+    def recover(self, *, restore: Sequence[ShardState] | None, timeout_s: float) -> None:
+        """After a ps was lost: wait for every ps to answer again, then resume from a consistent state.
+
+        The chief, finding a shard empty (a restarted ps), rolls *every* shard back to ``restore``
+        (the latest checkpoint, split for this placement) so that they agree; without a checkpoint it
+        uses the values it last pulled (the lost shard's optimizer state is gone then). Other workers
+        wait until every shard is initialized again. Then everyone pulls.
+
+        Raises:
+            DeadlineExceededError: a ps did not come back within ``timeout_s`` (named in the message).
+        """
+        log.warning("%s: lost contact with the ps; waiting up to %.0f s for every ps to answer",
+                    self.task.name, timeout_s)
+        statuses = self.client.wait_for_shards(timeout_s)
+        empty = [i for i, status in enumerate(statuses) if not status["initialized"]]
+        if self.is_chief and empty:
+            if restore is None:
+                log.warning("%s (chief): no checkpoint to restore; re-initializing every shard from the values "
+                            "pulled last (optimizer state of the lost shard is gone)", self.task.name)
+                values = {n: p.detach() for n, p in self._params.items()}
+                restore = [ShardState({k: v for k, v in self.placement.views(values).items()
+                                       if self.placement.shard_map()[k] == shard}, {}, None,
+                                      self.global_step if (shard == 0 or self.sync) else 0, self.global_step)
+                           for shard in range(self.num_ps)]
+            self.client.initialize({}, self.optimizer, self.sync, self.average_decay, restore, force=True)
+            log.warning("%s (chief): ps task(s) %s restarted empty; every shard restored to global step %d",
+                        self.task.name, empty, restore[0].global_step)
+        self.client.wait_initialized(timeout_s)
+        self.pull()
+        log.warning("%s: training resumes at global step %d", self.task.name, self.global_step)
+
     def _initialize(self, restore: Sequence[ShardState] | None) -> None:
         values = self.placement.views({name: p.detach() for name, p in self._params.items()})
         if not self.client.initialize(values, self.optimizer, self.sync, self.average_decay, restore):
