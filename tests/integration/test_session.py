@@ -2,6 +2,8 @@
 
 import copy
 import logging
+import threading
+import time
 
 import pytest
 import torch
@@ -11,10 +13,11 @@ from torch import nn
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import InvalidArgumentError, NanLossError
 from tensorfleet.ps.apply import ExponentialDecay, OptimizerSpec
+from tensorfleet.ps.server import Server
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.testing.models import seeded_mlp
 from tensorfleet.train.checkpoint import list_checkpoints
-from tensorfleet.train.hooks import CheckpointSaverHook, Hook, NanLossHook, StepTimer, StopAtStepHook
+from tensorfleet.train.hooks import CheckpointSaverHook, Hook, NanLossHook, StepResult, StepTimer, StopAtStepHook
 from tensorfleet.train.session import TrainingSession
 from tensorfleet.train.summary import SummaryHook
 from tensorfleet.worker.replica import Replica
@@ -198,7 +201,6 @@ def test_a_ps_restarted_empty_is_restored_from_the_checkpoint_and_training_goes_
                 x, y = batch(session.global_step)
                 steps.append(session.run_step(lambda: nn.functional.cross_entropy(model(x), y)).global_step)
             servers[1].stop(grace_s=0)  # ps 1 dies...
-            from tensorfleet.ps.server import Server
             servers[1] = Server(cluster, job_name="ps", task_index=1)  # ...and comes back empty
             while not session.should_stop():
                 x, y = batch(session.global_step)
@@ -211,8 +213,6 @@ def test_a_ps_restarted_empty_is_restored_from_the_checkpoint_and_training_goes_
 
 
 def test_a_checkpoint_due_while_a_ps_is_down_is_skipped_not_fatal(tmp_path, caplog):
-    from tensorfleet.ps.server import Server
-    from tensorfleet.train.hooks import StepResult
     with ps_servers(num_ps=2, num_workers=1) as (cluster, servers):
         saver = CheckpointSaverHook(tmp_path, save_steps=1)
         with TrainingSession(replica_for(cluster, copy.deepcopy(INITIAL)), chief_only_hooks=[saver],
@@ -236,3 +236,36 @@ def test_ending_the_session_leaves_the_model_as_the_user_left_it(cluster, tmp_pa
     # The end-of-session checkpoint must not have pulled the raw values over the averages.
     assert all(torch.equal(p.detach(), averaged[n]) for n, p in model.named_parameters())
     assert [p.name for p in list_checkpoints(tmp_path)][-1] == "model.ckpt-3.safetensors"
+
+
+def test_sync_training_recovers_from_a_ps_restarted_empty(tmp_path):
+    with ps_servers(num_ps=2, num_workers=2) as (cluster, servers):
+        results, errors = {}, []
+
+        def worker(index):
+            try:
+                model = copy.deepcopy(INITIAL)
+                replica = Replica(model, cluster, TaskSpec("worker", index), optimizer=SPEC, mode="sync")
+                with TrainingSession(replica, hooks=[StopAtStepHook(last_step=12)], checkpoint_dir=tmp_path,
+                                     save_checkpoint_steps=2, recovery_timeout_s=30,
+                                     log_step_count_steps=None) as session:
+                    fit(session, model)
+                results[index] = (session.global_step, session.recoveries)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while servers[0].store.status().global_step < 5 and time.monotonic() < deadline:
+            threading.Event().wait(0.005)
+        servers[1].stop(grace_s=0)
+        servers[1] = Server(cluster, job_name="ps", task_index=1)  # back, empty
+        for thread in threads:
+            thread.join(60)
+        assert not errors, errors
+        assert not any(t.is_alive() for t in threads), "a worker hung after the ps came back"
+        assert results[0][0] == results[1][0] == 12 and results[0][1] >= 1
+        # Both shards agree again: same number of aggregations since the restore, same global step.
+        assert servers[0].store.status().global_step == servers[1].store.status().global_step == 12
