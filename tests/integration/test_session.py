@@ -127,8 +127,16 @@ def test_step_timer_rules():
     assert timer.should_trigger(0)
     timer.mark(5)
     assert not timer.should_trigger(5) and not timer.should_trigger(14) and timer.should_trigger(15)
-    with pytest.raises(InvalidArgumentError, match="exactly one"):
-        StepTimer(every_steps=1, every_secs=1.0)
+    now = [0.0]
+    both = StepTimer(every_steps=10, every_secs=5.0, clock=lambda: now[0])
+    both.mark(0)
+    assert not both.should_trigger(3)
+    now[0] = 6.0
+    assert both.should_trigger(3)  # the seconds came first
+    both.mark(3)
+    assert both.should_trigger(13)  # then the steps
+    with pytest.raises(InvalidArgumentError, match="every_steps, every_secs, or both"):
+        StepTimer()
     with pytest.raises(InvalidArgumentError, match="exactly one"):
         StopAtStepHook()
 

@@ -51,15 +51,14 @@ class Hook:
 
 
 class StepTimer:
-    """Triggers every ``every_steps`` global steps or ``every_secs`` seconds (exactly one), and first at once.
-
-    As TF's SecondOrStepTimer: never twice for the same step.
+    """Triggers every ``every_steps`` global steps and/or every ``every_secs`` seconds (whichever comes
+    first when both are given), and first at once. As TF's SecondOrStepTimer: never twice for one step.
     """
 
     def __init__(self, *, every_steps: int | None = None, every_secs: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if (every_steps is None) == (every_secs is None):
-            raise InvalidArgumentError("give exactly one of every_steps and every_secs")
+        if every_steps is None and every_secs is None:
+            raise InvalidArgumentError("give every_steps, every_secs, or both")
         if (every_steps is not None and every_steps < 1) or (every_secs is not None and every_secs <= 0):
             raise InvalidArgumentError(f"every_steps={every_steps}, every_secs={every_secs} must be positive")
         self.every_steps, self.every_secs, self._clock = every_steps, every_secs, clock
@@ -71,9 +70,9 @@ class StepTimer:
             return True
         if step == self._last_step:
             return False
-        if self.every_steps is not None:
-            return step >= self._last_step + self.every_steps
-        return self._clock() >= self._last_time + self.every_secs
+        by_steps = self.every_steps is not None and step >= self._last_step + self.every_steps
+        by_time = self.every_secs is not None and self._clock() >= self._last_time + self.every_secs
+        return by_steps or by_time
 
     def mark(self, step: int) -> None:
         self._last_step, self._last_time = step, self._clock()
@@ -103,7 +102,7 @@ class StopAtStepHook(Hook):
 
 
 class CheckpointSaverHook(Hook):
-    """The chief saves a checkpoint when the session starts, every N steps or seconds, and at the end.
+    """The chief saves a checkpoint when the session starts, every N steps and/or seconds, and at the end.
 
     Only the chief saves; on other workers the hook does nothing.
     """

@@ -52,7 +52,7 @@ class TrainingSession:
         hooks: run on every worker.
         chief_only_hooks: run on the chief only (summaries, extra savers).
         checkpoint_dir: where the chief saves checkpoints and restores from; None: no checkpoints.
-        save_checkpoint_steps / save_checkpoint_secs: how often to save (default: every 600 s).
+        save_checkpoint_steps / save_checkpoint_secs: how often to save, either or both (default: every 600 s).
         max_to_keep: checkpoints kept in ``checkpoint_dir``.
         log_step_count_steps: a LoggingHook line every N local steps (None: no log lines).
         recovery_timeout_s: how long a step waits for a lost ps to come back before failing.
