@@ -85,6 +85,9 @@ def _status_for(exc: errors.TensorfleetError) -> grpc.StatusCode:
 def _error_for(code: grpc.StatusCode, detail: str, task: str) -> errors.TensorfleetError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return errors.WireError(f"message too large for the limit: {detail}", task=task)
+    if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED):
+        # We never cancel our own calls: the server cancelled it because it is going away.
+        return errors.UnavailableError(f"the call was {code.name.lower()} by a task going away: {detail}", task=task)
     for cls, mapped in _ERROR_CODES:
         if mapped == code:
             return cls(detail, task=task)
