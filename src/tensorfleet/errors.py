@@ -13,9 +13,14 @@ from __future__ import annotations
 
 
 class TensorfleetError(Exception):
-    """Base of every error raised by tensorfleet."""
+    """Base of every error raised by tensorfleet.
+
+    ``code`` is the status name the error travels as between tasks (gRPC's names, used on
+    the data plane too); ``from_code`` turns it back into the same class on the other side.
+    """
 
     recoverable: bool = False
+    code: str = "INTERNAL"
 
     def __init__(self, message: str, *, task: str | None = None, step: int | None = None) -> None:
         self.message = message
@@ -32,6 +37,8 @@ class ClusterSpecError(TensorfleetError, ValueError):
 class InvalidArgumentError(TensorfleetError, ValueError):
     """A request names an unknown variable, or a tensor of the wrong shape or dtype. Not recoverable."""
 
+    code = "INVALID_ARGUMENT"
+
 
 class WireError(InvalidArgumentError):
     """A message could not be encoded or decoded: malformed, oversized, unknown dtype. Not recoverable."""
@@ -41,18 +48,21 @@ class NotInitializedError(TensorfleetError):
     """The variables are not initialized yet: the chief has not run. Recoverable (wait for it)."""
 
     recoverable = True
+    code = "FAILED_PRECONDITION"
 
 
 class UnavailableError(TensorfleetError):
     """A task cannot be reached (not started yet, restarting, or dead). Recoverable (retry)."""
 
     recoverable = True
+    code = "UNAVAILABLE"
 
 
 class DeadlineExceededError(TensorfleetError):
     """A call or a wait ran past its deadline. Recoverable, but it names what it waited for."""
 
     recoverable = True
+    code = "DEADLINE_EXCEEDED"
 
 
 class DataError(TensorfleetError, ValueError):
@@ -65,3 +75,17 @@ class LaunchError(TensorfleetError):
 
 class NanLossError(TensorfleetError):
     """The loss was NaN or infinite; nothing was pushed. Not recoverable by retrying the same step."""
+
+
+_BY_CODE: dict[str, type[TensorfleetError]] = {
+    cls.code: cls for cls in (InvalidArgumentError, NotInitializedError, UnavailableError, DeadlineExceededError)}
+
+
+def from_code(code: str, message: str, *, task: str | None = None) -> TensorfleetError:
+    """The error a task reported as status ``code``; CANCELLED/ABORTED (a task going away) are UNAVAILABLE."""
+    if code == "RESOURCE_EXHAUSTED":
+        return WireError(f"message too large for the limit: {message}", task=task)
+    if code in ("CANCELLED", "ABORTED"):
+        return UnavailableError(f"the call was {code.lower()} by a task going away: {message}", task=task)
+    cls = _BY_CODE.get(code)
+    return cls(message, task=task) if cls else TensorfleetError(f"{code}: {message}", task=task)

@@ -1,14 +1,19 @@
 """A real ps server on 127.0.0.1: the wire rules hold end to end (errors as statuses, nothing changes)."""
 
-import grpc
+import json
+import re
+import socket
+
 import pytest
 import torch
 
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError, WireError
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
-from tensorfleet.wire import codec, rpc
-from tensorfleet.wire.rpc import Channel, WireOptions
+from tensorfleet.wire import frame
+from tensorfleet.wire.codec import TensorEntry
+from tensorfleet.wire.dataplane import DataChannel
+from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import PsClient
 
 VALUES = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.zeros(3), "c": torch.ones(4)}
@@ -53,43 +58,99 @@ def _snapshot(servers):
     return [server.store.read()[0] for server in servers]
 
 
+def _data_channel(servers, index=0, **options):
+    channel = DataChannel(task=f"/job:ps/task:{index}", options=WireOptions(**options))
+    channel.set_address("127.0.0.1", servers[index].service.data_port)
+    return channel
+
+
+def _head(header: dict, body_bytes: int = 0) -> bytes:
+    raw = json.dumps(header).encode()
+    return frame.PREFIX.pack(frame.MAGIC, 1, len(raw), body_bytes) + raw
+
+
+def _raw_exchange(servers, request: bytes) -> tuple[str, str]:
+    """Send raw bytes to ps 0's data port; return the reply's status and message."""
+    with socket.create_connection(("127.0.0.1", servers[0].service.data_port), timeout=5) as sock:
+        sock.sendall(request)
+        head = frame.Reader(sock).read_head(max_body_bytes=1 << 20)
+    return head.kind, head.meta.get("message", "")
+
+
 @pytest.mark.parametrize("request_bytes, message", [
-    (b"garbage", "too short|bad magic"),
+    (b"garbage" + b"\0" * 13, "bad magic"),
     (b"\x00" * 64, "bad magic"),
-    (codec.encode({}, {"w": torch.ones(2, 3)})[:-5], "outside"),
+    (frame.PREFIX.pack(frame.MAGIC, 7, 2, 0) + b"{}", "version 7"),
+    (frame.PREFIX.pack(frame.MAGIC, 1, 5, 0) + b"{nope", "not valid JSON"),
+    (frame.PREFIX.pack(frame.MAGIC, 1, 2, 1 << 40) + b"{}", "exceeds the limit"),
+    (_head({"kind": "Push", "meta": {}, "tensors": [{"name": "w", "dtype": "float99", "shape": [2]}]}),
+     "unknown dtype 'float99'"),
+    (_head({"kind": "Push", "meta": {}, "tensors": [{"name": "w", "dtype": "float32", "shape": [-2]}]}),
+     "invalid shape"),
+    (_head({"kind": "Push", "meta": [], "tensors": []}), "'meta' \\(object\\)"),
 ])
 def test_malformed_bytes_get_invalid_argument_and_change_nothing(cluster_two_ps, request_bytes, message):
     cluster, servers, client = cluster_two_ps
     client.initialize(VALUES, OptimizerSpec.sgd(lr=1.0))
     before = _snapshot(servers)
-    channel = grpc.insecure_channel(cluster.ps_addresses[0])
-    push = channel.unary_unary(f"/{rpc.SERVICE}/Push")
-    with pytest.raises(grpc.RpcError) as caught:
-        push(request_bytes, timeout=5)
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert caught.value.details() and __import__("re").search(message, caught.value.details())
-    channel.close()
+    status, detail = _raw_exchange(servers, request_bytes)
+    assert status == "INVALID_ARGUMENT" and re.search(message, detail), detail
     after = _snapshot(servers)
     assert all(torch.equal(b[n], a[n]) for b, a in zip(before, after) for n in b)
     assert client.pull().global_step == 0  # the server still serves, the step did not move
+
+
+def test_header_and_body_that_disagree_are_refused(cluster_two_ps):
+    _, servers, client = cluster_two_ps
+    client.initialize(VALUES, OptimizerSpec.sgd(lr=1.0))
+    header = json.dumps({"kind": "Push", "meta": {}, "tensors": [{"name": "w", "dtype": "float32", "shape": [2, 3]}]})
+    request = frame.PREFIX.pack(frame.MAGIC, 1, len(header), 4) + header.encode() + b"\0" * 4  # 24 bytes declared
+    status, detail = _raw_exchange(servers, request)
+    assert status == "INVALID_ARGUMENT" and "take 24 bytes but the prefix announces 4" in detail
+    assert client.pull().global_step == 0
+
+
+def test_a_push_cut_off_mid_body_applies_nothing(cluster_two_ps):
+    _, servers, client = cluster_two_ps
+    client.initialize(VALUES, OptimizerSpec.sgd(lr=1.0))
+    before = _snapshot(servers)
+    with socket.create_connection(("127.0.0.1", servers[0].service.data_port), timeout=5) as sock:
+        sock.sendall(frame.encode_head("Push", {"advance_step": True}, [TensorEntry("w", torch.float32, (2, 3))]))
+        sock.sendall(b"\0" * 10)  # 14 bytes short, then the worker dies
+    assert client.pull().global_step == 0
+    after = _snapshot(servers)
+    assert all(torch.equal(b[n], a[n]) for b, a in zip(before, after) for n in b)
 
 
 @pytest.mark.parametrize("grads, message", [
     ({"nope": torch.ones(1)}, "unknown variable 'nope'"),
     ({"w": torch.ones(3, 2)}, "gradient for 'w'"),
     ({"w": torch.ones(2, 3, dtype=torch.float16)}, "float16"),
+    ({"b": torch.ones(3)}, "unknown variable 'b'"),  # b lives on the other shard
 ])
-def test_bad_push_is_refused_with_clear_error(cluster_two_ps, grads, message):
+def test_bad_push_is_refused_with_clear_error_and_the_connection_stays_usable(cluster_two_ps, grads, message):
     cluster, servers, client = cluster_two_ps
     client.initialize(VALUES, OptimizerSpec.sgd(lr=1.0))
     before = _snapshot(servers)
-    channel = Channel(cluster.ps_addresses[0], task="/job:ps/task:0")
+    channel = _data_channel(servers)
     with pytest.raises(InvalidArgumentError, match=message):
         channel.call("Push", {"advance_step": True}, grads)
-    channel.close()
     after = _snapshot(servers)
     assert all(torch.equal(b[n], a[n]) for b, a in zip(before, after) for n in b)
     assert servers[0].store.status().global_step == 0
+    meta, values = channel.call("Pull", {})  # same connection: the refused body was skipped, the stream is in step
+    assert meta["step"] == 0 and torch.equal(values["w"], VALUES["w"])
+    channel.close()
+
+
+def test_unknown_data_method_is_refused(cluster_two_ps):
+    _, servers, client = cluster_two_ps
+    client.initialize(VALUES, OptimizerSpec.sgd(lr=1.0))
+    channel = _data_channel(servers)
+    with pytest.raises(InvalidArgumentError, match="unknown data-plane method 'Explode'"):
+        channel.call("Explode", {}, {"w": torch.ones(2, 3)})
+    assert channel.call("Pull", {})[0]["step"] == 0
+    channel.close()
 
 
 def test_pull_before_init_is_failed_precondition(cluster_two_ps):
@@ -114,12 +175,18 @@ def test_missing_ps_times_out_with_its_address():
 
 
 def test_message_size_limit_is_enforced_both_ways(cluster_two_ps):
-    cluster, _, client = cluster_two_ps
-    client.initialize(VALUES, OptimizerSpec.sgd(lr=1.0))
-    small = Channel(cluster.ps_addresses[0], task="/job:ps/task:0", options=WireOptions(max_message_bytes=4096))
-    with pytest.raises(WireError, match="exceeds the limit"):
-        small.call("Push", {}, {"w": torch.ones(2000)})
+    cluster, servers, _ = cluster_two_ps
+    client = PsClient(cluster, {"w": 0, "b": 1, "c": 0, "big": 0})
+    client.wait_for_shards(10)
+    client.initialize({**VALUES, "big": torch.zeros(2000)}, OptimizerSpec.sgd(lr=1.0))
+    client.close()
+    small = _data_channel(servers, max_message_bytes=4096)
+    with pytest.raises(WireError, match="exceeds the limit of 4096"):
+        small.call("Pull", {})  # the reply (8,000+ bytes) is over this client's limit
     small.close()
+    # the server's side: a request announcing more than its limit is refused before a byte of body is read
+    status, detail = _raw_exchange(servers, frame.encode_head("Push", {}, [TensorEntry("g", torch.uint8, (1 << 31,))]))
+    assert status == "INVALID_ARGUMENT" and "exceeds the limit" in detail
 
 
 def test_done_from_every_worker_finishes_the_ps(cluster_two_ps):

@@ -132,6 +132,11 @@ class Placement:
                                                                              part.rows[1] - part.rows[0])
         return out
 
+    def views_of(self, variable: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """As ``views``, for the parts of one variable only."""
+        return {part.name: tensor if part.rows is None else tensor.narrow(0, part.rows[0], part.rows[1] - part.rows[0])
+                for part in self.parts if part.variable == variable}
+
     def bytes_per_shard(self, num_ps: int) -> list[int]:
         loads = [0] * num_ps
         for part in self.parts:

@@ -114,7 +114,7 @@ class SyncAccumulator:
         self.step = 0
         self.dropped_stale = 0
         self.dropped_duplicate = 0
-        self._sums: dict[str, torch.Tensor] = {}
+        self._sums: dict[str, torch.Tensor] = {}  # buffers kept from step to step: no allocation per step
         self._contributors: list[int] = []
 
     @property
@@ -133,21 +133,34 @@ class SyncAccumulator:
         if replica in self._contributors:
             self.dropped_duplicate += 1
             return Offer.DUPLICATE
-        for name, grad in gradients.items():
-            total = self._sums.get(name)
-            if total is None:
-                self._sums[name] = grad.detach().clone()
-            else:
-                total.add_(grad)
+        first = not self._contributors
+        if first:
+            self._sums = {name: self._reuse(name, grad).copy_(grad) for name, grad in gradients.items()}
+        else:
+            for name, grad in gradients.items():
+                total = self._sums.get(name)
+                if total is None:
+                    self._sums[name] = grad.detach().clone()
+                else:
+                    total.add_(grad)
         self._contributors.append(replica)
         return Offer.COMPLETE if len(self._contributors) >= self.options.replicas_to_aggregate else Offer.ACCEPTED
 
+    def _reuse(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        buffer = self._sums.get(name)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = torch.empty_like(like)
+        return buffer
+
     def take_mean(self) -> dict[str, torch.Tensor]:
-        """The mean of the gradients gathered for this step; resets and advances to the next step."""
+        """The mean of the gradients gathered for this step; resets and advances to the next step.
+
+        The mean lives in the accumulator's buffers: apply it before the next ``offer``.
+        """
         count = len(self._contributors)
         if count == 0:
             raise InvalidArgumentError(f"step {self.step} has no gradient to apply")
         mean = {name: total.div_(count) for name, total in self._sums.items()}
-        self._sums, self._contributors = {}, []
+        self._contributors = []
         self.step += 1
         return mean

@@ -222,12 +222,18 @@ class MovingAverage:
 def check_gradients(variables: Mapping[str, torch.Tensor], gradients: Mapping[str, torch.Tensor],
                     *, task: str | None = None) -> None:
     """Raise InvalidArgumentError unless every gradient names a variable here and matches its shape and dtype."""
-    for name, grad in gradients.items():
+    check_layout(variables, {name: (grad.dtype, tuple(grad.shape)) for name, grad in gradients.items()}, task=task)
+
+
+def check_layout(variables: Mapping[str, torch.Tensor], layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+                 *, task: str | None = None) -> None:
+    """As ``check_gradients``, for (dtype, shape) pairs announced before the tensors themselves arrive."""
+    for name, (dtype, shape) in layout.items():
         var = variables.get(name)
         if var is None:
             known = ", ".join(sorted(variables)[:8]) + (" ..." if len(variables) > 8 else "")
             raise InvalidArgumentError(f"unknown variable {name!r}: this shard holds {known or 'nothing'}", task=task)
-        if grad.shape != var.shape or grad.dtype != var.dtype:
+        if tuple(shape) != tuple(var.shape) or dtype != var.dtype:
             raise InvalidArgumentError(
-                f"gradient for {name!r} is {grad.dtype} {tuple(grad.shape)}, "
+                f"gradient for {name!r} is {dtype} {tuple(shape)}, "
                 f"the variable is {var.dtype} {tuple(var.shape)}", task=task)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 
-from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, parse_address
 from tensorfleet.errors import ClusterSpecError
 from tensorfleet.ps.service import PsService
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.wire import rpc
+from tensorfleet.wire.dataplane import DataServer
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +42,16 @@ class Server:
         self.store = VariableStore(task=self.task.name, replica_names=[r.name for r in replicas])
         self.service = PsService(self.store, num_workers=len(replicas))
         address = cluster.task_address(job_name, task_index)
-        # A sync push holds its handler thread until the step is aggregated: room for every replica, and more.
-        self._grpc, self.port = rpc.start_server(address, self.service.handlers(), task=self.task.name,
-                                                 options=options, max_workers=2 * len(replicas) + 8)
-        log.info("%s: serving on %s", self.task.name, address)
+        self._data = DataServer(parse_address(address)[0], self.service.data_methods(), task=self.task.name,
+                                options=options)
+        self.service.data_port = self._data.port
+        try:
+            self._grpc, self.port = rpc.start_server(address, self.service.handlers(), task=self.task.name,
+                                                     options=options, max_workers=8)
+        except BaseException:
+            self._data.stop()
+            raise
+        log.info("%s: serving on %s (data plane on port %d)", self.task.name, address, self._data.port)
 
     def join(self, timeout: float | None = None) -> bool:
         """Block until every worker has finished (True) or ``timeout`` seconds passed (False); then stop."""
@@ -59,4 +66,5 @@ class Server:
 
     def stop(self, grace_s: float = 1.0) -> None:
         # Let in-flight replies (the last Done) reach their callers before the sockets close.
+        self._data.stop()
         self._grpc.stop(grace_s).wait()

@@ -1,6 +1,8 @@
 """The ps's RPC adapter: translates wire messages to VariableStore calls, nothing more.
 
-Request and reply fields (the ``meta`` of a codec message):
+Init, Snapshot, Status and Done are gRPC methods (the control plane); Pull and Push
+travel on the data plane (``tensorfleet.wire.dataplane``), whose port Status tells.
+Request and reply fields (the ``meta`` of a message):
 
 ==========  ===========================================  ==========================================
 method      request                                      reply
@@ -10,14 +12,16 @@ Init        optimizer: {name, options, schedule};        initialized: bool (Fals
             float or absent; restore: {global_step,
             applied_updates} or absent; tensors: values,
             or with restore a flattened ShardState
-Pull        names: [str] or absent (all); averages:      step (this shard's); tensors: values
-            bool (moving averages instead of values)
-Push        async: advance_step: bool                    step (this shard's); outcome
-            sync: replica: int, step: int (blocks until
-            the step is aggregated); tensors: gradients
+Pull        averages: bool (moving averages instead      step (this shard's); tensors: every
+            of values)                                   variable's value (or average)
+Push        async: advance_step: bool                    step (this shard's); outcome; with
+            sync: replica: int, step: int (blocks until  values: the shard's values after the
+            the step is aggregated); values: bool (reply update (a push and the next pull in
+            with the values); tensors: gradients         one round trip)
 Snapshot    -                                            global_step, applied_updates; tensors: the
                                                          flattened ShardState (values, slots, averages)
-Status      -                                            initialized, mode, sync, step, counters
+Status      -                                            initialized, mode, sync, step, counters,
+                                                         data_port
 Done        replica: int                                 workers_done, num_workers
 ==========  ===========================================  ==========================================
 """
@@ -35,6 +39,7 @@ from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.ps.store import ShardState, VariableStore
+from tensorfleet.wire.dataplane import Method, Reply, Request
 from tensorfleet.wire.rpc import Handler, Message
 
 log = logging.getLogger(__name__)
@@ -43,15 +48,20 @@ log = logging.getLogger(__name__)
 class PsService:
     """Handlers for one ps shard. ``finished`` is set once every worker has said Done."""
 
-    def __init__(self, store: VariableStore, *, num_workers: int) -> None:
+    def __init__(self, store: VariableStore, *, num_workers: int, data_port: int = 0) -> None:
         self.store = store
+        self.data_port = data_port  # set by the server once the data plane listens
         self.num_workers = num_workers
         self.finished = threading.Event()
         self._workers_done = 0
 
     def handlers(self) -> dict[str, Handler]:
-        return {"Init": self.init, "Pull": self.pull, "Push": self.push, "Snapshot": self.snapshot,
-                "Status": self.status, "Done": self.done}
+        """The control plane's gRPC methods."""
+        return {"Init": self.init, "Snapshot": self.snapshot, "Status": self.status, "Done": self.done}
+
+    def data_methods(self) -> dict[str, Method]:
+        """The data plane's methods: the two calls of every training step."""
+        return {"Pull": self.pull, "Push": self.push}
 
     def init(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         spec = OptimizerSpec.from_meta(meta.get("optimizer"))
@@ -78,25 +88,38 @@ class PsService:
             log.info("%s: already initialized; kept the current values (not overwritten)", self.store.task)
         return {"initialized": created}, {}
 
-    def pull(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
-        names = meta.get("names")
-        if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
-            raise InvalidArgumentError(f"Pull 'names' must be a list of strings, got {names!r:.100}")
-        averages = meta.get("averages", False)
+    def pull(self, request: Request) -> Reply:
+        if request.entries:
+            raise InvalidArgumentError("a Pull carries no tensors")
+        averages = request.meta.get("averages", False)
         if not isinstance(averages, bool):
             raise InvalidArgumentError(f"Pull 'averages' must be a bool, got {averages!r:.50}")
-        values, step = self.store.read(names, averages=averages)
-        return {"step": step}, values
+        values, step, release = self.store.read_live(averages=averages)
+        return Reply({"step": step}, values, release)
 
-    def push(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
-        if "step" in meta:
+    def push(self, request: Request) -> Reply:
+        meta = request.meta
+        with_values = meta.get("values", False)
+        if not isinstance(with_values, bool):
+            raise InvalidArgumentError(f"Push 'values' must be a bool, got {with_values!r:.50}")
+        sync = "step" in meta
+        if sync:
             replica, step = _int_field(meta, "replica", method="Push"), _int_field(meta, "step", method="Push")
-            new_step, offer = self.store.push_sync(replica, step, tensors)
-            return {"step": new_step, "outcome": offer.value}, {}
-        advance = meta.get("advance_step", False)
-        if not isinstance(advance, bool):
-            raise InvalidArgumentError(f"Push 'advance_step' must be a bool, got {advance!r:.50}")
-        return {"step": self.store.apply(tensors, advance_step=advance), "outcome": "applied"}, {}
+        else:
+            advance = meta.get("advance_step", False)
+            if not isinstance(advance, bool):
+                raise InvalidArgumentError(f"Push 'advance_step' must be a bool, got {advance!r:.50}")
+        self.store.check_push({e.name: (e.dtype, e.shape) for e in request.entries})  # before reading the body
+        gradients = request.receive()
+        if sync:
+            new_step, offer = self.store.push_sync(replica, step, gradients)
+            reply = {"step": new_step, "outcome": offer.value}
+        else:
+            reply = {"step": self.store.apply(gradients, advance_step=advance), "outcome": "applied"}
+        if not with_values:
+            return Reply(reply)
+        values, reply["step"], release = self.store.read_live()  # the step the values belong to
+        return Reply(reply, values, release)
 
     def snapshot(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         state = self.store.snapshot()
@@ -106,7 +129,7 @@ class PsService:
         reply = dataclasses.asdict(self.store.status())
         sync = self.store.sync_options
         reply.update(task=self.store.task, workers_done=self._workers_done, num_workers=self.num_workers,
-                     sync=sync.to_meta() if sync else None)
+                     sync=sync.to_meta() if sync else None, data_port=self.data_port)
         return reply, {}
 
     def done(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:

@@ -3,6 +3,11 @@
 All mutation happens under one lock, and every request is validated before
 anything is written, so a bad request leaves the shard bit-identical.
 
+Readers of the live tensors (``read_live``: a pull's reply goes to the socket
+straight from the variables, without a copy) hold a *shared* hold; an update
+waits until no reader holds one, and readers arriving while an update waits
+queue behind it, so a stream of pulls cannot starve the updates.
+
 Steps: in async mode only ps task 0 counts the global step (the worker tags
 exactly one shard's part of each push with ``advance_step``).  In sync mode
 every shard counts its own aggregations (they advance together, since every
@@ -15,13 +20,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError
 from tensorfleet.ps.aggregate import Offer, SyncAccumulator, SyncOptions
-from tensorfleet.ps.apply import Applier, MovingAverage, OptimizerSpec, check_gradients
+from tensorfleet.ps.apply import Applier, MovingAverage, OptimizerSpec, check_gradients, check_layout
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +104,8 @@ class VariableStore:
         self._global_step = 0
         self._applied_updates = 0
         self._done: set[int] = set()
+        self._readers = 0  # replies being sent from the live tensors (read_live)
+        self._updates_waiting = 0
         self._generation = 0  # bumped by a forced restore: releases sync waits of the old timeline
 
     def initialize(self, values: Mapping[str, torch.Tensor], spec: OptimizerSpec,
@@ -163,9 +170,51 @@ class VariableStore:
                                            f"{', '.join(sorted(source)[:8])}", task=self.task)
             return {name: source[name].clone() for name in wanted}, self._global_step
 
+    def read_live(self, *, averages: bool = False) -> tuple[dict[str, torch.Tensor], int, Callable[[], None]]:
+        """The live tensors of every variable (or average), the step, and ``release`` to call when done.
+
+        No copy: until ``release()`` the caller holds a shared hold and no update can run, so the
+        tensors stay consistent while they are sent.  Call ``release()`` exactly once, soon.
+        """
+        with self._cond:
+            while self._updates_waiting:
+                self._cond.wait()
+            self._require_initialized()
+            if averages and self._average is None:
+                raise InvalidArgumentError("this job keeps no moving averages: the chief sets average_decay",
+                                           task=self.task)
+            source = dict(self._average.shadows if averages else self._variables)
+            self._readers += 1
+            return source, self._global_step, self._release_reader
+
+    def _release_reader(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if not self._readers:
+                self._cond.notify_all()
+
+    def _exclusive(self) -> None:
+        """Wait (holding the condition's lock between waits) until no reader holds the live tensors."""
+        if not self._readers:
+            return
+        self._updates_waiting += 1
+        try:
+            while self._readers:
+                self._cond.wait()
+        finally:
+            self._updates_waiting -= 1
+            self._cond.notify_all()
+
+    def check_push(self, layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        """Refuse, before its bytes are read, a push naming unknown variables or wrong shapes or dtypes."""
+        with self._cond:
+            self._require_initialized()
+            check_layout(self._variables, layout, task=self.task)
+
     def apply(self, gradients: Mapping[str, torch.Tensor], *, advance_step: bool) -> int:
         """Async mode: apply one update now; advance the global step if asked. Return the step after it."""
         with self._cond:
+            self._exclusive()  # first: from here on the lock is never released until the update is done
             self._require_initialized()
             if self._sync is not None:
                 raise InvalidArgumentError("this ps runs in sync mode: a push must carry the replica and the step "
@@ -187,6 +236,7 @@ class VariableStore:
                 the message names the replicas that did not push.
         """
         with self._cond:
+            self._exclusive()  # offer and aggregation happen in one hold of the lock
             self._require_initialized()
             sync = self._sync
             if sync is None:
@@ -223,6 +273,7 @@ class VariableStore:
         return len(contributed) + len(could_still_push) < sync.options.replicas_to_aggregate
 
     def _aggregate(self) -> None:
+        self._exclusive()  # a no-op after push_sync's; needed when a timeout aggregates what arrived
         self._apply(self._sync.take_mean())
         self._global_step += 1
         self._cond.notify_all()

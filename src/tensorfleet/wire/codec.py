@@ -19,6 +19,7 @@ import json
 import math
 import struct
 import warnings
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -111,23 +112,56 @@ def decode(data: bytes | bytearray | memoryview, *,
     return header["meta"], tensors
 
 
-def _decode_tensor(view: memoryview, entry: Any, body_start: int) -> tuple[str, torch.Tensor]:
+@dataclass(frozen=True)
+class TensorEntry:
+    """A validated header entry: which tensor follows, and how many bytes it takes."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": DTYPE_NAMES[self.dtype], "shape": list(self.shape)}
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "TensorEntry":
+        if not isinstance(tensor, torch.Tensor):
+            raise WireError(f"value of {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        dtype_name(tensor.dtype)  # raises for a dtype that cannot travel
+        return cls(name, tensor.dtype, tuple(tensor.shape))
+
+    def matches(self, tensor: torch.Tensor) -> bool:
+        return tensor.dtype == self.dtype and tuple(tensor.shape) == self.shape
+
+
+def check_entry(entry: Any) -> TensorEntry:
+    """Validate one header entry (name, known dtype, shape of non-negative ints), or raise WireError."""
     if not isinstance(entry, dict):
         raise WireError(f"tensor entry must be an object, got {entry!r:.80}")
     name, dtype_text, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
-    offset, nbytes = entry.get("offset"), entry.get("nbytes")
     if not isinstance(name, str) or not name:
         raise WireError(f"tensor entry has no valid name: {entry!r:.120}")
     if dtype_text not in DTYPES:
         raise WireError(f"tensor {name!r} has unknown dtype {dtype_text!r}: supported are {', '.join(DTYPES)}")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise WireError(f"tensor {name!r} has an invalid shape {shape!r}: expected a list of non-negative ints")
+    return TensorEntry(name, DTYPES[dtype_text], tuple(shape))
+
+
+def _decode_tensor(view: memoryview, entry: Any, body_start: int) -> tuple[str, torch.Tensor]:
+    checked = check_entry(entry)
+    name, dtype, shape = checked.name, checked.dtype, list(checked.shape)
+    offset, nbytes = entry.get("offset"), entry.get("nbytes")
     if not _is_count(offset) or not _is_count(nbytes):
         raise WireError(f"tensor {name!r} has an invalid offset/nbytes ({offset!r}, {nbytes!r})")
-    dtype = DTYPES[dtype_text]
-    expected = math.prod(shape) * dtype.itemsize
+    expected = checked.nbytes
     if expected != nbytes:
-        raise WireError(f"tensor {name!r}: shape {shape} of {dtype_text} needs {expected} bytes, header says {nbytes}")
+        raise WireError(f"tensor {name!r}: shape {shape} of {entry['dtype']} needs {expected} bytes, "
+                        f"header says {nbytes}")
     start = body_start + offset
     if start + nbytes > len(view):
         raise WireError(f"tensor {name!r}: bytes {start}..{start + nbytes} lie outside the {len(view)}-byte message")
@@ -135,6 +169,14 @@ def _decode_tensor(view: memoryview, entry: Any, body_start: int) -> tuple[str, 
         return name, torch.empty(shape, dtype=dtype)
     flat = torch.frombuffer(view, dtype=dtype, count=nbytes // dtype.itemsize, offset=start)
     return name, flat.view(shape)
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview (no copy), for sockets."""
+    flat = tensor.reshape(-1)
+    if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+        raise WireError("byte_view needs a contiguous tensor")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
 def _is_count(value: Any) -> bool:

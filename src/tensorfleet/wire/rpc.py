@@ -1,6 +1,7 @@
 """gRPC plumbing: servers, channels, deadlines, limits and error statuses.
 
-The service definition is the table ``METHODS`` below: every method is unary,
+This is the control plane (pull and push, the data of every step, travel on
+``tensorfleet.wire.dataplane``).  The service definition is the table ``METHODS`` below: every method is unary,
 takes one codec message (``codec.encode``) and answers one.  gRPC moves opaque
 bytes (no protobuf, no pickle); all parsing happens in ``codec.decode``, so a
 malformed request becomes an INVALID_ARGUMENT status before any handler runs.
@@ -27,10 +28,8 @@ log = logging.getLogger(__name__)
 SERVICE = "tensorfleet.ParameterServer"
 METHODS = (
     "Init",    # chief -> ps: initial values + optimizer; refused politely if already initialized
-    "Pull",    # worker -> ps: current values of some (or all) variables of the shard
-    "Push",    # worker -> ps: gradients of the shard's variables; applied on arrival (async)
     "Snapshot",  # chief -> ps: the whole shard (values, optimizer slots, averages, counters) for a checkpoint
-    "Status",  # anyone -> ps: initialized?, global step, counters
+    "Status",  # anyone -> ps: initialized?, global step, counters, the data plane's port
     "Done",    # worker -> ps: this worker finished; the ps exits when every worker has
 )
 
@@ -67,31 +66,12 @@ class WireOptions:
                 ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
-_ERROR_CODES: list[tuple[type[errors.TensorfleetError], grpc.StatusCode]] = [
-    (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),  # WireError included
-    (errors.NotInitializedError, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
-    (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
-]
-
-
 def _status_for(exc: errors.TensorfleetError) -> grpc.StatusCode:
-    for cls, code in _ERROR_CODES:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
+    return grpc.StatusCode[exc.code]
 
 
 def _error_for(code: grpc.StatusCode, detail: str, task: str) -> errors.TensorfleetError:
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return errors.WireError(f"message too large for the limit: {detail}", task=task)
-    if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED):
-        # We never cancel our own calls: the server cancelled it because it is going away.
-        return errors.UnavailableError(f"the call was {code.name.lower()} by a task going away: {detail}", task=task)
-    for cls, mapped in _ERROR_CODES:
-        if mapped == code:
-            return cls(detail, task=task)
-    return errors.TensorfleetError(f"{code.name}: {detail}", task=task)
+    return errors.from_code(code.name, detail, task=task)
 
 
 def _wrap(handler: Handler, options: WireOptions, task: str) -> Callable[[bytes, grpc.ServicerContext], bytes]:

@@ -1,54 +1,59 @@
 """The worker's client to every ps shard: sharded, concurrent pull and push.
 
-Every call fans out to all shards that hold a part of the request at once (gRPC
-futures, no thread per shard) and gathers the replies; ``x()`` blocks and
-``x_async()`` returns a future with ``result()``.  ps task 0 also keeps the
-global step, so every push includes it (with ``advance_step``), even when it
-holds none of the pushed variables.
+Control calls (Init, Status, Snapshot, Done) go over gRPC; pull and push over
+the data plane, one connection per shard, each shard's calls run on a thread of
+its own so that all shards transfer at once (``x_async()`` returns a
+``Gathered`` future; ``x()`` runs one shard's call on the calling thread and
+the others beside it).  Pulled values and the values a push brings back are
+received straight into the tensors the caller names (``into``: a model's
+parameters), with no copy.  ps task 0 also keeps the global step, so every push
+includes it (with ``advance_step``), even when it holds none of the pushed
+variables.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from tensorfleet.cluster.spec import ClusterSpec
+from tensorfleet.cluster.spec import ClusterSpec, parse_address
 from tensorfleet.errors import DeadlineExceededError, UnavailableError
 from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.ps.store import ShardState
-from tensorfleet.wire.rpc import Channel, RpcFuture, WireOptions
+from tensorfleet.wire.codec import TensorEntry
+from tensorfleet.wire.dataplane import DataChannel, Stream
+from tensorfleet.wire.rpc import Channel, WireOptions
 
 log = logging.getLogger(__name__)
 
+ShardCall = Callable[[], Any]
+
 
 class Gathered:
-    """Futures of several shards combined into one result by ``combine``.
+    """Calls to several shards, running at once, combined into one result by ``combine``.
 
     ``result()`` raises as soon as *any* shard fails, without waiting for the others: in sync
     mode a live shard may hold its reply until a step completes, which a dead shard prevents.
     """
 
-    def __init__(self, futures: list[RpcFuture], combine: Callable[[list], Any]) -> None:
+    def __init__(self, futures: list[Future], combine: Callable[[list], Any]) -> None:
         self._futures, self._combine = futures, combine
-        self._changed = threading.Event()
-        for future in futures:
-            future.add_done_callback(self._changed.set)
 
     def result(self) -> Any:
-        replies: dict[int, Any] = {}
-        while len(replies) < len(self._futures):
-            self._changed.wait()
-            self._changed.clear()  # completions after this line set it again; the scan below sees earlier ones
-            for index, future in enumerate(self._futures):
-                if index not in replies and future.done():
-                    replies[index] = future.result()  # a failed shard raises here, at once
-        return self._combine([replies[i] for i in range(len(self._futures))])
+        done, _ = wait(self._futures, return_when=FIRST_EXCEPTION)
+        for future in self._futures:
+            if future in done and future.exception() is not None:
+                raise future.exception()
+        return self._combine([future.result() for future in self._futures])
+
+    def done(self) -> bool:
+        return all(future.done() for future in self._futures)
 
 
 class PsClient:
@@ -65,6 +70,10 @@ class PsClient:
         self.placement = dict(placement)
         self.channels = [Channel(address, task=f"/job:ps/task:{i}", options=options)
                          for i, address in enumerate(cluster.ps_addresses)]
+        self.data = [DataChannel(task=channel.task, options=options) for channel in self.channels]
+        self._hosts = [parse_address(address)[0] for address in cluster.ps_addresses]
+        self._threads = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ps{i}-data")
+                         for i in range(len(self.channels))]
         self._names_by_shard: list[list[str]] = [[] for _ in self.channels]
         for name, shard in self.placement.items():
             self._names_by_shard[shard].append(name)
@@ -80,16 +89,23 @@ class PsClient:
     def wait_for_shards(self, timeout_s: float) -> list[dict[str, Any]]:
         """Wait until every shard answers Status (it may still be starting); return their statuses."""
         deadline = time.monotonic() + timeout_s
-        statuses = []
-        for channel in self.channels:
-            remaining = max(deadline - time.monotonic(), 0.1)
-            try:
-                statuses.append(channel.call("Status", timeout=remaining, wait_for_ready=True)[0])
-            except (DeadlineExceededError, UnavailableError):
-                raise DeadlineExceededError(
-                    f"waited {timeout_s:.0f} s for ps {channel.task} at {channel.address} to start; "
-                    "is it running? (start it with --job_name=ps, or use 'tensorfleet launch')") from None
+        statuses = [self._status_when_up(channel, deadline, timeout_s) for channel in self.channels]
+        for data, host, status in zip(self.data, self._hosts, statuses):
+            data.set_address(host, status["data_port"])  # a restarted ps listens on a new data port
         return statuses
+
+    @staticmethod
+    def _status_when_up(channel: Channel, deadline: float, timeout_s: float) -> dict[str, Any]:
+        while True:
+            try:
+                return channel.call("Status", timeout=max(deadline - time.monotonic(), 0.1), wait_for_ready=True)[0]
+            except (DeadlineExceededError, UnavailableError):
+                # UNAVAILABLE before the deadline: the call rode a connection to a ps that just died; retry
+                if time.monotonic() >= deadline:
+                    raise DeadlineExceededError(
+                        f"waited {timeout_s:.0f} s for ps {channel.task} at {channel.address} to start; "
+                        "is it running? (start it with --job_name=ps, or use 'tensorfleet launch')") from None
+                time.sleep(0.05)
 
     def initialize(self, values: Mapping[str, torch.Tensor], optimizer: OptimizerSpec,
                    sync: SyncOptions | None = None, average_decay: float | None = None,
@@ -153,43 +169,92 @@ class PsClient:
 
     # --- data path ----------------------------------------------------------------------------
 
-    def pull_async(self, *, averages: bool = False) -> Gathered:
-        """Fetch every variable (or its moving average) from its shard; ``result()`` is a ``Pulled``."""
+    def _fan_out(self, calls: list[tuple[int, ShardCall]], *, inline: bool) -> list[Future]:
+        """Run each shard's call on that shard's thread; with ``inline`` the last runs on this thread."""
+        futures = [self._threads[shard].submit(call) for shard, call in calls[:-1 if inline else None]]
+        if inline:
+            last: Future = Future()
+            try:
+                last.set_result(calls[-1][1]())
+            except BaseException as exc:  # noqa: BLE001 - delivered through the future, like the others
+                last.set_exception(exc)
+            futures.append(last)
+        return futures
+
+    def _pull_calls(self, averages: bool, into: Mapping[str, torch.Tensor] | None) -> tuple[list[int], list]:
         # ps 0 is always asked, even if it holds none of the variables: it keeps the global step.
         shards = [s for s, names in enumerate(self._names_by_shard) if names or s == 0]
-        futures = [self.channels[s].call_async("Pull", {"averages": averages} if averages else None)
-                   for s in shards]
-        return Gathered(futures, lambda replies: _merge_pulls(shards, replies, len(self.channels)))
+        meta = {"averages": averages}
+        return shards, [(s, lambda s=s: self.data[s].call("Pull", meta, into=into)) for s in shards]
 
-    def pull(self, *, averages: bool = False) -> "Pulled":
-        return self.pull_async(averages=averages).result()
+    def pull_async(self, *, averages: bool = False, into: Mapping[str, torch.Tensor] | None = None) -> Gathered:
+        """Fetch every variable (or its moving average) from its shard; ``result()`` is a ``Pulled``.
+
+        Values land in ``into[name]`` where one is given (same shape and dtype), else in new tensors.
+        """
+        shards, calls = self._pull_calls(averages, into)
+        return Gathered(self._fan_out(calls, inline=False), lambda r: _merge_replies(shards, r, len(self.channels)))
+
+    def pull(self, *, averages: bool = False, into: Mapping[str, torch.Tensor] | None = None) -> "Pulled":
+        shards, calls = self._pull_calls(averages, into)
+        return Gathered(self._fan_out(calls, inline=True), lambda r: _merge_replies(shards, r, len(self.channels))
+                        ).result()
+
+    def _push_meta(self, shard: int, sync_steps: Sequence[int] | None, replica: int, values: bool) -> dict:
+        if sync_steps is None:
+            return {"advance_step": shard == 0, "values": values}
+        return {"replica": replica, "step": sync_steps[shard], "values": values}
+
+    def _push_calls(self, gradients: Mapping[str, torch.Tensor], sync_steps: Sequence[int] | None, replica: int,
+                    timeout_s: float | None, into: Mapping[str, torch.Tensor] | None) -> tuple[list[int], list]:
+        shards, calls = [], []
+        for shard, part in enumerate(self._split(gradients)):
+            if not part and shard != 0:
+                continue
+            meta = self._push_meta(shard, sync_steps, replica, into is not None)
+            shards.append(shard)
+            calls.append((shard, lambda s=shard, m=meta, t=part: self.data[s].call("Push", m, t, into=into,
+                                                                                  timeout=timeout_s)))
+        return shards, calls
 
     def push_async(self, gradients: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
-                   replica: int = 0, timeout_s: float | None = None) -> Gathered:
+                   replica: int = 0, timeout_s: float | None = None,
+                   into: Mapping[str, torch.Tensor] | None = None) -> Gathered:
         """Send each shard its gradients; ``result()`` is a ``Pushed``.
 
         Async (``sync_steps`` is None): each shard applies on arrival, ps 0 advances the global step.
         Sync: each shard's part is tagged with the step that shard served at the last pull
         (``Pulled.shard_steps``), and the call returns once every shard has aggregated that step.
+        With ``into``, each shard also replies with its values after the update, received into
+        ``into`` (``Pushed.pulled``): the next step's pull, without another round trip.
         """
-        futures, shards = [], []
-        for shard, (channel, part) in enumerate(zip(self.channels, self._split(gradients))):
-            if not part and shard != 0:
-                continue
-            if sync_steps is None:
-                meta = {"advance_step": shard == 0}
-            else:
-                meta = {"replica": replica, "step": sync_steps[shard]}
-            futures.append(channel.call_async("Push", meta, part, timeout=timeout_s))
-            shards.append(shard)
-        return Gathered(futures, lambda replies: Pushed(
-            global_step=replies[0][0]["step"], outcomes={s: r[0]["outcome"] for s, r in zip(shards, replies)}))
+        shards, calls = self._push_calls(gradients, sync_steps, replica, timeout_s, into)
+        return Gathered(self._fan_out(calls, inline=False),
+                        lambda r: _pushed(shards, r, len(self.channels), with_values=into is not None))
 
-    def push(self, gradients: Mapping[str, torch.Tensor], **kwargs: Any) -> "Pushed":
-        return self.push_async(gradients, **kwargs).result()
+    def push(self, gradients: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
+             replica: int = 0, timeout_s: float | None = None,
+             into: Mapping[str, torch.Tensor] | None = None) -> "Pushed":
+        shards, calls = self._push_calls(gradients, sync_steps, replica, timeout_s, into)
+        return Gathered(self._fan_out(calls, inline=True),
+                        lambda r: _pushed(shards, r, len(self.channels), with_values=into is not None)).result()
+
+    def push_streams(self, layout: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
+                     replica: int = 0, timeout_s: float | None = None, values: bool = True) -> "PushStreams":
+        """Open one push per shard whose gradients will follow one by one (``PushStreams.send``).
+
+        ``layout`` names every gradient of the push, with a tensor of its shape and dtype, in the
+        order they will be sent (backward's order, for overlap with the backward pass).
+        """
+        return PushStreams(self, layout, sync_steps, replica, timeout_s, values)
+
+    def shard_thread(self, shard: int) -> ThreadPoolExecutor:
+        return self._threads[shard]
 
     def close(self) -> None:
-        for channel in self.channels:
+        for channel, data, thread in zip(self.channels, self.data, self._threads):
+            thread.shutdown(wait=False, cancel_futures=True)
+            data.close()
             channel.close()
 
 
@@ -204,21 +269,97 @@ class Pulled:
 
 @dataclass(frozen=True)
 class Pushed:
-    """The global step after the push, and what each shard did with its part
-    (``applied``; in sync mode ``accepted``/``complete``, or ``stale``/``duplicate``/``abandoned`` if dropped)."""
+    """The global step after the push, what each shard did with its part (``applied``; in sync mode
+    ``accepted``/``complete``, or ``stale``/``duplicate``/``abandoned`` if dropped), and, when the push
+    asked for them, the values each shard held after it (``pulled``)."""
 
     global_step: int
     outcomes: dict[int, str]
+    pulled: Pulled | None = None
 
     @property
     def dropped(self) -> bool:
         return any(outcome in ("stale", "duplicate", "abandoned") for outcome in self.outcomes.values())
 
 
-def _merge_pulls(shards: list[int], replies: list[tuple[dict, dict]], num_shards: int) -> Pulled:
+def _merge_replies(shards: list[int], replies: list[tuple[dict, dict]], num_shards: int) -> Pulled:
     values: dict[str, torch.Tensor] = {}
     steps = [0] * num_shards
     for shard, (meta, tensors) in zip(shards, replies):
         values.update(tensors)
         steps[shard] = meta["step"]
     return Pulled(values, steps[0], steps)
+
+
+def _pushed(shards: list[int], replies: list[tuple[dict, dict]], num_shards: int, *, with_values: bool) -> Pushed:
+    """Every shard holding a variable took part in the push, so with values the replies are a whole pull."""
+    return Pushed(global_step=replies[0][0]["step"], outcomes={s: r[0]["outcome"] for s, r in zip(shards, replies)},
+                  pulled=_merge_replies(shards, replies, num_shards) if with_values else None)
+
+
+class PushStreams:
+    """One streamed push per shard: gradients are sent as soon as they are ready, in the layout's order.
+
+    ``send(name)`` marks a gradient ready (its tensor must stay untouched until ``finish``);
+    each shard's thread sends every ready gradient that is next in its order.  ``finish()``
+    sends what is left and waits for every reply; ``abort()`` closes the connections mid-message,
+    so the ps applies nothing of this push.
+    """
+
+    def __init__(self, client: PsClient, layout: Mapping[str, torch.Tensor], sync_steps: Sequence[int] | None,
+                 replica: int, timeout_s: float | None, values: bool) -> None:
+        self._client, self._timeout, self._values = client, timeout_s, values
+        self._order: list[list[str]] = [[] for _ in client.channels]
+        for name in layout:
+            self._order[client.placement[name]].append(name)
+        self._ready: dict[str, torch.Tensor] = {}
+        self._cursor = [0] * len(client.channels)
+        self._shards = [s for s, names in enumerate(self._order) if names or s == 0]
+        self._streams: dict[int, Future] = {}
+        self._sends: dict[int, list[Future]] = {shard: [] for shard in self._shards}
+        for shard in self._shards:
+            entries = [TensorEntry.of(name, layout[name]) for name in self._order[shard]]
+            meta = client._push_meta(shard, sync_steps, replica, values)
+            self._streams[shard] = client.shard_thread(shard).submit(
+                client.data[shard].stream, "Push", meta, entries, timeout=timeout_s)
+
+    def send(self, name: str, gradient: torch.Tensor) -> None:
+        """Mark ``name``'s gradient ready; send it, and any ready ones after it, on its shard's thread."""
+        self._ready[name] = gradient
+        shard = self._client.placement[name]
+        order, cursor = self._order[shard], self._cursor[shard]
+        batch = []
+        while cursor < len(order) and order[cursor] in self._ready:
+            batch.append(self._ready[order[cursor]])
+            cursor += 1
+        self._cursor[shard] = cursor
+        if batch:
+            self._sends[shard].append(self._client.shard_thread(shard).submit(self._send_batch, shard, batch))
+
+    def _send_batch(self, shard: int, batch: list[torch.Tensor]) -> None:
+        stream: Stream = self._streams[shard].result()
+        for tensor in batch:
+            stream.send(tensor)
+
+    def finish(self, *, into: Mapping[str, torch.Tensor] | None = None) -> Pushed:
+        """Every gradient must have been sent with ``send``; wait for every shard's reply."""
+        futures = [self._client.shard_thread(s).submit(self._finish_one, s, into) for s in self._shards]
+        return Gathered(futures, lambda r: _pushed(self._shards, r, len(self._client.channels),
+                                                   with_values=self._values)).result()
+
+    def _finish_one(self, shard: int, into: Mapping[str, torch.Tensor] | None) -> tuple[dict, dict]:
+        stream: Stream = self._streams[shard].result()  # a stream that failed to open raises its error here
+        for sent in self._sends[shard]:
+            sent.result()  # and a send that failed, its own (the stream is closed already)
+        return stream.finish(into=into)
+
+    def abort(self) -> None:
+        """Drop every shard's push mid-message (nothing of it is applied) and wait until the threads let go."""
+        futures = [self._client.shard_thread(s).submit(self._abort_one, s) for s in self._shards]
+        wait(futures)
+
+    def _abort_one(self, shard: int) -> None:
+        try:
+            self._streams[shard].result().abort()
+        except Exception:  # noqa: BLE001 - a stream that never opened has nothing to abort
+            pass

@@ -9,6 +9,14 @@ verbs of between-graph replication:
 3. ``push()``  - send the module's gradients; the ps applies them and the
    global step advances by one.
 
+A push asks every shard to answer with its values after the update, received
+straight into the module's parameters: the next ``pull()`` then costs nothing
+(it is the values of the ps right after this worker's update).  With
+``overlap=True`` each gradient leaves for its shard as soon as backward has
+produced it (a gradient hook), so the transfer overlaps the rest of backward;
+this needs exactly one backward per push and no change to the gradients
+between backward and push (no local clipping).
+
 On entering, the chief (``chief:0`` if the cluster has one, else ``worker:0``)
 sends the module's initial values and the optimizer to the ps; a ps that is
 already initialized keeps its values, so a restarted chief never overwrites
@@ -32,7 +40,7 @@ from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.ps.store import ShardState
 from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
-from tensorfleet.worker.client import PsClient, Pulled
+from tensorfleet.worker.client import PsClient, Pulled, Pushed, PushStreams
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +64,7 @@ class Replica:
             decay (e.g. 0.99), for evaluation with ``load_averages()``; None keeps none.
         init_timeout_s: how long a worker waits for the ps and the chief before giving up.
         log_placement: log where each variable lives, like ``log_device_placement``.
+        overlap: send each gradient as soon as backward produces it (see the module docstring).
 
     Example:
         >>> with Replica(model, cluster, task, optimizer=OptimizerSpec.adam(lr=0.01)) as replica:  # doctest: +SKIP
@@ -69,7 +78,7 @@ class Replica:
                  mode: str = "async", sync: SyncOptions | None = None,
                  placement: PlacementStrategy = RoundRobin(), partitioner: RowPartitioner | None = None,
                  average_decay: float | None = None, options: WireOptions = WireOptions(),
-                 init_timeout_s: float = 300.0, log_placement: bool = False) -> None:
+                 init_timeout_s: float = 300.0, log_placement: bool = False, overlap: bool = False) -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode={mode!r}: choose 'async' or 'sync'")
         self.module = module
@@ -95,6 +104,16 @@ class Replica:
         self.client = PsClient(cluster, self.placement.shard_map(), options=options)
         self._param_views = self.placement.views({n: p.data for n, p in self._params.items()})
         self._shard_steps = [0] * len(cluster.ps_addresses)
+        self._prefetched: list[int] | None = None  # param versions right after a push brought values back
+        self._streams: PushStreams | None = None
+        self._streamed: set[str] = set()
+        self._overlap_misuse: str | None = None
+        self.overlap = overlap
+        if overlap:
+            # backward produces gradients from the last layer to the first: stream them in that order
+            self._stream_layout = dict(reversed(list(self._param_views.items())))
+            for name, param in self._params.items():
+                param.register_post_accumulate_grad_hook(lambda p, name=name: self._on_gradient(name, p))
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -185,7 +204,15 @@ class Replica:
     # --- the step --------------------------------------------------------------------------------
 
     def pull(self) -> int:
-        """Copy the current values of every variable into the module; return the global step."""
+        """Copy the current values of every variable into the module; return the global step.
+
+        Right after a ``push()`` this costs nothing: the push already brought the values back
+        (unless the module's parameters were changed in place since; then they are fetched again).
+        """
+        self._drop_streams()
+        if self._prefetched is not None and self._prefetched == self._versions():
+            self._prefetched = None  # untouched since the push brought them: they are the pull's values
+            return self.global_step
         pulled = self._copy_in(averages=False)
         self.global_step, self._shard_steps = pulled.global_step, pulled.shard_steps
         return self.global_step
@@ -195,14 +222,26 @@ class Replica:
 
         Training continues from the real values: the next ``pull()`` brings them back.
         """
+        self._drop_streams()
         return self._copy_in(averages=True).global_step
 
+    def _versions(self) -> list[int]:
+        """Autograd's version counters: any in-place change to a parameter bumps its counter."""
+        return [param._version for param in self._params.values()]
+
     def _copy_in(self, *, averages: bool) -> Pulled:
-        pulled = self.client.pull(averages=averages)
+        self._prefetched = None
+        pulled = self.client.pull(averages=averages, into=self._param_views)
+        self._take(pulled)
+        return pulled
+
+    def _take(self, pulled: Pulled) -> None:
+        """Values normally land in the parameters themselves; copy any that could not (not contiguous)."""
         with torch.no_grad():
             for name, view in self._param_views.items():
-                view.copy_(pulled.values[name])
-        return pulled
+                value = pulled.values[name]
+                if value is not view:
+                    view.copy_(value)
 
     def push(self) -> int:
         """Send the module's gradients (and clear them); return the global step after the update.
@@ -211,16 +250,59 @@ class Replica:
         push is one complete update, as a local optimizer step would be.  In sync mode
         the call returns once the step is aggregated; a gradient that arrived too late
         (a backup worker's) is dropped by the ps and counted in ``dropped_gradients``.
+        The reply brings the ps's values after the update into the module (see ``pull``).
         """
-        grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._params.items()}
-        parts = self.placement.views(grads)
-        if self.sync is None:
-            pushed = self.client.push(parts)
+        self._prefetched = None
+        sync_steps, timeout = self._push_tags()
+        if self._streams is not None:
+            pushed = self._finish_streams()
         else:
-            pushed = self.client.push(parts, sync_steps=self._shard_steps, replica=self.replica_id,
-                                      timeout_s=self.sync.timeout_s + 60.0)
-        self.global_step = pushed.global_step
+            grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._params.items()}
+            pushed = self.client.push(self.placement.views(grads), sync_steps=sync_steps, replica=self.replica_id,
+                                      timeout_s=timeout, into=self._param_views)
+        self._take(pushed.pulled)
+        self.global_step, self._shard_steps = pushed.pulled.global_step, pushed.pulled.shard_steps
+        self._prefetched = self._versions()
         self.dropped_gradients += pushed.dropped
         for param in self._params.values():
             param.grad = None
         return self.global_step
+
+    def _push_tags(self) -> tuple[list[int] | None, float | None]:
+        if self.sync is None:
+            return None, None
+        return list(self._shard_steps), self.sync.timeout_s + 60.0
+
+    # --- overlap: gradients leave during backward ----------------------------------------------------
+
+    def _on_gradient(self, name: str, param: torch.Tensor) -> None:
+        if name in self._streamed:
+            self._overlap_misuse = (f"the gradient of {name!r} was produced twice before push(): overlap=True "
+                                    "needs exactly one backward per push")
+            return
+        if self._streams is None:
+            sync_steps, timeout = self._push_tags()
+            self._streams = self.client.push_streams(self._stream_layout, sync_steps=sync_steps,
+                                                     replica=self.replica_id, timeout_s=timeout)
+        self._streamed.add(name)
+        for part, view in self.placement.views_of(name, param.grad).items():
+            self._streams.send(part, view)
+
+    def _finish_streams(self) -> Pushed:
+        streams, misuse = self._streams, self._overlap_misuse
+        if misuse is not None:
+            self._drop_streams()
+            raise InvalidArgumentError(f"{misuse}; nothing was pushed")
+        for name, param in self._params.items():  # parameters that got no gradient this step: zeros
+            if name not in self._streamed:
+                param.grad = torch.zeros_like(param)
+                for part, view in self.placement.views_of(name, param.grad).items():
+                    streams.send(part, view)
+        self._streams, self._streamed = None, set()
+        return streams.finish(into=self._param_views)
+
+    def _drop_streams(self) -> None:
+        """Abandon a push in flight (backward ran but push() did not follow): the ps applies none of it."""
+        if self._streams is not None:
+            self._streams.abort()
+        self._streams, self._streamed, self._overlap_misuse = None, set(), None

@@ -1,0 +1,169 @@
+"""Messages of the data plane on a byte stream: a fixed prefix, a JSON header, then raw tensor bytes.
+
+Layout of one message::
+
+    b"TFLD" | u8 version | 3 bytes zero | u32 header length | u64 body length   (little endian, 20 bytes)
+    header: UTF-8 JSON {"kind": str, "meta": {...}, "tensors": [{"name", "dtype", "shape"}, ...]}
+    body:   the tensors' bytes, one after another in header order, no padding
+
+``kind`` is the method of a request (``"Push"``) or the status of a reply (``"OK"``
+or an error code such as ``"INVALID_ARGUMENT"``, with ``meta["message"]``).
+
+Unlike ``codec`` (one bytes object per message, for gRPC), nothing here builds the
+whole message in memory: ``send_message`` hands the kernel the tensors' own memory
+(scatter-gather ``sendmsg``), and ``read_head`` + ``recv_into`` put the body straight
+into tensors the receiver chose (a ps's gradient buffers, a worker's parameters).
+The header is read and validated before a byte of the body is, so a bad request
+can be refused (and its body skipped) without touching any tensor.  No pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from tensorfleet.errors import UnavailableError, WireError
+from tensorfleet.wire.codec import TensorEntry, byte_view, check_entry
+
+MAGIC = b"TFLD"
+VERSION = 1
+PREFIX = struct.Struct("<4sB3xIQ")
+MAX_HEADER_BYTES = 4 * 1024 * 1024
+IOV_MAX = 512  # buffers per sendmsg call, well under the kernel's 1024
+READ_BUFFER_BYTES = 256 * 1024  # small messages arrive in one recv; larger bodies bypass the buffer
+
+
+@dataclass(frozen=True)
+class Head:
+    """A message's prefix and header, validated; the body is still on the wire."""
+
+    kind: str
+    meta: dict[str, Any]
+    entries: list[TensorEntry]
+    body_bytes: int
+
+
+def encode_head(kind: str, meta: Mapping[str, Any] | None, entries: list[TensorEntry]) -> bytes:
+    """Prefix + header of a message whose body is the bytes of ``entries``' tensors, in order."""
+    header = json.dumps({"kind": kind, "meta": dict(meta or {}), "tensors": [e.to_json() for e in entries]},
+                        separators=(",", ":")).encode()
+    return PREFIX.pack(MAGIC, VERSION, len(header), sum(e.nbytes for e in entries)) + header
+
+
+def send_message(sock: socket.socket, kind: str, meta: Mapping[str, Any] | None = None,
+                 tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Send one whole message; the tensors' memory goes to the kernel without a copy."""
+    tensors = tensors or {}
+    entries = [TensorEntry.of(name, tensor) for name, tensor in tensors.items()]
+    buffers = [memoryview(encode_head(kind, meta, entries))]
+    buffers += [tensor_bytes(tensor) for tensor in tensors.values()]
+    send_buffers(sock, buffers)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor as they travel (a contiguous copy only if the tensor is not contiguous)."""
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    return byte_view(tensor.detach().contiguous())
+
+
+def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
+    """``sendall`` for a list of buffers: as few ``sendmsg`` calls as the kernel allows."""
+    pending = [b for b in buffers if len(b)]
+    first = 0
+    while first < len(pending):
+        sent = sock.sendmsg(pending[first:first + IOV_MAX])
+        while sent:
+            size = len(pending[first])
+            if sent >= size:
+                sent -= size
+                first += 1
+            else:
+                pending[first] = pending[first][sent:]
+                sent = 0
+
+
+class Reader:
+    """Buffered reads from a socket: small headers in one ``recv``, large bodies straight into their tensors."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._file = sock.makefile("rb", buffering=READ_BUFFER_BYTES)
+
+    def read_head(self, *, max_body_bytes: int) -> Head | None:
+        """The next message's head, or None if the peer closed the stream cleanly before it.
+
+        Raises:
+            WireError: the prefix or header is malformed or over a limit (the stream is then unusable).
+            UnavailableError: the stream ended in the middle of the head.
+        """
+        prefix = self._file.read(PREFIX.size)
+        if not prefix:
+            return None
+        if len(prefix) < PREFIX.size:
+            raise UnavailableError(f"the stream ended after {len(prefix)} bytes of a message prefix")
+        magic, version, header_bytes, body_bytes = PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise WireError(f"bad magic {magic!r}: not a tensorfleet data-plane message")
+        if version != VERSION:
+            raise WireError(f"data-plane version {version} is not supported (this build speaks {VERSION})")
+        if header_bytes > MAX_HEADER_BYTES:
+            raise WireError(f"header of {header_bytes} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+        if body_bytes > max_body_bytes:
+            raise WireError(f"message body of {body_bytes} bytes exceeds the limit of {max_body_bytes} bytes")
+        raw = self._file.read(header_bytes)
+        if len(raw) < header_bytes:
+            raise UnavailableError("the stream ended in the middle of a message header")
+        return _parse_header(raw, body_bytes)
+
+    def read_into(self, tensor: torch.Tensor) -> None:
+        """Fill a contiguous CPU tensor with the next ``tensor.nbytes`` bytes of the stream."""
+        view = byte_view(tensor)
+        got = 0
+        while got < len(view):
+            count = self._file.readinto(view[got:])
+            if not count:
+                raise UnavailableError(f"the stream ended {len(view) - got} bytes short of a tensor")
+            got += count
+
+    def skip(self, nbytes: int) -> None:
+        """Read and discard ``nbytes`` (the body of a refused message), in bounded pieces."""
+        scratch = bytearray(min(nbytes, 1 << 20))
+        view = memoryview(scratch)
+        while nbytes:
+            count = self._file.readinto(view[:min(nbytes, len(view))])
+            if not count:
+                raise UnavailableError("the stream ended inside a message body being skipped")
+            nbytes -= count
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _parse_header(raw: bytes, body_bytes: int) -> Head:
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("kind"), str) \
+            or not isinstance(header.get("meta"), dict) or not isinstance(header.get("tensors"), list):
+        raise WireError("header must be an object with 'kind' (string), 'meta' (object) and 'tensors' (list)")
+    entries = [check_entry(entry) for entry in header["tensors"]]
+    names = [entry.name for entry in entries]
+    if len(set(names)) != len(names):
+        raise WireError("a tensor name appears twice in one message")
+    declared = sum(entry.nbytes for entry in entries)
+    if declared != body_bytes:
+        raise WireError(f"the header's tensors take {declared} bytes but the prefix announces {body_bytes}")
+    return Head(header["kind"], header["meta"], entries, body_bytes)
+
+
+def configure(sock: socket.socket) -> socket.socket:
+    """Small messages leave at once (no Nagle delay): a step is a few small round trips."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
