@@ -57,12 +57,13 @@ def run_workers(num_workers: int, body, *, timeout_s: float = 60.0) -> list:
     return results
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["after-backward", "overlap"])
 @pytest.mark.parametrize("num_workers, strategy, partitioner", [
     (2, RoundRobin(), None),
     (3, RoundRobin(), None),
     (2, GreedyByBytes(), RowPartitioner(num_parts=3)),  # the partitioned variables' round trip, trained
 ])
-def test_sync_equals_one_process_with_the_union_batch(num_workers, strategy, partitioner):
+def test_sync_equals_one_process_with_the_union_batch(num_workers, strategy, partitioner, overlap):
     reference = make_model()
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     for step in range(STEPS):
@@ -76,7 +77,7 @@ def test_sync_equals_one_process_with_the_union_batch(num_workers, strategy, par
         def worker(index):
             model = make_model()
             with Replica(model, cluster, TaskSpec("worker", index), optimizer=OptimizerSpec.sgd(lr=LR),
-                         mode="sync", placement=strategy, partitioner=partitioner) as replica:
+                         mode="sync", placement=strategy, partitioner=partitioner, overlap=overlap) as replica:
                 for step in range(STEPS):
                     assert replica.global_step == step  # every worker starts step k from aggregation k
                     x, y = batch_for(step, index)

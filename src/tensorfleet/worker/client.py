@@ -301,9 +301,10 @@ class PushStreams:
     """One streamed push per shard: gradients are sent as soon as they are ready, in the layout's order.
 
     ``send(name)`` marks a gradient ready (its tensor must stay untouched until ``finish``);
-    each shard's thread sends every ready gradient that is next in its order.  ``finish()``
-    sends what is left and waits for every reply; ``abort()`` closes the connections mid-message,
-    so the ps applies nothing of this push.
+    each shard's thread sends every ready gradient that is next in its order, except the
+    shard's last one: that is held back until ``finish()``, so no shard can hold a whole
+    push before the caller commits to it.  ``finish()`` sends what is left and waits for
+    every reply; ``abort()`` closes the connections mid-message, so the ps applies nothing.
     """
 
     def __init__(self, client: PsClient, layout: Mapping[str, torch.Tensor], sync_steps: Sequence[int] | None,
@@ -326,10 +327,13 @@ class PushStreams:
     def send(self, name: str, gradient: torch.Tensor) -> None:
         """Mark ``name``'s gradient ready; send it, and any ready ones after it, on its shard's thread."""
         self._ready[name] = gradient
-        shard = self._client.placement[name]
+        self._flush(self._client.placement[name], hold_last=True)
+
+    def _flush(self, shard: int, *, hold_last: bool) -> None:
         order, cursor = self._order[shard], self._cursor[shard]
+        end = len(order) - 1 if hold_last else len(order)
         batch = []
-        while cursor < len(order) and order[cursor] in self._ready:
+        while cursor < end and order[cursor] in self._ready:
             batch.append(self._ready[order[cursor]])
             cursor += 1
         self._cursor[shard] = cursor
@@ -342,7 +346,9 @@ class PushStreams:
             stream.send(tensor)
 
     def finish(self, *, into: Mapping[str, torch.Tensor] | None = None) -> Pushed:
-        """Every gradient must have been sent with ``send``; wait for every shard's reply."""
+        """Every gradient must have been given to ``send``; send the held-back ones, wait for every reply."""
+        for shard in self._shards:
+            self._flush(shard, hold_last=False)
         futures = [self._client.shard_thread(s).submit(self._finish_one, s, into) for s in self._shards]
         return Gathered(futures, lambda r: _pushed(self._shards, r, len(self._client.channels),
                                                    with_values=self._values)).result()

@@ -1,0 +1,154 @@
+"""The data plane end to end on 127.0.0.1: sizes around its buffers, concurrent pushes, consistent pulls, overlap."""
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from tensorfleet.cluster.spec import TaskSpec
+from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.testing.local_cluster import ps_servers
+from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply
+from tensorfleet.wire.frame import READ_BUFFER_BYTES
+from tensorfleet.worker.client import PsClient
+from tensorfleet.worker.replica import Replica
+
+# Around the reader's buffer: smaller, exactly, one byte over (as float32/uint8), much larger; and empty.
+SIZES = [0, 1, READ_BUFFER_BYTES // 4 - 1, READ_BUFFER_BYTES // 4, READ_BUFFER_BYTES // 4 + 1, 3_000_001]
+
+
+@pytest.fixture
+def echo_server():
+    """A bare data server whose 'Echo' sends back what it received (pooled buffers, no ps)."""
+    server = DataServer("127.0.0.1", {"Echo": lambda request: Reply(request.meta, request.receive())}, task="echo")
+    channel = DataChannel(task="echo")
+    channel.set_address("127.0.0.1", server.port)
+    yield channel
+    channel.close()
+    server.stop()
+
+
+@pytest.mark.parametrize("numel", SIZES)
+def test_tensors_of_every_size_round_trip_bit_exact(echo_server, numel):
+    generator = torch.Generator().manual_seed(numel)
+    sent = {"f": torch.randn(numel, generator=generator), "b": torch.randint(0, 255, (numel,), dtype=torch.uint8),
+            "h": torch.randn(numel, generator=generator).to(torch.bfloat16), "scalar": torch.tensor(3.5)}
+    meta, back = echo_server.call("Echo", {"n": numel}, sent)
+    assert meta == {"n": numel}
+    for name, tensor in sent.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+
+def test_a_reply_lands_in_the_tensors_named_by_into(echo_server):
+    into = {"w": torch.zeros(5, 7)}
+    _, back = echo_server.call("Echo", {}, {"w": torch.ones(5, 7), "other": torch.ones(2)}, into=into)
+    assert back["w"] is into["w"] and torch.equal(into["w"], torch.ones(5, 7))
+    mismatched = {"w": torch.zeros(7, 5)}  # wrong shape: a new tensor, the given one untouched
+    _, back = echo_server.call("Echo", {}, {"w": torch.ones(5, 7)}, into=mismatched)
+    assert back["w"] is not mismatched["w"] and torch.equal(mismatched["w"], torch.zeros(7, 5))
+
+
+def test_many_tensors_in_one_message(echo_server):
+    sent = {f"t{i}": torch.full((i % 7,), float(i)) for i in range(1500)}  # more buffers than one sendmsg takes
+    _, back = echo_server.call("Echo", {}, sent)
+    assert all(torch.equal(back[name], tensor) for name, tensor in sent.items())
+
+
+def test_interleaved_async_pushes_from_several_workers_are_each_applied_once():
+    workers, pushes = 4, 60
+    with ps_servers(num_ps=2, num_workers=workers) as (cluster, servers):
+        placement = {"a": 0, "b": 1, "c": 0}
+        shapes = {"a": (300, 100), "b": (70_000,), "c": (3,)}
+        clients = [PsClient(cluster, placement) for _ in range(workers)]
+        for client in clients:
+            client.wait_for_shards(10)
+        clients[0].initialize({n: torch.zeros(s) for n, s in shapes.items()}, OptimizerSpec.sgd(lr=1.0))
+
+        def worker(index):
+            for _ in range(pushes):  # integers: the sum is exact in any order
+                clients[index].push({n: torch.full(s, -float(index + 1)) for n, s in shapes.items()})
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(workers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        pulled = clients[0].pull()
+        for client in clients:
+            client.close()
+    assert pulled.global_step == workers * pushes
+    expected = float(pushes * sum(range(1, workers + 1)))
+    for name in shapes:
+        assert torch.equal(pulled.values[name], torch.full(shapes[name], expected)), name
+
+
+def test_pulls_never_see_a_half_applied_update():
+    """Every push adds 1 to every element; a pull taken while an update runs would mix two values."""
+    with ps_servers(num_ps=1, num_workers=2) as (cluster, _):
+        pusher, puller = PsClient(cluster, {"w": 0}), PsClient(cluster, {"w": 0})
+        for client in (pusher, puller):
+            client.wait_for_shards(10)
+        pusher.initialize({"w": torch.zeros(1_000_000)}, OptimizerSpec.sgd(lr=1.0))
+        stop = threading.Event()
+
+        def push_forever():
+            while not stop.is_set():
+                pusher.push({"w": torch.full((1_000_000,), -1.0)})
+
+        thread = threading.Thread(target=push_forever)
+        thread.start()
+        try:
+            seen = set()
+            for _ in range(40):
+                values = puller.pull().values["w"]
+                assert values.min() == values.max(), "a pull saw two different updates at once"
+                seen.add(float(values[0]))
+            assert len(seen) > 1  # the pushes really ran meanwhile
+        finally:
+            stop.set()
+            thread.join(30)
+            pusher.close()
+            puller.close()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2), nn.Linear(2, 2))
+
+
+def test_overlap_with_two_backwards_refuses_the_push_and_applies_nothing():
+    with ps_servers(num_ps=2, num_workers=1) as (cluster, servers):
+        model = _model()
+        with Replica(model, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1),
+                     overlap=True) as replica:
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            model(torch.ones(3, 4)).sum().backward()
+            model(torch.ones(3, 4)).sum().backward()  # gradient accumulation: not possible with overlap
+            with pytest.raises(InvalidArgumentError, match="exactly one backward per push"):
+                replica.push()
+            assert servers[0].store.status().global_step == 0
+            replica.pull()
+            assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+            model.zero_grad(set_to_none=True)
+            model(torch.ones(3, 4)).sum().backward()  # and the next step works normally
+            assert replica.push() == 1
+
+
+def test_overlap_backward_without_push_is_dropped_and_unused_parameters_push_zeros():
+    with ps_servers(num_ps=2, num_workers=1) as (cluster, servers):
+        model = _model()
+        with Replica(model, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1),
+                     overlap=True) as replica:
+            start = {n: p.detach().clone() for n, p in model.named_parameters()}
+            model(torch.ones(3, 4)).sum().backward()
+            model.zero_grad(set_to_none=True)
+            replica.pull()  # the streamed push is abandoned mid-message: nothing applied
+            assert servers[0].store.status().global_step == 0 and servers[0].store.status().applied_updates == 0
+            hidden = model[1](model[0](torch.ones(3, 4)))
+            model[2](hidden).sum().backward()  # the last layer gets no gradient: zeros are pushed for it
+            assert replica.push() == 1
+            replica.pull()
+        assert torch.equal(model[3].weight.detach(), start["3.weight"])
+        assert not torch.equal(model[0].weight.detach(), start["0.weight"])
