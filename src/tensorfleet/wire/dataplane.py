@@ -170,7 +170,10 @@ class DataServer:
             return True
         try:
             request.skip_body()  # a method that ignored the tensors still leaves the stream in step
+            # Bounded: a client that stops reading must not hold the ps's live tensors (reply.release) forever.
+            sock.settimeout(self.options.deadline_s)
             frame.send_message(sock, OK, reply.meta, reply.tensors)
+            sock.settimeout(None)  # waiting for the next request, idle, is not bounded
         finally:
             if reply.release is not None:
                 reply.release()

@@ -89,10 +89,51 @@ def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
 
 
 class Reader:
-    """Buffered reads from a socket: small headers in one ``recv``, large bodies straight into their tensors."""
+    """Reads messages from a socket: heads through a small buffer (one ``recv`` for a small message),
+    bodies straight into their tensors (``recv_into`` the tensor's memory once the buffered bytes are used)."""
 
     def __init__(self, sock: socket.socket) -> None:
-        self._file = sock.makefile("rb", buffering=READ_BUFFER_BYTES)
+        self._sock = sock
+        self._buffer = bytearray(READ_BUFFER_BYTES)
+        self._view = memoryview(self._buffer)
+        self._start = self._end = 0  # unread bytes are _buffer[_start:_end]
+
+    def _fill(self) -> int:
+        """Read more into the buffer (compacting it first); return how many bytes came, 0 at end of stream."""
+        if self._start:
+            self._buffer[:self._end - self._start] = self._view[self._start:self._end]
+            self._start, self._end = 0, self._end - self._start
+        count = self._sock.recv_into(self._view[self._end:])
+        self._end += count
+        return count
+
+    def _read_small(self, size: int) -> bytes:
+        """``size`` bytes (less only at end of stream) through the buffer; ``size`` may exceed it (a header)."""
+        if size > len(self._buffer):
+            out = bytearray(size)
+            got = self._take_buffered(memoryview(out))
+            return bytes(out[:got + self._recv_direct(memoryview(out)[got:])])
+        while self._end - self._start < size and self._fill():
+            pass
+        size = min(size, self._end - self._start)
+        data = bytes(self._view[self._start:self._start + size])
+        self._start += size
+        return data
+
+    def _take_buffered(self, target: memoryview) -> int:
+        count = min(len(target), self._end - self._start)
+        target[:count] = self._view[self._start:self._start + count]
+        self._start += count
+        return count
+
+    def _recv_direct(self, target: memoryview) -> int:
+        got = 0
+        while got < len(target):
+            count = self._sock.recv_into(target[got:])
+            if not count:
+                break
+            got += count
+        return got
 
     def read_head(self, *, max_body_bytes: int) -> Head | None:
         """The next message's head, or None if the peer closed the stream cleanly before it.
@@ -101,7 +142,7 @@ class Reader:
             WireError: the prefix or header is malformed or over a limit (the stream is then unusable).
             UnavailableError: the stream ended in the middle of the head.
         """
-        prefix = self._file.read(PREFIX.size)
+        prefix = self._read_small(PREFIX.size)
         if not prefix:
             return None
         if len(prefix) < PREFIX.size:
@@ -115,7 +156,7 @@ class Reader:
             raise WireError(f"header of {header_bytes} bytes exceeds the limit of {MAX_HEADER_BYTES}")
         if body_bytes > max_body_bytes:
             raise WireError(f"message body of {body_bytes} bytes exceeds the limit of {max_body_bytes} bytes")
-        raw = self._file.read(header_bytes)
+        raw = self._read_small(header_bytes)
         if len(raw) < header_bytes:
             raise UnavailableError("the stream ended in the middle of a message header")
         return _parse_header(raw, body_bytes)
@@ -123,25 +164,27 @@ class Reader:
     def read_into(self, tensor: torch.Tensor) -> None:
         """Fill a contiguous CPU tensor with the next ``tensor.nbytes`` bytes of the stream."""
         view = byte_view(tensor)
-        got = 0
-        while got < len(view):
-            count = self._file.readinto(view[got:])
-            if not count:
-                raise UnavailableError(f"the stream ended {len(view) - got} bytes short of a tensor")
-            got += count
+        got = self._take_buffered(view)
+        if got < len(view) and len(view) - got < len(self._buffer) // 2:
+            while self._end - self._start < len(view) - got and self._fill():  # small: one recv, then copy
+                pass
+            got += self._take_buffered(view[got:])
+        got += self._recv_direct(view[got:])
+        if got < len(view):
+            raise UnavailableError(f"the stream ended {len(view) - got} bytes short of a tensor")
 
     def skip(self, nbytes: int) -> None:
         """Read and discard ``nbytes`` (the body of a refused message), in bounded pieces."""
-        scratch = bytearray(min(nbytes, 1 << 20))
-        view = memoryview(scratch)
+        nbytes -= self._take_buffered(memoryview(bytearray(min(nbytes, self._end - self._start))))
+        scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
         while nbytes:
-            count = self._file.readinto(view[:min(nbytes, len(view))])
+            count = self._sock.recv_into(scratch[:min(nbytes, len(scratch))])
             if not count:
                 raise UnavailableError("the stream ended inside a message body being skipped")
             nbytes -= count
 
     def close(self) -> None:
-        self._file.close()
+        """Nothing to release: the socket belongs to the caller."""
 
 
 def _parse_header(raw: bytes, body_bytes: int) -> Head:
