@@ -5,7 +5,7 @@ The protocol, ps side (compare ``tf.train.SyncReplicasOptimizer``):
 1. The shard has a step ``k`` = the number of aggregations it has applied.
 2. A worker pulls the parameters of step ``k`` and pushes its gradient tagged
    with ``k`` (the step of the parameters it was computed from).
-3. A gradient tagged ``k`` is accumulated (summed in place).  A gradient tagged
+3. A gradient tagged ``k`` is accumulated (a running mean, in place).  A gradient tagged
    ``< k`` is *stale*: dropped and counted.  A tag ``> k`` cannot come from a
    parameter this shard ever served and is refused as invalid.  A second
    gradient from the same replica for the same step is dropped as a duplicate.
@@ -106,7 +106,11 @@ class Offer(Enum):
 
 
 class SyncAccumulator:
-    """Sums the gradients of the current step until enough have arrived. Not thread-safe: the store locks."""
+    """Averages the gradients of the current step until enough have arrived. Not thread-safe: the store locks.
+
+    It keeps a running mean (the k-th gradient moves it by ``(g - mean) / k``, one ``lerp_``),
+    so the mean is ready the moment the step completes: no summing pass and dividing pass.
+    """
 
     def __init__(self, options: SyncOptions) -> None:
         options.check()
@@ -114,7 +118,7 @@ class SyncAccumulator:
         self.step = 0
         self.dropped_stale = 0
         self.dropped_duplicate = 0
-        self._sums: dict[str, torch.Tensor] = {}  # buffers kept from step to step: no allocation per step
+        self._means: dict[str, torch.Tensor] = {}  # running means; buffers kept from step to step
         self._contributors: list[int] = []
 
     @property
@@ -133,21 +137,21 @@ class SyncAccumulator:
         if replica in self._contributors:
             self.dropped_duplicate += 1
             return Offer.DUPLICATE
-        first = not self._contributors
-        if first:
-            self._sums = {name: self._reuse(name, grad).copy_(grad) for name, grad in gradients.items()}
+        self._contributors.append(replica)
+        count = len(self._contributors)
+        if count == 1:
+            self._means = {name: self._reuse(name, grad).copy_(grad) for name, grad in gradients.items()}
         else:
             for name, grad in gradients.items():
-                total = self._sums.get(name)
-                if total is None:
-                    self._sums[name] = grad.detach().clone()
+                mean = self._means.get(name)
+                if mean is None:  # cannot happen for a sync push (it carries every variable); stay correct anyway
+                    self._means[name] = grad.detach() / count
                 else:
-                    total.add_(grad)
-        self._contributors.append(replica)
-        return Offer.COMPLETE if len(self._contributors) >= self.options.replicas_to_aggregate else Offer.ACCEPTED
+                    mean.lerp_(grad, 1.0 / count)
+        return Offer.COMPLETE if count >= self.options.replicas_to_aggregate else Offer.ACCEPTED
 
     def _reuse(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        buffer = self._sums.get(name)
+        buffer = self._means.get(name)
         if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
             buffer = torch.empty_like(like)
         return buffer
@@ -157,10 +161,9 @@ class SyncAccumulator:
 
         The mean lives in the accumulator's buffers: apply it before the next ``offer``.
         """
-        count = len(self._contributors)
-        if count == 0:
+        if not self._contributors:
             raise InvalidArgumentError(f"step {self.step} has no gradient to apply")
-        mean = {name: total.div_(count) for name, total in self._sums.items()}
+        mean = dict(self._means)
         self._contributors = []
         self.step += 1
         return mean
