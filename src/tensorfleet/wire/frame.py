@@ -101,7 +101,8 @@ class Reader:
     def _fill(self) -> int:
         """Read more into the buffer (compacting it first); return how many bytes came, 0 at end of stream."""
         if self._start:
-            self._buffer[:self._end - self._start] = self._view[self._start:self._end]
+            # bytes(): the source and destination overlap, and a slice assignment may memcpy
+            self._buffer[:self._end - self._start] = bytes(self._view[self._start:self._end])
             self._start, self._end = 0, self._end - self._start
         count = self._sock.recv_into(self._view[self._end:])
         self._end += count

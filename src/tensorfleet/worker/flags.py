@@ -9,6 +9,8 @@
     --log_device_placement           log where each variable lives
     --moving_average_decay D         keep an exponential moving average of the variables on the ps
                                      (0: none), for evaluation with Replica.load_averages()
+    --overlap                        send each gradient as soon as backward produces it (one backward
+                                     per push, no gradient changes between backward and push)
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def add_training_flags(parser: argparse.ArgumentParser, *, default_mode: str = "
     group.add_argument("--log_device_placement", action="store_true", help="log where each variable lives")
     group.add_argument("--moving_average_decay", type=float, default=0.0,
                        help="keep a moving average of the variables on the ps with this decay (0: none)")
+    group.add_argument("--overlap", action="store_true",
+                       help="push each gradient as soon as backward produces it (needs one backward per push)")
 
 
 def training_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -48,4 +52,5 @@ def training_options(args: argparse.Namespace) -> dict[str, Any]:
         "partitioner": RowPartitioner(args.partitions, args.partition_min_bytes) if args.partitions > 1 else None,
         "log_placement": args.log_device_placement,
         "average_decay": args.moving_average_decay or None,
+        "overlap": args.overlap,
     }
