@@ -152,3 +152,13 @@ def test_overlap_backward_without_push_is_dropped_and_unused_parameters_push_zer
             replica.pull()
         assert torch.equal(model[3].weight.detach(), start["3.weight"])
         assert not torch.equal(model[0].weight.detach(), start["0.weight"])
+
+
+def test_overlap_hooks_are_removed_when_the_replica_finishes():
+    with ps_servers(num_ps=1, num_workers=1) as (cluster, _):
+        model = _model()
+        with Replica(model, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1), overlap=True) as r:
+            model(torch.ones(3, 4)).sum().backward()
+            r.push()
+        model(torch.ones(3, 4)).sum().backward()  # after finish: a plain local backward, nothing streamed
+        assert all(p.grad is not None for p in model.parameters())

@@ -173,6 +173,7 @@ def _decode_tensor(view: memoryview, entry: Any, body_start: int) -> tuple[str, 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor as a writable memoryview (no copy), for sockets."""
+    tensor = tensor.detach()
     flat = tensor.reshape(-1)
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         raise WireError("byte_view needs a contiguous tensor")

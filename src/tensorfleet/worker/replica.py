@@ -108,12 +108,13 @@ class Replica:
         self._streams: PushStreams | None = None
         self._streamed: set[str] = set()
         self._overlap_misuse: str | None = None
+        self._hooks: list = []
         self.overlap = overlap
         if overlap:
             # backward produces gradients from the last layer to the first: stream them in that order
             self._stream_layout = dict(reversed(list(self._param_views.items())))
-            for name, param in self._params.items():
-                param.register_post_accumulate_grad_hook(lambda p, name=name: self._on_gradient(name, p))
+            self._hooks = [param.register_post_accumulate_grad_hook(lambda p, name=name: self._on_gradient(name, p))
+                           for name, param in self._params.items()]
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -185,7 +186,11 @@ class Replica:
 
     def finish(self) -> None:
         """Tell the ps this worker is done (the ps exits when every worker is), and close the channels."""
+        for hook in self._hooks:  # a backward after training (evaluation, a new Replica) must not stream
+            hook.remove()
+        self._hooks = []
         try:
+            self._drop_streams()
             self.client.done(self.replica_id)
         finally:
             self.client.close()
