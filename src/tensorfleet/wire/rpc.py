@@ -1,13 +1,15 @@
 """gRPC plumbing: servers, channels, deadlines, limits and error statuses.
 
-This is the control plane (pull and push, the data of every step, travel on
-``tensorfleet.wire.dataplane``).  The service definition is the table ``METHODS`` below: every method is unary,
-takes one codec message (``codec.encode``) and answers one.  gRPC moves opaque
-bytes (no protobuf, no pickle); all parsing happens in ``codec.decode``, so a
-malformed request becomes an INVALID_ARGUMENT status before any handler runs.
+This is the control plane; pull and push, the data of every step, travel on
+``tensorfleet.wire.dataplane``.  The service definition is the table ``METHODS``
+below: every method is unary, takes one codec message (``codec.encode``) and
+answers one.  gRPC moves opaque bytes (no protobuf, no pickle); all parsing
+happens in ``codec.decode``, so a malformed request becomes an INVALID_ARGUMENT
+status before any handler runs.
 
-Errors cross the wire as status codes and come back as the same tensorfleet
-error class on the client (``_ERROR_CODES``), so callers handle one hierarchy.
+Errors cross the wire as status codes (``TensorfleetError.code``) and come back
+as the same tensorfleet error class on the client (``errors.from_code``), so
+callers handle one hierarchy.
 """
 
 from __future__ import annotations
