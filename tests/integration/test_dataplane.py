@@ -162,3 +162,25 @@ def test_overlap_hooks_are_removed_when_the_replica_finishes():
             r.push()
         model(torch.ones(3, 4)).sum().backward()  # after finish: a plain local backward, nothing streamed
         assert all(p.grad is not None for p in model.parameters())
+
+
+def test_set_address_never_waits_for_a_call_in_flight():
+    """A sync push can wait on a step that completes only after its caller recovered: learning a
+    restarted ps's new data port must not wait for that push (it did, and recovery stalled 30 s)."""
+    release = threading.Event()
+    server = DataServer("127.0.0.1", {"Wait": lambda request: (release.wait(10), Reply({}))[1]}, task="slow")
+    channel = DataChannel(task="slow")
+    channel.set_address("127.0.0.1", server.port)
+    caller = threading.Thread(target=channel.call, args=("Wait", {}))
+    caller.start()
+    try:
+        threading.Event().wait(0.2)  # the call is in flight, holding the channel
+        returned = threading.Event()
+        threading.Thread(target=lambda: (channel.set_address("127.0.0.1", server.port + 1), returned.set())).start()
+        assert returned.wait(2), "set_address waited for the call in flight"
+        assert channel.address == ("127.0.0.1", server.port + 1)
+    finally:
+        release.set()
+        caller.join(10)
+        channel.close()
+        server.stop()

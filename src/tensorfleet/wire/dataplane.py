@@ -210,15 +210,17 @@ class DataChannel:
         self.task, self.options = task, options
         self.address: tuple[str, int] | None = None
         self._sock: socket.socket | None = None
+        self._sock_address: tuple[str, int] | None = None  # where _sock leads
         self._reader: frame.Reader | None = None
         self._lock = threading.Lock()
 
     def set_address(self, host: str, port: int) -> None:
-        """Where the task's data port is (from its Status); a new address drops the old connection."""
-        with self._lock:
-            if self.address != (host, port):
-                self._close()
-                self.address = (host, port)
+        """Where the task's data port is (from its Status); the next call connects there.
+
+        Never waits for a call in flight: in sync mode that call may be waiting for a step that
+        only completes once the caller has recovered (waiting for it here would deadlock).
+        """
+        self.address = (host, port)  # one assignment: atomic; _connected() compares it with _sock_address
 
     def call(self, method: str, meta: Mapping[str, Any] | None = None,
              tensors: Mapping[str, torch.Tensor] | None = None, *,
@@ -252,6 +254,8 @@ class DataChannel:
     # --- internals ---------------------------------------------------------------------------------
 
     def _connected(self, timeout: float | None) -> socket.socket:
+        if self._sock is not None and self._sock_address != self.address:
+            self._close()  # the task moved (a restarted ps listens on a new data port)
         if self._sock is None:
             if self.address is None:
                 raise errors.UnavailableError("the data port of this task is not known yet: ask its Status first",
@@ -261,7 +265,7 @@ class DataChannel:
             except OSError as exc:
                 raise errors.UnavailableError(f"cannot connect to the data port {self.address[0]}:{self.address[1]}: "
                                               f"{exc}", task=self.task) from None
-            self._sock, self._reader = frame.configure(sock), frame.Reader(sock)
+            self._sock, self._reader, self._sock_address = frame.configure(sock), frame.Reader(sock), self.address
         self._sock.settimeout(timeout or self.options.deadline_s)
         return self._sock
 

@@ -65,7 +65,10 @@ class WireOptions:
                 # exponential backoff (up to 120 s).
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000)]
+                ("grpc.max_reconnect_backoff_ms", 1000),
+                # Subchannels of their own: a channel stuck on a dead connection is not shared with
+                # others, and reconnect() really starts afresh.
+                ("grpc.use_local_subchannel_pool", 1)]
 
 
 def _status_for(exc: errors.TensorfleetError) -> grpc.StatusCode:
@@ -147,8 +150,16 @@ class Channel:
 
     def __init__(self, address: str, *, task: str, options: WireOptions = WireOptions()) -> None:
         self.address, self.task, self.options = address, task, options
-        self._channel = grpc.insecure_channel(address, options=options.grpc_options())
+        self._open()
+
+    def _open(self) -> None:
+        self._channel = grpc.insecure_channel(self.address, options=self.options.grpc_options())
         self._stubs = {name: self._channel.unary_unary(f"/{SERVICE}/{name}") for name in METHODS}
+
+    def reconnect(self) -> None:
+        """Drop the connection and start a new one: after a task restarted, the old one can linger."""
+        self._channel.close()
+        self._open()
 
     def call_async(self, method: str, meta: Mapping[str, Any] | None = None,
                    tensors: Mapping[str, torch.Tensor] | None = None, *,

@@ -33,6 +33,7 @@ from tensorfleet.wire.rpc import Channel, WireOptions
 log = logging.getLogger(__name__)
 
 ShardCall = Callable[[], Any]
+STATUS_ATTEMPT_S = 2.0  # one Status attempt while waiting for a ps; then a fresh connection
 
 
 class Gathered:
@@ -96,15 +97,18 @@ class PsClient:
 
     @staticmethod
     def _status_when_up(channel: Channel, deadline: float, timeout_s: float) -> dict[str, Any]:
+        """Status, asked in short attempts: a call can ride a connection to a ps that just died (UNAVAILABLE
+        at once) or wait on one that never recovers, so each failed attempt starts a fresh connection."""
         while True:
+            attempt_s = min(max(deadline - time.monotonic(), 0.1), STATUS_ATTEMPT_S)
             try:
-                return channel.call("Status", timeout=max(deadline - time.monotonic(), 0.1), wait_for_ready=True)[0]
+                return channel.call("Status", timeout=attempt_s, wait_for_ready=True)[0]
             except (DeadlineExceededError, UnavailableError):
-                # UNAVAILABLE before the deadline: the call rode a connection to a ps that just died; retry
                 if time.monotonic() >= deadline:
                     raise DeadlineExceededError(
                         f"waited {timeout_s:.0f} s for ps {channel.task} at {channel.address} to start; "
                         "is it running? (start it with --job_name=ps, or use 'tensorfleet launch')") from None
+                channel.reconnect()
                 time.sleep(0.05)
 
     def initialize(self, values: Mapping[str, torch.Tensor], optimizer: OptimizerSpec,
