@@ -184,3 +184,40 @@ def test_set_address_never_waits_for_a_call_in_flight():
         caller.join(10)
         channel.close()
         server.stop()
+
+
+@pytest.mark.parametrize("wire_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("overlap", [False, True], ids=["after-backward", "overlap"])
+def test_narrow_wire_dtype_keeps_fp32_on_the_ps_and_rounds_only_what_travels(wire_dtype, overlap):
+    """Gradients travel narrowed and are applied in fp32; the worker gets the ps's fp32 values rounded once."""
+    with ps_servers(num_ps=2, num_workers=1) as (cluster, servers):
+        model = _model()
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with Replica(model, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1),
+                     overlap=overlap, wire_dtype=wire_dtype) as replica:
+            model(torch.ones(3, 4)).sum().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            assert replica.push() == 1
+            held = {**servers[0].store.read()[0], **servers[1].store.read()[0]}
+            local = {n: v.clone() for n, v in start.items()}  # the same update with only the gradient rounded
+            for name, tensor in local.items():
+                tensor.grad = grads[name].to(wire_dtype).float()
+            torch.optim.SGD(list(local.values()), lr=0.1, fused=True).step()
+            for name, value in held.items():
+                assert value.dtype == torch.float32  # the ps keeps fp32
+                assert torch.equal(value, local[name]), name
+                assert torch.equal(dict(model.named_parameters())[name].detach(), value.to(wire_dtype).float())
+
+
+def test_a_push_in_the_wrong_dtype_for_the_declared_wire_dtype_is_refused():
+    with ps_servers(num_ps=1, num_workers=1) as (cluster, servers):
+        client = PsClient(cluster, {"w": 0})
+        client.wait_for_shards(10)
+        client.initialize({"w": torch.zeros(4)}, OptimizerSpec.sgd(lr=1.0))
+        channel = client.data[0]
+        with pytest.raises(InvalidArgumentError, match="travel as torch.bfloat16"):
+            channel.call("Push", {"advance_step": True, "wire_dtype": "bfloat16"}, {"w": torch.ones(4)})
+        with pytest.raises(InvalidArgumentError, match="'wire_dtype' 'int3' is not one of"):
+            channel.call("Pull", {"wire_dtype": "int3"})
+        assert servers[0].store.status().global_step == 0
+        client.close()

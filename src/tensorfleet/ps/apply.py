@@ -233,14 +233,18 @@ def check_gradients(variables: Mapping[str, torch.Tensor], gradients: Mapping[st
 
 
 def check_layout(variables: Mapping[str, torch.Tensor], layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-                 *, task: str | None = None) -> None:
-    """As ``check_gradients``, for (dtype, shape) pairs announced before the tensors themselves arrive."""
+                 *, task: str | None = None, wire_dtype: torch.dtype | None = None) -> None:
+    """As ``check_gradients``, for (dtype, shape) pairs announced before the tensors themselves arrive.
+
+    With ``wire_dtype``, gradients of floating-point variables travel in that dtype instead.
+    """
     for name, (dtype, shape) in layout.items():
         var = variables.get(name)
         if var is None:
             known = ", ".join(sorted(variables)[:8]) + (" ..." if len(variables) > 8 else "")
             raise InvalidArgumentError(f"unknown variable {name!r}: this shard holds {known or 'nothing'}", task=task)
-        if tuple(shape) != tuple(var.shape) or dtype != var.dtype:
+        expected = wire_dtype if wire_dtype is not None and var.is_floating_point() else var.dtype
+        if tuple(shape) != tuple(var.shape) or dtype != expected:
             raise InvalidArgumentError(
-                f"gradient for {name!r} is {dtype} {tuple(shape)}, "
-                f"the variable is {var.dtype} {tuple(var.shape)}", task=task)
+                f"gradient for {name!r} is {dtype} {tuple(shape)}, the variable is {var.dtype} {tuple(var.shape)}"
+                + (f" (gradients travel as {wire_dtype})" if wire_dtype is not None else ""), task=task)

@@ -94,8 +94,9 @@ class PsService:
         averages = request.meta.get("averages", False)
         if not isinstance(averages, bool):
             raise InvalidArgumentError(f"Pull 'averages' must be a bool, got {averages!r:.50}")
+        wire_dtype = _wire_dtype(request.meta)
         values, step, release = self.store.read_live(averages=averages)
-        return Reply({"step": step}, values, release)
+        return _reply_with_values({"step": step}, values, release, wire_dtype)
 
     def push(self, request: Request) -> Reply:
         meta = request.meta
@@ -109,8 +110,12 @@ class PsService:
             advance = meta.get("advance_step", False)
             if not isinstance(advance, bool):
                 raise InvalidArgumentError(f"Push 'advance_step' must be a bool, got {advance!r:.50}")
-        self.store.check_push({e.name: (e.dtype, e.shape) for e in request.entries})  # before reading the body
+        wire_dtype = _wire_dtype(meta)
+        self.store.check_push({e.name: (e.dtype, e.shape) for e in request.entries},  # before reading the body
+                              wire_dtype=wire_dtype)
         gradients = request.receive()
+        if wire_dtype is not None:
+            gradients = self.store.upcast(gradients)
         if sync:
             new_step, offer = self.store.push_sync(replica, step, gradients)
             reply = {"step": new_step, "outcome": offer.value}
@@ -119,7 +124,7 @@ class PsService:
         if not with_values:
             return Reply(reply)
         values, reply["step"], release = self.store.read_live()  # the step the values belong to
-        return Reply(reply, values, release)
+        return _reply_with_values(reply, values, release, wire_dtype)
 
     def snapshot(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         state = self.store.snapshot()
@@ -140,6 +145,32 @@ class PsService:
         if count >= self.num_workers:
             self.finished.set()
         return {"workers_done": count, "num_workers": self.num_workers}, {}
+
+
+WIRE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _wire_dtype(meta: dict[str, Any]) -> torch.dtype | None:
+    """The narrower dtype floating-point tensors travel in (``wire_dtype``), or None: their own."""
+    name = meta.get("wire_dtype")
+    if name is None:
+        return None
+    if name not in WIRE_DTYPES:
+        raise InvalidArgumentError(f"'wire_dtype' {name!r:.30} is not one of {sorted(WIRE_DTYPES)} (or absent)")
+    return WIRE_DTYPES[name]
+
+
+def _reply_with_values(meta: dict[str, Any], values: dict[str, torch.Tensor], release: Any,
+                       wire_dtype: torch.dtype | None) -> Reply:
+    """Live values under the shared hold, or narrowed copies (the hold released at once: they are ours)."""
+    if wire_dtype is None:
+        return Reply(meta, values, release)
+    try:
+        narrowed = {name: value.to(wire_dtype) if value.is_floating_point() else value.clone()
+                    for name, value in values.items()}
+    finally:
+        release()
+    return Reply(meta, narrowed)
 
 
 def _int_field(meta: dict[str, Any], name: str, *, method: str) -> int:

@@ -205,11 +205,19 @@ class VariableStore:
             self._updates_waiting -= 1
             self._cond.notify_all()
 
-    def check_push(self, layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+    def check_push(self, layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], *,
+                   wire_dtype: torch.dtype | None = None) -> None:
         """Refuse, before its bytes are read, a push naming unknown variables or wrong shapes or dtypes."""
         with self._cond:
             self._require_initialized()
-            check_layout(self._variables, layout, task=self.task)
+            check_layout(self._variables, layout, task=self.task, wire_dtype=wire_dtype)
+
+    def upcast(self, gradients: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Gradients that travelled in a narrower dtype, in their variables' dtypes (fp32 accumulation)."""
+        with self._cond:
+            dtypes = {name: self._variables[name].dtype for name in gradients if name in self._variables}
+        return {name: grad if dtypes.get(name, grad.dtype) == grad.dtype else grad.to(dtypes[name])
+                for name, grad in gradients.items()}
 
     def apply(self, gradients: Mapping[str, torch.Tensor], *, advance_step: bool) -> int:
         """Async mode: apply one update now; advance the global step if asked. Return the step after it."""

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from tensorfleet.cluster.spec import ClusterSpec, parse_address
-from tensorfleet.errors import DeadlineExceededError, UnavailableError
+from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
 from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.ps.store import ShardState
@@ -64,10 +64,16 @@ class PsClient:
         cluster: the cluster; its ``ps`` job lists the shards.
         placement: variable name -> ps task index (see ``tensorfleet.cluster.placement``).
         options: limits and the default deadline of each RPC.
+        wire_dtype: a narrower dtype (``torch.bfloat16``, ``torch.float16``) that floating-point
+            gradients and values travel in; the ps keeps and accumulates its own dtype. None: as is.
     """
 
     def __init__(self, cluster: ClusterSpec, placement: Mapping[str, int], *,
-                 options: WireOptions = WireOptions()) -> None:
+                 options: WireOptions = WireOptions(), wire_dtype: torch.dtype | None = None) -> None:
+        if wire_dtype not in (None, torch.bfloat16, torch.float16):
+            raise InvalidArgumentError(f"wire_dtype={wire_dtype}: use torch.bfloat16, torch.float16 or None")
+        self.wire_dtype = wire_dtype
+        self._wire_meta = {"wire_dtype": str(wire_dtype).removeprefix("torch.")} if wire_dtype else {}
         self.placement = dict(placement)
         self.channels = [Channel(address, task=f"/job:ps/task:{i}", options=options)
                          for i, address in enumerate(cluster.ps_addresses)]
@@ -188,7 +194,7 @@ class PsClient:
     def _pull_calls(self, averages: bool, into: Mapping[str, torch.Tensor] | None) -> tuple[list[int], list]:
         # ps 0 is always asked, even if it holds none of the variables: it keeps the global step.
         shards = [s for s, names in enumerate(self._names_by_shard) if names or s == 0]
-        meta = {"averages": averages}
+        meta = {"averages": averages, **self._wire_meta}
         return shards, [(s, lambda s=s: self.data[s].call("Pull", meta, into=into)) for s in shards]
 
     def pull_async(self, *, averages: bool = False, into: Mapping[str, torch.Tensor] | None = None) -> Gathered:
@@ -206,8 +212,21 @@ class PsClient:
 
     def _push_meta(self, shard: int, sync_steps: Sequence[int] | None, replica: int, values: bool) -> dict:
         if sync_steps is None:
-            return {"advance_step": shard == 0, "values": values}
-        return {"replica": replica, "step": sync_steps[shard], "values": values}
+            return {"advance_step": shard == 0, "values": values, **self._wire_meta}
+        return {"replica": replica, "step": sync_steps[shard], "values": values, **self._wire_meta}
+
+    def wire_entry(self, name: str, tensor: torch.Tensor) -> TensorEntry:
+        """How ``tensor`` will be announced on the wire (its dtype narrowed as ``narrow`` would)."""
+        entry = TensorEntry.of(name, tensor)
+        if self.wire_dtype is None or not tensor.is_floating_point():
+            return entry
+        return TensorEntry(name, self.wire_dtype, entry.shape)
+
+    def narrow(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor as it travels: in the wire dtype if it is floating point and one is set."""
+        if self.wire_dtype is None or not tensor.is_floating_point():
+            return tensor
+        return tensor.to(self.wire_dtype)
 
     def _push_calls(self, gradients: Mapping[str, torch.Tensor], sync_steps: Sequence[int] | None, replica: int,
                     timeout_s: float | None, into: Mapping[str, torch.Tensor] | None) -> tuple[list[int], list]:
@@ -216,6 +235,7 @@ class PsClient:
             if not part and shard != 0:
                 continue
             meta = self._push_meta(shard, sync_steps, replica, into is not None)
+            part = {name: self.narrow(tensor) for name, tensor in part.items()}
             shards.append(shard)
             calls.append((shard, lambda s=shard, m=meta, t=part: self.data[s].call("Push", m, t, into=into,
                                                                                   timeout=timeout_s)))
@@ -323,7 +343,7 @@ class PushStreams:
         self._streams: dict[int, Future] = {}
         self._sends: dict[int, list[Future]] = {shard: [] for shard in self._shards}
         for shard in self._shards:
-            entries = [TensorEntry.of(name, layout[name]) for name in self._order[shard]]
+            entries = [client.wire_entry(name, layout[name]) for name in self._order[shard]]
             meta = client._push_meta(shard, sync_steps, replica, values)
             self._streams[shard] = client.shard_thread(shard).submit(
                 client.data[shard].stream, "Push", meta, entries, timeout=timeout_s)
@@ -347,7 +367,7 @@ class PushStreams:
     def _send_batch(self, shard: int, batch: list[torch.Tensor]) -> None:
         stream: Stream = self._streams[shard].result()
         for tensor in batch:
-            stream.send(tensor)
+            stream.send(self._client.narrow(tensor))
 
     def finish(self, *, into: Mapping[str, torch.Tensor] | None = None) -> Pushed:
         """Every gradient must have been given to ``send``; send the held-back ones, wait for every reply."""

@@ -11,6 +11,8 @@
                                      (0: none), for evaluation with Replica.load_averages()
     --overlap                        send each gradient as soon as backward produces it (one backward
                                      per push, no gradient changes between backward and push)
+    --wire_dtype float32|bfloat16|float16
+                                     the dtype gradients and values travel in (the ps stays fp32)
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import torch
+
 from tensorfleet.cluster.placement import STRATEGIES, RowPartitioner
 from tensorfleet.ps.aggregate import SyncOptions
+
+WIRE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_training_flags(parser: argparse.ArgumentParser, *, default_mode: str = "async") -> None:
@@ -39,6 +45,8 @@ def add_training_flags(parser: argparse.ArgumentParser, *, default_mode: str = "
     group.add_argument("--log_device_placement", action="store_true", help="log where each variable lives")
     group.add_argument("--moving_average_decay", type=float, default=0.0,
                        help="keep a moving average of the variables on the ps with this decay (0: none)")
+    group.add_argument("--wire_dtype", choices=sorted(WIRE_DTYPES), default="float32",
+                       help="dtype of gradients and values on the wire; the ps keeps and updates fp32")
     group.add_argument("--overlap", action="store_true",
                        help="push each gradient as soon as backward produces it (needs one backward per push)")
 
@@ -53,4 +61,5 @@ def training_options(args: argparse.Namespace) -> dict[str, Any]:
         "log_placement": args.log_device_placement,
         "average_decay": args.moving_average_decay or None,
         "overlap": args.overlap,
+        "wire_dtype": WIRE_DTYPES[args.wire_dtype],
     }

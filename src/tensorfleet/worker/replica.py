@@ -65,6 +65,9 @@ class Replica:
         init_timeout_s: how long a worker waits for the ps and the chief before giving up.
         log_placement: log where each variable lives, like ``log_device_placement``.
         overlap: send each gradient as soon as backward produces it (see the module docstring).
+        wire_dtype: ``torch.bfloat16`` or ``torch.float16``: gradients and values travel in it (half the
+            bytes); the ps keeps, accumulates and updates fp32. The module then holds the ps's values
+            rounded to that dtype. None (default): tensors travel as they are.
 
     Example:
         >>> with Replica(model, cluster, task, optimizer=OptimizerSpec.adam(lr=0.01)) as replica:  # doctest: +SKIP
@@ -78,7 +81,8 @@ class Replica:
                  mode: str = "async", sync: SyncOptions | None = None,
                  placement: PlacementStrategy = RoundRobin(), partitioner: RowPartitioner | None = None,
                  average_decay: float | None = None, options: WireOptions = WireOptions(),
-                 init_timeout_s: float = 300.0, log_placement: bool = False, overlap: bool = False) -> None:
+                 init_timeout_s: float = 300.0, log_placement: bool = False, overlap: bool = False,
+                 wire_dtype: torch.dtype | None = None) -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode={mode!r}: choose 'async' or 'sync'")
         self.module = module
@@ -101,7 +105,7 @@ class Replica:
         self.placement = place(infos, len(cluster.ps_addresses), strategy=placement, partitioner=partitioner)
         if log_placement:
             log.info("variable placement (%s):\n%s", task.name, self.placement.describe())
-        self.client = PsClient(cluster, self.placement.shard_map(), options=options)
+        self.client = PsClient(cluster, self.placement.shard_map(), options=options, wire_dtype=wire_dtype)
         self._param_views = self.placement.views({n: p.data for n, p in self._params.items()})
         self._shard_steps = [0] * len(cluster.ps_addresses)
         self._prefetched: list[int] | None = None  # param versions right after a push brought values back
