@@ -73,13 +73,7 @@ class Request:
 
     def receive(self, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Read the body: each tensor into ``into[name]`` if given (same shape and dtype), else a pooled buffer."""
-        tensors = {}
-        for entry in self.entries:
-            target = (into or {}).get(entry.name)
-            if target is None or not entry.matches(target) or not target.is_contiguous():
-                target = self._pool.get(entry)
-            self._reader.read_into(target)
-            tensors[entry.name] = target
+        tensors = read_tensors(self._reader, self.entries, into, self._pool.get)
         self._body_left = 0
         return tensors
 
@@ -90,6 +84,20 @@ class Request:
 
 
 Method = Callable[[Request], Reply]
+
+
+def read_tensors(reader: frame.Reader, entries: list[TensorEntry], into: Mapping[str, torch.Tensor] | None,
+                 allocate: Callable[[TensorEntry], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A body's tensors, each received into ``into[name]`` where it fits (shape, dtype, contiguous), else
+    into ``allocate(entry)``."""
+    tensors = {}
+    for entry in entries:
+        target = (into or {}).get(entry.name)
+        if target is None or not entry.matches(target) or not target.is_contiguous():
+            target = allocate(entry)
+        reader.read_into(target)
+        tensors[entry.name] = target
+    return tensors
 
 
 class DataServer:
@@ -273,13 +281,7 @@ class DataChannel:
         head = self._reader.read_head(max_body_bytes=self.options.max_message_bytes)
         if head is None:
             raise errors.UnavailableError("the task closed the connection before replying")
-        tensors = {}
-        for entry in head.entries:
-            target = (into or {}).get(entry.name)
-            if target is None or not entry.matches(target) or not target.is_contiguous():
-                target = torch.empty(entry.shape, dtype=entry.dtype)
-            self._reader.read_into(target)
-            tensors[entry.name] = target
+        tensors = read_tensors(self._reader, head.entries, into, lambda e: torch.empty(e.shape, dtype=e.dtype))
         return _Reply(head.kind, head.meta, tensors)
 
     def _guard(self, timeout: float | None) -> "_ConnectionGuard":
