@@ -39,6 +39,7 @@ from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.ps.store import ShardState, VariableStore
+from tensorfleet.wire.codec import DTYPE_NAMES, DTYPES, NARROW_DTYPES
 from tensorfleet.wire.dataplane import Method, Reply, Request
 from tensorfleet.wire.rpc import Handler, Message
 
@@ -147,17 +148,15 @@ class PsService:
         return {"workers_done": count, "num_workers": self.num_workers}, {}
 
 
-WIRE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def _wire_dtype(meta: dict[str, Any]) -> torch.dtype | None:
     """The narrower dtype floating-point tensors travel in (``wire_dtype``), or None: their own."""
     name = meta.get("wire_dtype")
     if name is None:
         return None
-    if name not in WIRE_DTYPES:
-        raise InvalidArgumentError(f"'wire_dtype' {name!r:.30} is not one of {sorted(WIRE_DTYPES)} (or absent)")
-    return WIRE_DTYPES[name]
+    allowed = [DTYPE_NAMES[dtype] for dtype in NARROW_DTYPES]
+    if name not in allowed:
+        raise InvalidArgumentError(f"'wire_dtype' {name!r:.30} is not one of {allowed} (or absent)")
+    return DTYPES[name]
 
 
 def _reply_with_values(meta: dict[str, Any], values: dict[str, torch.Tensor], release: Any,

@@ -41,6 +41,8 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+# Narrower dtypes floating-point gradients and values may travel in (``wire_dtype``); the ps keeps its own.
+NARROW_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 
 # Decoded tensors view the immutable received bytes; torch warns about that once per call.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)

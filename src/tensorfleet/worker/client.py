@@ -26,7 +26,7 @@ from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, Unav
 from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.ps.store import ShardState
-from tensorfleet.wire.codec import TensorEntry
+from tensorfleet.wire.codec import NARROW_DTYPES, TensorEntry, dtype_name
 from tensorfleet.wire.dataplane import DataChannel, Stream
 from tensorfleet.wire.rpc import Channel, WireOptions
 
@@ -53,9 +53,6 @@ class Gathered:
                 raise future.exception()
         return self._combine([future.result() for future in self._futures])
 
-    def done(self) -> bool:
-        return all(future.done() for future in self._futures)
-
 
 class PsClient:
     """Connections to every ps task of a cluster, and the variable -> shard map.
@@ -70,10 +67,10 @@ class PsClient:
 
     def __init__(self, cluster: ClusterSpec, placement: Mapping[str, int], *,
                  options: WireOptions = WireOptions(), wire_dtype: torch.dtype | None = None) -> None:
-        if wire_dtype not in (None, torch.bfloat16, torch.float16):
-            raise InvalidArgumentError(f"wire_dtype={wire_dtype}: use torch.bfloat16, torch.float16 or None")
+        if wire_dtype is not None and wire_dtype not in NARROW_DTYPES:
+            raise InvalidArgumentError(f"wire_dtype={wire_dtype}: use one of {NARROW_DTYPES} or None")
         self.wire_dtype = wire_dtype
-        self._wire_meta = {"wire_dtype": str(wire_dtype).removeprefix("torch.")} if wire_dtype else {}
+        self._wire_meta = {"wire_dtype": dtype_name(wire_dtype)} if wire_dtype else {}
         self.placement = dict(placement)
         self.channels = [Channel(address, task=f"/job:ps/task:{i}", options=options)
                          for i, address in enumerate(cluster.ps_addresses)]
@@ -191,45 +188,42 @@ class PsClient:
             futures.append(last)
         return futures
 
-    def _pull_calls(self, averages: bool, into: Mapping[str, torch.Tensor] | None) -> tuple[list[int], list]:
-        # ps 0 is always asked, even if it holds none of the variables: it keeps the global step.
-        shards = [s for s, names in enumerate(self._names_by_shard) if names or s == 0]
-        meta = {"averages": averages, **self._wire_meta}
-        return shards, [(s, lambda s=s: self.data[s].call("Pull", meta, into=into)) for s in shards]
-
     def pull_async(self, *, averages: bool = False, into: Mapping[str, torch.Tensor] | None = None) -> Gathered:
         """Fetch every variable (or its moving average) from its shard; ``result()`` is a ``Pulled``.
 
         Values land in ``into[name]`` where one is given (same shape and dtype), else in new tensors.
         """
-        shards, calls = self._pull_calls(averages, into)
-        return Gathered(self._fan_out(calls, inline=False), lambda r: _merge_replies(shards, r, len(self.channels)))
+        return self._pull(averages, into, inline=False)
 
     def pull(self, *, averages: bool = False, into: Mapping[str, torch.Tensor] | None = None) -> "Pulled":
-        shards, calls = self._pull_calls(averages, into)
-        return Gathered(self._fan_out(calls, inline=True), lambda r: _merge_replies(shards, r, len(self.channels))
-                        ).result()
+        return self._pull(averages, into, inline=True).result()
+
+    def _pull(self, averages: bool, into: Mapping[str, torch.Tensor] | None, *, inline: bool) -> Gathered:
+        # ps 0 is always asked, even if it holds none of the variables: it keeps the global step.
+        shards = [s for s, names in enumerate(self._names_by_shard) if names or s == 0]
+        meta = {"averages": averages, **self._wire_meta}
+        calls = [(s, lambda s=s: self.data[s].call("Pull", meta, into=into)) for s in shards]
+        return Gathered(self._fan_out(calls, inline=inline), lambda r: _merge_replies(shards, r, len(self.channels)))
 
     def _push_meta(self, shard: int, sync_steps: Sequence[int] | None, replica: int, values: bool) -> dict:
         if sync_steps is None:
             return {"advance_step": shard == 0, "values": values, **self._wire_meta}
         return {"replica": replica, "step": sync_steps[shard], "values": values, **self._wire_meta}
 
+    def _travel_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        """The dtype ``tensor`` travels in: the wire dtype if one is set and the tensor is floating point."""
+        return self.wire_dtype if self.wire_dtype is not None and tensor.is_floating_point() else tensor.dtype
+
     def wire_entry(self, name: str, tensor: torch.Tensor) -> TensorEntry:
-        """How ``tensor`` will be announced on the wire (its dtype narrowed as ``narrow`` would)."""
-        entry = TensorEntry.of(name, tensor)
-        if self.wire_dtype is None or not tensor.is_floating_point():
-            return entry
-        return TensorEntry(name, self.wire_dtype, entry.shape)
+        """How ``tensor`` will be announced on the wire."""
+        return TensorEntry(name, self._travel_dtype(tensor), TensorEntry.of(name, tensor).shape)
 
     def narrow(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The tensor as it travels: in the wire dtype if it is floating point and one is set."""
-        if self.wire_dtype is None or not tensor.is_floating_point():
-            return tensor
-        return tensor.to(self.wire_dtype)
+        """The tensor as it travels (a narrowed copy, or the tensor itself)."""
+        return tensor.to(self._travel_dtype(tensor))
 
-    def _push_calls(self, gradients: Mapping[str, torch.Tensor], sync_steps: Sequence[int] | None, replica: int,
-                    timeout_s: float | None, into: Mapping[str, torch.Tensor] | None) -> tuple[list[int], list]:
+    def _push(self, gradients: Mapping[str, torch.Tensor], sync_steps: Sequence[int] | None, replica: int,
+              timeout_s: float | None, into: Mapping[str, torch.Tensor] | None, *, inline: bool) -> Gathered:
         shards, calls = [], []
         for shard, part in enumerate(self._split(gradients)):
             if not part and shard != 0:
@@ -239,7 +233,8 @@ class PsClient:
             shards.append(shard)
             calls.append((shard, lambda s=shard, m=meta, t=part: self.data[s].call("Push", m, t, into=into,
                                                                                   timeout=timeout_s)))
-        return shards, calls
+        return Gathered(self._fan_out(calls, inline=inline),
+                        lambda r: _pushed(shards, r, len(self.channels), with_values=into is not None))
 
     def push_async(self, gradients: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
                    replica: int = 0, timeout_s: float | None = None,
@@ -252,16 +247,12 @@ class PsClient:
         With ``into``, each shard also replies with its values after the update, received into
         ``into`` (``Pushed.pulled``): the next step's pull, without another round trip.
         """
-        shards, calls = self._push_calls(gradients, sync_steps, replica, timeout_s, into)
-        return Gathered(self._fan_out(calls, inline=False),
-                        lambda r: _pushed(shards, r, len(self.channels), with_values=into is not None))
+        return self._push(gradients, sync_steps, replica, timeout_s, into, inline=False)
 
     def push(self, gradients: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
              replica: int = 0, timeout_s: float | None = None,
              into: Mapping[str, torch.Tensor] | None = None) -> "Pushed":
-        shards, calls = self._push_calls(gradients, sync_steps, replica, timeout_s, into)
-        return Gathered(self._fan_out(calls, inline=True),
-                        lambda r: _pushed(shards, r, len(self.channels), with_values=into is not None)).result()
+        return self._push(gradients, sync_steps, replica, timeout_s, into, inline=True).result()
 
     def push_streams(self, layout: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
                      replica: int = 0, timeout_s: float | None = None, values: bool = True) -> "PushStreams":

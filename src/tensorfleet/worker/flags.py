@@ -24,8 +24,10 @@ import torch
 
 from tensorfleet.cluster.placement import STRATEGIES, RowPartitioner
 from tensorfleet.ps.aggregate import SyncOptions
+from tensorfleet.wire.codec import DTYPE_NAMES, NARROW_DTYPES
 
-WIRE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --wire_dtype choices: float32 (tensors travel as they are) or one of the codec's narrow dtypes.
+WIRE_DTYPES: dict[str, torch.dtype | None] = {"float32": None, **{DTYPE_NAMES[d]: d for d in NARROW_DTYPES}}
 
 
 def add_training_flags(parser: argparse.ArgumentParser, *, default_mode: str = "async") -> None:

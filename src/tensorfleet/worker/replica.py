@@ -262,10 +262,10 @@ class Replica:
         The reply brings the ps's values after the update into the module (see ``pull``).
         """
         self._prefetched = None
-        sync_steps, timeout = self._push_tags()
-        if self._streams is not None:
+        if self._streams is not None:  # opened during backward, tagged then
             pushed = self._finish_streams()
         else:
+            sync_steps, timeout = self._push_tags()
             grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._params.items()}
             pushed = self.client.push(self.placement.views(grads), sync_steps=sync_steps, replica=self.replica_id,
                                       timeout_s=timeout, into=self._param_views)
