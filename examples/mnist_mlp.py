@@ -77,6 +77,7 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
     model = build_model(args.hidden_units)
     optimizer = tfl.OptimizerSpec.adam(lr=args.learning_rate)
     with tfl.Replica(model, cluster, task, optimizer=optimizer, **tfl.training_options(args)) as replica:
+        replica.report(target_step=args.train_steps)
         start = time.time()
         print(f"Worker {replica_id}: training begins @ {start:f}")
         local_step, step = 0, replica.global_step
@@ -84,8 +85,10 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
             if replica.pull() >= args.train_steps:
                 break
             images, labels = next(data)
-            nn.functional.cross_entropy(model(images), labels).backward()
+            loss = nn.functional.cross_entropy(model(images), labels)
+            loss.backward()
             step = replica.push()
+            replica.report(loss=loss.item(), examples=len(labels))  # for the launcher's progress and dashboard
             local_step += 1
             if local_step % args.log_every == 0:
                 loss, _ = evaluate(model, Split(images, labels))

@@ -35,7 +35,7 @@ def test_mnist_job_under_launcher_learns_and_counts_every_push():
     assert len(accuracies) == 2 and all(a > 0.8 for a in accuracies)
     # Output is prefixed by task, and the job announces success.
     assert "[worker:1] " in result.output and "[ps:0] " in result.output
-    assert "job succeeded" in result.output
+    assert "job mnist-mlp succeeded" in result.output
     # Every task the launcher started has exited, the ps included.
     pids = [int(p) for p in re.findall(r"started \w+:\d+ \(pid (\d+)\)", result.output)]
     assert len(pids) == 3
@@ -43,10 +43,12 @@ def test_mnist_job_under_launcher_learns_and_counts_every_push():
 
 
 def test_two_ps_shards_and_a_failing_worker_fail_the_job():
-    result = run_launcher(EXAMPLE, [*QUICK, "--data_dir", "/nonexistent"], num_ps=2, num_workers=2, timeout_s=120)
+    result = run_launcher(EXAMPLE, [*QUICK, "--data_dir", "/nonexistent"], num_ps=2, num_workers=2,
+                          launch_flags=["--restart", "never"], timeout_s=120)
     assert result.returncode == 1
     assert "does not exist" in result.output or "has no train-images" in result.output
-    assert "failed with exit code" in result.output
+    assert re.search(r"worker:\d failed: exit code 1; not restarted because the restart policy is 'never'",
+                     result.output), result.output
 
 
 def _start(argv, **kwargs):

@@ -115,3 +115,12 @@ def test_invalid_dicts(jobs, message):
 def test_negative_task_index_rejected():
     with pytest.raises(ClusterSpecError, match="non-negative"):
         TaskSpec("worker", -1)
+
+
+def test_tasks_bind_loopback_when_named_so_and_every_interface_otherwise():
+    from tensorfleet.cluster.spec import bind_address
+    assert bind_address("127.0.0.1:2222") == "127.0.0.1:2222"
+    assert bind_address("localhost:2222") == "localhost:2222"
+    assert bind_address("[::1]:2222") == "[::1]:2222"
+    assert bind_address("mnist-ps-0.ml.svc:2222") == "0.0.0.0:2222"
+    assert bind_address("10.1.2.3:2222") == "0.0.0.0:2222"

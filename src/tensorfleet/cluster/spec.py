@@ -39,6 +39,22 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+LOOPBACK_HOSTS = ("localhost", "::1")
+
+
+def bind_address(address: str) -> str:
+    """Where a task listens for its cluster ``address``: loopback stays loopback, any other host binds all.
+
+    A task named by a DNS name (a Kubernetes Service) or an IP address listens on every
+    interface, as classic TensorFlow servers do; it cannot bind a name that only resolves
+    once its pod is ready.  A cluster on 127.0.0.1 is never exposed beyond this machine.
+    """
+    host, port = parse_address(address)
+    if host in LOOPBACK_HOSTS or host.startswith("127."):
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"0.0.0.0:{port}"
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """One task of the cluster: ``/job:<job_name>/task:<index>``."""
@@ -201,12 +217,12 @@ def cluster_from_flags(args: argparse.Namespace,
     if missing:
         raise ClusterSpecError(f"missing flag(s) {', '.join(missing)}: all of --ps_hosts --worker_hosts "
                                "--job_name --task_index are needed (or none, with TF_CONFIG set)")
-    jobs = {"worker": _split_hosts(given["worker_hosts"]), "ps": _split_hosts(given["ps_hosts"] or "")}
+    jobs = {"worker": split_hosts(given["worker_hosts"]), "ps": split_hosts(given["ps_hosts"] or "")}
     cluster = ClusterSpec.from_dict(jobs)
     task = TaskSpec(given["job_name"], given["task_index"])
     cluster.check_task(task)
     return cluster, task
 
 
-def _split_hosts(text: str) -> list[str]:
+def split_hosts(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]

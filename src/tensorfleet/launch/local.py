@@ -1,30 +1,44 @@
-"""Start a whole cluster as local processes on 127.0.0.1, stream their output, tear it down.
+"""Run a job as local processes on 127.0.0.1: start every task, restart what dies, report, tear down.
 
-Each task is ``python SCRIPT ARGS`` with its own ``TF_CONFIG``, in a process
-group of its own (so a Ctrl-C reaches the launcher, which then stops every task
-in order, rather than racing the tasks).  The job is over when every worker has
-exited; the ps tasks then exit by themselves (each worker's Done tells them)
-or are stopped after a grace period.  A ps that fails (non-zero exit) before
-the workers finish ends the job: there is no restart yet, and the workers
-could only wait for it.
+Each task is ``python SCRIPT ARGS`` with its own ``TF_CONFIG``, in a process group
+of its own (so a Ctrl-C reaches the launcher, which then stops every task in order,
+rather than racing the tasks).  Its output goes to the console, prefixed with the
+task (``[worker:1] ...``), and to ``LOGDIR/worker-1.log``; every start, exit,
+restart and give-up is appended to ``LOGDIR/events.jsonl``.
+
+The ``Supervisor`` decides (restart with backoff, or give up); the ``FleetMonitor``
+polls every task's Status for the progress line, the dashboard and the state
+"running".  The job is over when every worker is done: the ps tasks then exit by
+themselves (each worker's Done tells them) or are stopped after a grace period.
+A task that fails for good stops the job, since the others could only wait for it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Sequence, TextIO
+from pathlib import Path
+from typing import TextIO
 
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.launch.config import ConfigError, JobConfig
+from tensorfleet.launch.console import Console
+from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks, progress_line, task_role
+from tensorfleet.launch.supervisor import Supervisor, TaskRecord, describe_exit
+from tensorfleet.worker.status import STATUS_DIR_ENV
 
 PS_EXIT_GRACE_S = 10.0
 KILL_GRACE_S = 5.0
+LOOP_S = 0.1
+FAILED_LOG_LINES = 12  # the tail of a failed task's log shown in the summary
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -41,108 +55,287 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def local_cluster(num_ps: int, num_workers: int, host: str = "127.0.0.1") -> ClusterSpec:
-    """A cluster of ``num_ps`` ps and ``num_workers`` workers on free ports of ``host``."""
-    ports = free_ports(num_ps + num_workers, host)
+def local_cluster(num_ps: int, num_workers: int, host: str = "127.0.0.1", *,
+                  first_port: int | None = None) -> ClusterSpec:
+    """A cluster of ``num_ps`` ps and ``num_workers`` workers on ``host``: free ports, or consecutive ones."""
+    count = num_ps + num_workers
+    ports = free_ports(count, host) if first_port is None else list(range(first_port, first_port + count))
     return ClusterSpec.from_dict({"ps": [f"{host}:{p}" for p in ports[:num_ps]],
                                   "worker": [f"{host}:{p}" for p in ports[num_ps:]]})
 
 
-@dataclass
-class TaskProcess:
-    task: TaskSpec
-    process: subprocess.Popen
-    started: float = field(default_factory=time.monotonic)
-    pump: threading.Thread | None = None
+def visible_gpus() -> int:
+    """How many CUDA devices this machine offers (torch is imported only when GPUs are asked for)."""
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_assignment(gpus_per_worker: int, num_workers: int, available: int) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` for each worker: disjoint blocks of ``gpus_per_worker`` devices."""
+    needed = gpus_per_worker * num_workers
+    if needed > available:
+        raise ConfigError(f"--gpus-per-worker {gpus_per_worker} with {num_workers} worker(s) needs {needed} GPU(s); "
+                          f"this machine has {available}. Use fewer workers or GPUs per worker, or 0 to train on CPU")
+    return [",".join(str(gpus_per_worker * w + g) for g in range(gpus_per_worker)) for w in range(num_workers)]
 
 
 class LocalLauncher:
-    """Runs one job: start every task, wait for the workers, stop the ps, report the exit code.
+    """Runs one job from a ``JobConfig``; ``run()`` returns the job's exit code.
 
     Args:
-        cluster: the tasks to start (every address must be on this machine).
-        command: the program each task runs, e.g. ``[sys.executable, "examples/mnist_mlp.py", ...]``.
-        out: where the prefixed output lines go.
-        env: extra environment for every task.
+        config: the validated job settings.
+        out: where the console lines go.
+        interactive: redraw the progress line in place (default: when ``out`` is a terminal).
+        progress_every_s: how often the progress line is printed when not interactive.
     """
 
-    def __init__(self, cluster: ClusterSpec, command: Sequence[str], *, out: TextIO = sys.stdout,
-                 env: dict[str, str] | None = None) -> None:
-        self.cluster = cluster
-        self.command = list(command)
-        self.out = out
-        self.env = dict(env or {})
-        self.tasks: list[TaskProcess] = []
-        self._out_lock = threading.Lock()
-        self._stopping = threading.Event()
+    def __init__(self, config: JobConfig, *, out: TextIO = sys.stdout, interactive: bool | None = None,
+                 progress_every_s: float = 10.0, gpus_available: int | None = None) -> None:
+        self.config = config
+        self.cluster = local_cluster(config.ps, config.workers, first_port=config.port)
+        self.tasks = fleet_tasks(self.cluster)
+        gpus = (gpu_assignment(config.gpus_per_worker, config.workers,
+                               visible_gpus() if gpus_available is None else gpus_available)
+                if config.gpus_per_worker else None)
+        self._gpus = gpus
+        self.console = Console(out, interactive=interactive, every_s=progress_every_s)
+        self.logdir = Path(config.logdir) if config.logdir else None
+        records = [TaskRecord(t, self.cluster.task_address(t.job_name, t.index), task_role(self.cluster, t))
+                   for t in self.tasks]
+        self.supervisor = Supervisor(records, config.restart_policy)
+        self.monitor = FleetMonitor(self.cluster, job_name=config.job_name, mode=config.mode,
+                                    supervisor=self.supervisor)
+        self.processes: dict[str, subprocess.Popen] = {}
+        self._pumps: list[threading.Thread] = []
+        self._events_written = 0
+        self._interrupted: str | None = None
+        self.dashboard = None
 
-    def say(self, line: str) -> None:
-        with self._out_lock:
-            self.out.write(line if line.endswith("\n") else line + "\n")
-            self.out.flush()
+    # --- what each task gets --------------------------------------------------------------------
 
-    def start(self) -> None:
-        order = [TaskSpec("ps", i) for i in range(self.cluster.num_tasks("ps"))] + list(self.cluster.replicas)
-        for task in order:
-            env = {**os.environ, **self.env, "TF_CONFIG": self.cluster.to_tf_config(task), "PYTHONUNBUFFERED": "1"}
-            process = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
-            tp = TaskProcess(task, process)
-            tp.pump = threading.Thread(target=self._pump, args=(tp,), daemon=True, name=f"pump-{task.short}")
-            tp.pump.start()
-            self.tasks.append(tp)
-            self.say(f"[launch] started {task.short} (pid {process.pid}) at "
-                     f"{self.cluster.task_address(task.job_name, task.index)}")
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, self.config.script, *self.config.args]
 
-    def _pump(self, tp: TaskProcess) -> None:
-        assert tp.process.stdout is not None
-        for raw in iter(tp.process.stdout.readline, b""):
-            self.say(f"[{tp.task.short}] {raw.decode(errors='replace').rstrip()}")
+    def task_env(self, task: TaskSpec) -> dict[str, str]:
+        """The variables a task gets on top of the launcher's environment."""
+        env = {"TF_CONFIG": self.cluster.to_tf_config(task), "PYTHONUNBUFFERED": "1", **self.config.env}
+        if self.logdir is not None:
+            env[STATUS_DIR_ENV] = str(self.logdir)  # where a task leaves its final status as it exits
+        if self.config.mode is not None:
+            env["TENSORFLEET_MODE"] = self.config.mode  # the default of --sync/--async in add_training_flags
+        if self._gpus is not None:
+            if task.job_name == "ps":
+                env["CUDA_VISIBLE_DEVICES"] = ""  # a ps holds variables on the CPU
+            else:
+                env["CUDA_VISIBLE_DEVICES"] = self._gpus[self.cluster.replica_id(task)]
+                env["TENSORFLEET_GPUS_PER_WORKER"] = str(self.config.gpus_per_worker)
+        return env
 
-    def wait(self, poll_s: float = 0.1) -> int:
-        """Wait for the job to end; return 0 if every worker succeeded, else 1."""
-        workers = [t for t in self.tasks if t.task.job_name != "ps"]
-        ps_tasks = [t for t in self.tasks if t.task.job_name == "ps"]
-        while not self._stopping.is_set() and any(t.process.poll() is None for t in workers):
-            # A ps exits 0 once every worker said Done (workers may still be evaluating): that is normal.
-            dead_ps = [t for t in ps_tasks if t.process.poll() not in (None, 0)]
-            if dead_ps:
-                self.say(f"[launch] {dead_ps[0].task.short} exited with code {dead_ps[0].process.returncode} "
-                         "before the workers finished; stopping the job")
-                self.stop()
-                return 1
-            time.sleep(poll_s)
-        failed = [t for t in workers if t.process.returncode != 0]
-        if not failed:  # every worker said Done, so the ps tasks are on their way out
-            self._wait_for_exit(ps_tasks, PS_EXIT_GRACE_S)
-        self.stop()
-        for t in failed:
-            self.say(f"[launch] {t.task.short} failed with exit code {t.process.returncode}")
-        return 1 if failed or self._stopping.is_set() else 0
+    def log_path(self, task: TaskSpec) -> Path:
+        assert self.logdir is not None
+        return self.logdir / f"{task.job_name}-{task.index}.log"
 
-    def _wait_for_exit(self, tasks: list[TaskProcess], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(t.process.poll() is None for t in tasks):
-            time.sleep(0.05)
+    def dry_run_text(self) -> str:
+        """What ``run()`` would start, without starting anything."""
+        c = self.config
+        policy = f"restart {c.restart}" + (f" (up to {c.max_restarts} times per task)" if c.restart != "never" else "")
+        lines = [f"job {c.job_name}: {c.ps} ps + {c.workers} worker(s), mode {c.mode or 'as the script defaults'}, "
+                 f"{policy}",
+                 f"logs: {self.logdir or 'a new temporary directory'}",
+                 "dashboard: " + ("off" if c.dashboard is None else f"http://127.0.0.1:{c.dashboard or 'FREE_PORT'}/"),
+                 f"command of every task: {shlex.join(self.command)}",
+                 "ports are free now; a real run picks them again unless --port is given" if c.port is None else
+                 f"ports from {c.port}", ""]
+        for task in self.tasks:
+            lines.append(f"{task.short} ({task_role(self.cluster, task)}) at "
+                         f"{self.cluster.task_address(task.job_name, task.index)}")
+            lines += [f"    {key}={shlex.quote(value)}" for key, value in self.task_env(task).items()]
+        return "\n".join(lines)
+
+    # --- processes ------------------------------------------------------------------------------
+
+    def _spawn(self, record: TaskRecord) -> None:
+        task = record.task
+        env = {**os.environ, **self.task_env(task)}
+        process = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        self.processes[record.name] = process
+        self.supervisor.started(record.name, process.pid)
+        log = self._open_log(record)
+        pump = threading.Thread(target=self._pump, args=(record.name, process, log), daemon=True,
+                                name=f"pump-{record.name}")
+        pump.start()
+        self._pumps.append(pump)
+        again = f" (restart {record.restarts})" if record.restarts else ""
+        self.console.line(f"[launch] started {record.name}{again} (pid {process.pid}) at {record.address}")
+
+    def _open_log(self, record: TaskRecord) -> TextIO | None:
+        if self.logdir is None:
+            return None
+        log = open(self.log_path(record.task), "a", encoding="utf-8")
+        log.write(f"=== {record.name} incarnation {record.restarts}, pid {self.processes[record.name].pid}, "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
+        log.flush()
+        return log
+
+    def _pump(self, name: str, process: subprocess.Popen, log: TextIO | None) -> None:
+        assert process.stdout is not None
+        try:
+            for raw in iter(process.stdout.readline, b""):
+                text = raw.decode(errors="replace").rstrip()
+                self.console.line(f"[{name}] {text}")
+                if log is not None:
+                    log.write(text + "\n")
+                    log.flush()
+        finally:
+            if log is not None:
+                log.close()
+
+    def _reap(self) -> list[TaskRecord]:
+        """Feed every exit to the supervisor; return the tasks that failed for good."""
+        failed = []
+        for name, process in list(self.processes.items()):
+            code = process.poll()
+            if code is None:
+                continue
+            del self.processes[name]
+            record = self.supervisor.by_name[name]
+            decision = self.supervisor.exited(name, code)
+            if decision == "restart":
+                self.console.line(f"[launch] {name} {describe_exit(code)}; restarting in "
+                                  f"{record.restart_at - time.monotonic():.1f} s "
+                                  f"(restart {record.restarts} of {self.config.max_restarts})")
+            elif decision == "failed":
+                failed.append(record)
+            elif decision == "done" and code == 0 and record.role == "ps" and not self.supervisor.workers_done():
+                self.console.line(f"[launch] {name} exited: every worker reported done")
+        return failed
+
+    def _write_events(self) -> None:
+        new = self.supervisor.events[self._events_written:]
+        if self.logdir is not None and new:
+            with open(self.logdir / "events.jsonl", "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(event) + "\n" for event in new)
+        self._events_written += len(new)
+
+    # --- the job --------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start the job, supervise it until it ends, print the summary; return 0, 1 (failed) or 130 (stopped)."""
+        if self.logdir is None:
+            self.logdir = Path(tempfile.mkdtemp(prefix=f"tensorfleet-{self.config.job_name}-"))
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self.monitor.final_status_dir = self.logdir
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        failed: list[TaskRecord] = []
+        try:
+            self._start_dashboard()
+            for record in self.supervisor.records:
+                self._spawn(record)
+            self.monitor.start()
+            failed = self._supervise()
+        finally:
+            self.supervisor.stop_all()
+            self.stop()
+            self.monitor.poll()  # the final statuses the tasks left, for the summary and the dashboard
+            self.monitor.stop()
+            self._write_events()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        code = 130 if self._interrupted else (1 if failed or not self.supervisor.workers_done() else 0)
+        self.monitor.job_state = "succeeded" if code == 0 else "failed"
+        self._stop_dashboard()
+        self.console.close()
+        self._summarize(code, failed)
+        return code
+
+    def _supervise(self) -> list[TaskRecord]:
+        """The loop: reap exits, restart what is due, draw progress; return the tasks that failed for good."""
+        last_progress = 0.0
+        while not self._interrupted:
+            failed = self._reap()
+            self._write_events()
+            if failed:
+                return failed
+            if self.supervisor.workers_done():
+                self._wait_for_ps()
+                return []
+            for record in self.supervisor.due():
+                self._spawn(record)
+            now = time.monotonic()
+            if now - last_progress >= 1.0 and self.monitor.answered_once:
+                last_progress = now
+                self.console.progress(progress_line(self.monitor.snapshot()))
+            time.sleep(LOOP_S)
+        self.console.line(f"[launch] received {self._interrupted}; stopping every task")
+        return []
+
+    def _wait_for_ps(self) -> None:
+        deadline = time.monotonic() + PS_EXIT_GRACE_S
+        while self.processes and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(LOOP_S / 2)
+        self._write_events()
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._interrupted = signal.Signals(signum).name
 
     def stop(self) -> None:
-        """Stop every task still running: SIGTERM, then SIGKILL after a grace period."""
-        alive = [t for t in self.tasks if t.process.poll() is None]
-        for t in alive:
-            _signal_group(t.process, signal.SIGTERM)
-        self._wait_for_exit(alive, KILL_GRACE_S)
-        for t in alive:
-            if t.process.poll() is None:
-                _signal_group(t.process, signal.SIGKILL)
-                t.process.wait()
-        for t in self.tasks:
-            t.process.wait()
-            if t.pump is not None:
-                t.pump.join(timeout=2.0)
+        """Stop every task still running: SIGTERM, then SIGKILL after a grace period; reap them all."""
+        alive = [p for p in self.processes.values() if p.poll() is None]
+        for process in alive:
+            _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + KILL_GRACE_S
+        while time.monotonic() < deadline and any(p.poll() is None for p in alive):
+            time.sleep(0.05)
+        for process in alive:
+            if process.poll() is None:
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+        self._reap()
+        for pump in self._pumps:
+            pump.join(timeout=2.0)
 
-    def request_stop(self) -> None:
-        """From a signal handler: make ``wait`` return and tear the job down."""
-        self._stopping.set()
+    # --- dashboard and summary ------------------------------------------------------------------
+
+    def _start_dashboard(self) -> None:
+        if self.config.dashboard is None:
+            return
+        from tensorfleet.dashboard.server import Dashboard  # the web stack loads only when asked for
+        self.dashboard = Dashboard(self.monitor.snapshot, port=self.config.dashboard).start()
+        self.console.line(f"[launch] dashboard at {self.dashboard.url} (metrics at {self.dashboard.url}metrics)")
+
+    def _stop_dashboard(self) -> None:
+        if self.dashboard is not None:
+            self.dashboard.stop()
+
+    def _summarize(self, code: int, failed: list[TaskRecord]) -> None:
+        say = self.console.line
+        elapsed = time.monotonic() - self.supervisor.started_at
+        if self._interrupted:
+            outcome = f"stopped by {self._interrupted}"
+        else:
+            outcome = "succeeded" if code == 0 else "FAILED"
+        restarts = self.supervisor.total_restarts
+        say(f"[launch] job {self.config.job_name} {outcome} after {elapsed:.1f} s (exit code {code}), "
+            f"{restarts} restart{'s' if restarts != 1 else ''}, global step {self.monitor.snapshot()['job']['global_step']}")
+        for record in failed:
+            event = next(e for e in reversed(self.supervisor.events) if e["task"] == record.name)
+            say(f"[launch] {record.name} failed: {event['how']}; not restarted because {event['reason']}")
+            say(f"[launch] last lines of {self.log_path(record.task)}:")
+            for line in _tail(self.log_path(record.task), FAILED_LOG_LINES):
+                say(f"    {line}")
+        for line in self.supervisor.summary_table().splitlines():
+            say(f"[launch] {line}")
+        say(f"[launch] logs: {self.logdir}")
+
+
+def _tail(path: Path, count: int) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace").splitlines()[-count:]
+    except OSError:
+        return []
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
@@ -152,23 +345,12 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def launch(script: str, script_args: Sequence[str], *, num_ps: int, num_workers: int,
-           out: TextIO = sys.stdout) -> int:
-    """Run ``script`` as a local cluster of ``num_ps`` ps and ``num_workers`` workers; return the exit code."""
-    cluster = local_cluster(num_ps, num_workers)
-    launcher = LocalLauncher(cluster, [sys.executable, script, *script_args], out=out)
+def launch(config: JobConfig, *, out: TextIO = sys.stdout, dry_run: bool = False,
+           progress_every_s: float = 10.0) -> int:
+    """Run the job of ``config`` as a local cluster (or print what would start); return the exit code."""
+    launcher = LocalLauncher(config, out=out, progress_every_s=progress_every_s)
+    if dry_run:
+        out.write(launcher.dry_run_text() + "\n")
+        return 0
+    return launcher.run()
 
-    def on_signal(signum: int, _frame: object) -> None:
-        launcher.say(f"[launch] received {signal.Signals(signum).name}; stopping every task")
-        launcher.request_stop()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        launcher.start()
-        code = launcher.wait()
-    finally:
-        launcher.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    launcher.say(f"[launch] job {'succeeded' if code == 0 else 'FAILED'} (exit code {code})")
-    return code

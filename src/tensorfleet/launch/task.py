@@ -2,7 +2,8 @@
 
 Every task runs the same script; this resolves which task this process is (flags
 or TF_CONFIG), then either serves as a ps until the job is done or calls the
-script's training function.
+script's training function, answering the Status RPC on the task's own address
+meanwhile (its step, loss and throughput, for the launcher and the dashboard).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, cluster_from_flags
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.ps.server import Server
+from tensorfleet.worker.status import PROCESS_STATUS, serve_status, write_final_status
 
 TrainFn = Callable[[argparse.Namespace, ClusterSpec, TaskSpec], None]
 
@@ -43,7 +45,15 @@ def run_task(args: argparse.Namespace, train: TrainFn, *, intra_op_threads: int 
         return 2
     torch.set_num_threads(intra_op_threads)
     if task.job_name == "ps":
-        Server(cluster, job_name="ps", task_index=task.index).join()
-    else:
+        server = Server(cluster, job_name="ps", task_index=task.index)
+        server.join()
+        write_final_status(task, server.status())
+        return 0
+    status_server = serve_status(cluster, task)  # what the launcher and the dashboard ask about
+    try:
         train(args, cluster, task)
+    finally:
+        if status_server is not None:
+            status_server.stop(0)
+    write_final_status(task, PROCESS_STATUS.as_meta())
     return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, parse_address
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, bind_address, parse_address
 from tensorfleet.errors import ClusterSpecError
 from tensorfleet.ps.service import PsService
 from tensorfleet.ps.store import VariableStore
@@ -41,7 +41,7 @@ class Server:
         replicas = cluster.replicas
         self.store = VariableStore(task=self.task.name, replica_names=[r.name for r in replicas])
         self.service = PsService(self.store, num_workers=len(replicas))
-        address = cluster.task_address(job_name, task_index)
+        address = bind_address(cluster.task_address(job_name, task_index))
         self._data = DataServer(parse_address(address)[0], self.service.data_methods(), task=self.task.name,
                                 options=options)
         self.service.data_port = self._data.port
@@ -63,6 +63,10 @@ class Server:
                      status.dropped_stale)
             self.stop()
         return finished
+
+    def status(self) -> dict:
+        """What the Status RPC answers: step, counters, role, pid."""
+        return self.service.status({}, {})[0]
 
     def stop(self, grace_s: float = 1.0) -> None:
         # Let in-flight replies (the last Done) reach their callers before the sockets close.

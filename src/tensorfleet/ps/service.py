@@ -21,7 +21,7 @@ Push        async: advance_step: bool                    step (this shard's); ou
 Snapshot    -                                            global_step, applied_updates; tensors: the
                                                          flattened ShardState (values, slots, averages)
 Status      -                                            initialized, mode, sync, step, counters,
-                                                         data_port
+                                                         data_port, task, role ("ps"), pid, uptime_s
 Done        replica: int                                 workers_done, num_workers
 ==========  ===========================================  ==========================================
 """
@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -55,6 +57,7 @@ class PsService:
         self.num_workers = num_workers
         self.finished = threading.Event()
         self._workers_done = 0
+        self._started_unix = time.time()
 
     def handlers(self) -> dict[str, Handler]:
         """The control plane's gRPC methods."""
@@ -134,7 +137,8 @@ class PsService:
     def status(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         reply = dataclasses.asdict(self.store.status())
         sync = self.store.sync_options
-        reply.update(task=self.store.task, workers_done=self._workers_done, num_workers=self.num_workers,
+        reply.update(task=self.store.task, role="ps", pid=os.getpid(), uptime_s=time.time() - self._started_unix,
+                     workers_done=self._workers_done, num_workers=self.num_workers,
                      sync=sync.to_meta() if sync else None, data_port=self.data_port)
         return reply, {}
 

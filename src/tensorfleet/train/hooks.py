@@ -93,6 +93,7 @@ class StopAtStepHook(Hook):
     def after_create_session(self, session: "TrainingSession") -> None:
         if self.num_steps is not None and self.last_step is None:  # not recomputed after a recovery
             self.last_step = session.global_step + self.num_steps
+        session.replica.report(target_step=self.last_step)
         if session.global_step >= self.last_step:
             session.request_stop()
 

@@ -134,6 +134,7 @@ class TrainingSession:
                 log.warning("%s: step failed (%s); recovering", self.replica.task.name, exc)
                 self._recover()
         self.local_step += 1
+        self.replica.report(loss=value, examples=batch_size or 0)
         result = StepResult(loss=value, global_step=self.replica.global_step, local_step=self.local_step,
                             seconds=time.perf_counter() - start, batch_size=batch_size, dropped=dropped,
                             skipped=skipped)

@@ -1,6 +1,7 @@
 """Command-line flags for the training choices of a job, shared by every training script.
 
-    --sync | --async                 how the ps applies gradients (classic `issync`; default async)
+    --sync | --async                 how the ps applies gradients (classic `issync`; default async, or
+                                     TENSORFLEET_MODE, which `tensorfleet launch --sync` sets)
     --replicas_to_aggregate R        sync: gradients averaged per step (default: every worker)
     --total_num_replicas N           sync: workers in the job; N > R makes backups (default: every worker)
     --sync_timeout_s S               sync: how long a step waits for missing workers before failing
@@ -18,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import torch
@@ -37,7 +39,8 @@ def add_training_flags(parser: argparse.ArgumentParser, *, default_mode: str = "
                       help="synchronous: the ps averages one gradient per worker per step")
     mode.add_argument("--async", dest="mode", action="store_const", const="async",
                       help="asynchronous: the ps applies each gradient as it arrives")
-    parser.set_defaults(mode=default_mode)
+    # tensorfleet launch --sync/--async tells every task through TENSORFLEET_MODE; a flag here still wins.
+    parser.set_defaults(mode=os.environ.get("TENSORFLEET_MODE", default_mode))
     group.add_argument("--replicas_to_aggregate", type=int, default=None)
     group.add_argument("--total_num_replicas", type=int, default=None)
     group.add_argument("--sync_timeout_s", type=float, default=300.0)

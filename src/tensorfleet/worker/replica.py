@@ -41,6 +41,7 @@ from tensorfleet.ps.store import ShardState
 from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import PsClient, Pulled, Pushed, PushStreams
+from tensorfleet.worker.status import PROCESS_STATUS
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,8 @@ class Replica:
             self.sync = SyncOptions.from_meta(status["sync"])  # the job's options win
         self.pull()
         self._started = True
+        PROCESS_STATUS.begin(self.task, is_chief=self.is_chief)
+        PROCESS_STATUS.global_step = self.global_step
         return self
 
     def recover(self, *, restore: Sequence[ShardState] | None, timeout_s: float) -> None:
@@ -193,6 +196,7 @@ class Replica:
         for hook in self._hooks:  # a backward after training (evaluation, a new Replica) must not stream
             hook.remove()
         self._hooks = []
+        PROCESS_STATUS.finished()
         try:
             self._drop_streams()
             self.client.done(self.replica_id)
@@ -275,7 +279,17 @@ class Replica:
         self.dropped_gradients += pushed.dropped
         for param in self._params.values():
             param.grad = None
+        PROCESS_STATUS.pushed(self.global_step, self.dropped_gradients)
         return self.global_step
+
+    def report(self, *, loss: float | None = None, examples: int = 0, target_step: int | None = None) -> None:
+        """Tell the fleet how training goes: the step's loss, examples it used, the step training ends at.
+
+        These figures answer this task's Status RPC, which the launcher's progress line, the
+        dashboard and ``/metrics`` read.  Steps and the global step are recorded by ``push()``.
+        ``TrainingSession`` calls this for you.
+        """
+        PROCESS_STATUS.report(loss=loss, examples=examples, target_step=target_step)
 
     def _push_tags(self) -> tuple[list[int] | None, float | None]:
         if self.sync is None:

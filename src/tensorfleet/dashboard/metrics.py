@@ -1,0 +1,136 @@
+"""The fleet snapshot in Prometheus' text format, for ``/metrics``.
+
+The snapshot is already the state of the fleet, so there is nothing to
+accumulate between scrapes: each scrape builds a fresh ``CollectorRegistry``
+holding one collector over that scrape's snapshot, and prometheus_client writes
+the text.  Values that are null in the snapshot (no target, no loss yet, a task
+that never answered) are left out rather than exported as 0, which would read
+as a real measurement.
+
+Counters here (restarts, dropped stale gradients) are counts kept by the
+launcher and the ps; they are exported as counters because they only grow for
+the life of one launcher.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+__all__ = ["CONTENT_TYPE", "JOB_STATES", "TASK_STATES", "SnapshotCollector", "render_metrics"]
+
+CONTENT_TYPE: str = CONTENT_TYPE_LATEST
+
+JOB_STATES: tuple[str, ...] = ("running", "succeeded", "failed")
+TASK_STATES: tuple[str, ...] = ("starting", "running", "restarting", "done", "failed", "unreachable")
+
+_TASK_LABELS = ["task", "role"]
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float, or None for null (and for anything that is not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _states(current: str | None, known: tuple[str, ...]) -> list[tuple[str, float]]:
+    """The enum pattern: one series per state, 1 for the current one; an unknown state gets a series too."""
+    states = list(known) + ([current] if current and current not in known else [])
+    return [(state, 1.0 if state == current else 0.0) for state in states]
+
+
+class SnapshotCollector:
+    """A prometheus_client collector over one snapshot (see ``tensorfleet.dashboard`` for its shape)."""
+
+    def __init__(self, snapshot: Mapping[str, Any]) -> None:
+        self._job = snapshot.get("job") or {}
+        self._tasks = snapshot.get("tasks") or []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._job_metrics()
+        yield from self._task_metrics()
+
+    def _job_metrics(self) -> Iterator[Metric]:
+        job = self._job
+        info = GaugeMetricFamily("tensorfleet_job_info", "The job being run; always 1.", labels=["name", "mode"])
+        info.add_metric([str(job.get("name") or ""), str(job.get("mode") or "")], 1.0)
+        yield info
+
+        state = GaugeMetricFamily("tensorfleet_job_state", "1 for the job's current state.", labels=["state"])
+        for name, value in _states(job.get("state"), JOB_STATES):
+            state.add_metric([name], value)
+        yield state
+
+        gauges = [
+            ("tensorfleet_global_step", "global_step", "The job's global step, as the ps last reported it."),
+            ("tensorfleet_target_step", "target_step", "The global step at which the job stops."),
+            ("tensorfleet_examples_per_second", "examples_per_sec", "Training examples per second, all workers."),
+            ("tensorfleet_steps_per_second", "steps_per_sec", "Global steps per second."),
+            ("tensorfleet_eta_seconds", "eta_s", "Estimated seconds until the target step."),
+            ("tensorfleet_elapsed_seconds", "elapsed_s", "Seconds since the job started."),
+        ]
+        for metric, key, doc in gauges:
+            value = _number(job.get(key))
+            if value is not None:
+                yield GaugeMetricFamily(metric, doc, value=value)
+
+        counters = [
+            ("tensorfleet_dropped_stale_gradients", "dropped_stale", "Gradients dropped as stale (sync mode)."),
+            ("tensorfleet_job_restarts", "restarts", "Task restarts in this job, all tasks."),
+        ]
+        for metric, key, doc in counters:
+            value = _number(job.get(key))
+            if value is not None:
+                yield CounterMetricFamily(metric, doc, value=value)
+
+    def _task_metrics(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("tensorfleet_task_up", "1 when the task is running, else 0.", labels=_TASK_LABELS)
+        state = GaugeMetricFamily(
+            "tensorfleet_task_state", "1 for the task's current state.", labels=[*_TASK_LABELS, "state"])
+        restarts = CounterMetricFamily(
+            "tensorfleet_task_restarts", "Times the launcher restarted the task.", labels=_TASK_LABELS)
+        gauges = {
+            "step": GaugeMetricFamily(
+                "tensorfleet_task_step", "A worker's local step, or a ps's global step.", labels=_TASK_LABELS),
+            "global_step": GaugeMetricFamily(
+                "tensorfleet_task_global_step", "The global step the task last saw.", labels=_TASK_LABELS),
+            "loss": GaugeMetricFamily("tensorfleet_task_loss", "The worker's last loss.", labels=_TASK_LABELS),
+            "examples_per_sec": GaugeMetricFamily(
+                "tensorfleet_task_examples_per_second", "The worker's examples per second.", labels=_TASK_LABELS),
+            "heartbeat_age_s": GaugeMetricFamily(
+                "tensorfleet_task_heartbeat_age_seconds", "Seconds since the task last answered its status RPC.",
+                labels=_TASK_LABELS),
+        }
+        for task in self._tasks:
+            labels = [str(task.get("name", "")), str(task.get("role", ""))]
+            current = task.get("state")
+            up.add_metric(labels, 1.0 if current == "running" else 0.0)
+            for name, value in _states(current, TASK_STATES):
+                state.add_metric([*labels, name], value)
+            count = _number(task.get("restarts"))
+            if count is not None:
+                restarts.add_metric(labels, count)
+            for key, family in gauges.items():
+                value = _number(task.get(key))
+                if value is not None:
+                    family.add_metric(labels, value)
+        yield up
+        yield state
+        yield restarts
+        yield from gauges.values()
+
+
+def render_metrics(snapshot: Mapping[str, Any]) -> bytes:
+    """The snapshot in Prometheus' text format (serve it with ``CONTENT_TYPE``).
+
+    Example:
+        >>> text = render_metrics({"job": {"global_step": 7}, "tasks": []}).decode()
+        >>> "tensorfleet_global_step 7.0" in text
+        True
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(snapshot))
+    return generate_latest(registry)

@@ -1,0 +1,56 @@
+"""``tensorfleet dashboard``: the live dashboard of a fleet started some other way (by hand, on other machines).
+
+It reads only what every task answers on its Status RPC; without the launcher's
+supervisor it cannot know restarts, so a task is shown running while it answers and
+unreachable once it stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+from tensorfleet.cluster.spec import ClusterSpec, split_hosts, from_tf_config
+from tensorfleet.launch.config import ConfigError
+from tensorfleet.launch.monitor import FleetMonitor
+
+
+def cluster_of(args: argparse.Namespace, environ: dict[str, str]) -> ClusterSpec:
+    """The fleet from --cluster (JSON or a file of it), --ps_hosts/--worker_hosts, or TF_CONFIG."""
+    if args.cluster:
+        text = Path(args.cluster).read_text() if Path(args.cluster).is_file() else args.cluster
+        try:
+            jobs = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--cluster is neither a file nor JSON ({exc.msg}); "
+                              'give e.g. \'{"ps": ["host:2222"], "worker": ["host:2223"]}\'') from None
+        return ClusterSpec.from_dict(jobs.get("cluster", jobs) if isinstance(jobs, dict) else jobs)
+    if args.worker_hosts:
+        return ClusterSpec.from_dict({"ps": split_hosts(args.ps_hosts or ""),
+                                      "worker": split_hosts(args.worker_hosts)})
+    if environ.get("TF_CONFIG"):
+        return from_tf_config(environ["TF_CONFIG"])[0]
+    raise ConfigError("no fleet given: pass --cluster JSON|FILE, or --ps_hosts and --worker_hosts, or set TF_CONFIG")
+
+
+def serve_dashboard(args: argparse.Namespace, environ: dict[str, str] | None = None) -> int:
+    """Serve until Ctrl-C or SIGTERM; return 0."""
+    from tensorfleet.dashboard.server import Dashboard
+    cluster = cluster_of(args, dict(os.environ) if environ is None else environ)
+    monitor = FleetMonitor(cluster, job_name=args.name).start()
+    dashboard = Dashboard(monitor.snapshot, host=args.host, port=args.port).start()
+    print(f"tensorfleet dashboard: {dashboard.url} (metrics at {dashboard.url}metrics); Ctrl-C stops it", flush=True)
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        dashboard.stop()
+        monitor.stop()
+    return 0

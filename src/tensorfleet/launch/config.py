@@ -1,0 +1,183 @@
+"""A launch's settings: from flags, ``TENSORFLEET_*`` variables and a YAML/TOML job file, checked up front.
+
+A job file has the launch flags as fields (dashes or underscores alike)::
+
+    # job.yaml                                  # job.toml
+    script: examples/mnist_mlp.py               script = "examples/mnist_mlp.py"
+    args: [--train_steps, "2000"]               args = ["--train_steps", "2000"]
+    ps: 1                                       ps = 1
+    workers: 2                                  workers = 2
+    mode: sync                                  mode = "sync"
+    restart: on-failure                         restart = "on-failure"
+    max_restarts: 3                             max_restarts = 3
+    logdir: runs/mnist                          logdir = "runs/mnist"
+    env: {OMP_NUM_THREADS: "1"}                 env = { OMP_NUM_THREADS = "1" }
+
+A flag on the command line wins over a ``TENSORFLEET_*`` variable, which wins over
+the job file; paths are relative to the current directory, as on the command line.  Everything is validated before anything starts; a ``ConfigError``
+says what is wrong and what would be valid (the CLI prints it and exits 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from tensorfleet.errors import TensorfleetError
+from tensorfleet.launch.supervisor import RESTART_MODES, RestartPolicy
+
+JOB_FILE_SUFFIXES = (".yaml", ".yml", ".toml")
+MODES = ("sync", "async")
+NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$")
+
+
+class ConfigError(TensorfleetError):
+    """A launch setting is wrong; nothing was started."""
+
+    code = "INVALID_ARGUMENT"
+
+
+@dataclass
+class JobConfig:
+    """Everything ``tensorfleet launch`` needs to run a job."""
+
+    script: str
+    args: list[str] = field(default_factory=list)
+    ps: int = 1
+    workers: int = 2
+    gpus_per_worker: int = 0
+    mode: str | None = None  # None: the script's own default
+    restart: str = "on-failure"
+    max_restarts: int = 3
+    restart_backoff: float = 1.0  # seconds before the first restart of a task; doubles each time, at most 30
+    logdir: str | None = None  # None: a new temporary directory
+    dashboard: int | None = None  # a port (0: any free one); None: no dashboard
+    port: int | None = None  # first task port (tasks take port, port+1, ...); None: free ports
+    name: str | None = None  # None: the script's file name without .py
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def job_name(self) -> str:
+        return self.name or Path(self.script).stem.replace("_", "-").lower()
+
+    @property
+    def restart_policy(self) -> RestartPolicy:
+        return RestartPolicy(self.restart, self.max_restarts, backoff_s=self.restart_backoff,
+                             max_backoff_s=max(30.0, self.restart_backoff))
+
+    def validate(self) -> "JobConfig":
+        """Check every field; return self. Raises ConfigError naming the field and the valid values."""
+        if not isinstance(self.script, str) or not Path(self.script).is_file():
+            raise ConfigError(f"script {self.script!r} does not exist (paths are relative to the current "
+                              f"directory, {os.getcwd()})")
+        _check_int("ps", self.ps, minimum=1)
+        _check_int("workers", self.workers, minimum=1)
+        _check_int("gpus_per_worker", self.gpus_per_worker, minimum=0)
+        _check_int("max_restarts", self.max_restarts, minimum=0)
+        if isinstance(self.restart_backoff, bool) or not isinstance(self.restart_backoff, (int, float)) \
+                or not 0 < self.restart_backoff <= 3600:
+            raise ConfigError(f"restart_backoff must be a number of seconds in (0, 3600], got {self.restart_backoff!r}")
+        if self.mode is not None and self.mode not in MODES:
+            raise ConfigError(f"mode {self.mode!r} is not valid: use 'sync' or 'async' (or leave it out)")
+        if self.restart not in RESTART_MODES:
+            raise ConfigError(f"restart {self.restart!r} is not valid: use one of {', '.join(RESTART_MODES)}")
+        if self.dashboard is not None:
+            _check_int("dashboard", self.dashboard, minimum=0, maximum=65535)
+        if self.port is not None:
+            _check_int("port", self.port, minimum=1, maximum=65535 - self.ps - self.workers)
+        if not isinstance(self.args, list) or not all(isinstance(a, str) for a in self.args):
+            raise ConfigError(f"args must be a list of strings, e.g. ['--train_steps', '2000'], got {self.args!r}")
+        if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in self.env.items()):
+            raise ConfigError(f"env must map names to strings, e.g. {{OMP_NUM_THREADS: '1'}}, got {self.env!r}")
+        if self.name is not None and not NAME_PATTERN.match(self.name):
+            raise ConfigError(f"name {self.name!r} is not valid: use lowercase letters, digits, '-', '_' and '.'")
+        return self
+
+
+FIELDS = {f.name for f in dataclasses.fields(JobConfig)}
+
+
+def _check_int(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+        raise ConfigError(f"{name} must be {bound}, got {value}")
+
+
+def is_job_file(path: str) -> bool:
+    return Path(path).suffix.lower() in JOB_FILE_SUFFIXES
+
+
+def load_job_file(path: str | Path) -> dict[str, Any]:
+    """The fields of a YAML or TOML job file, with their names normalized (``max-restarts`` -> ``max_restarts``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"job file {str(path)!r} does not exist")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = tomllib.loads(text) if path.suffix.lower() == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"job file {str(path)!r} is not valid {path.suffix[1:].upper()}: "
+                          f"{str(exc).splitlines()[0]}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"job file {str(path)!r} must be a mapping of fields, e.g. 'workers: 2'")
+    fields = {str(key).replace("-", "_"): value for key, value in data.items()}
+    unknown = sorted(set(fields) - FIELDS)
+    if unknown:
+        raise ConfigError(f"job file {str(path)!r}: unknown field(s) {', '.join(unknown)}; "
+                          f"valid fields: {', '.join(sorted(FIELDS))}")
+    if isinstance(fields.get("args"), list):  # numbers in a YAML list are meant as text: [--steps, 2000]
+        fields["args"] = [str(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a
+                          for a in fields["args"]]
+    if isinstance(fields.get("env"), dict):
+        fields["env"] = {k: str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                         for k, v in fields["env"].items()}
+    return fields
+
+
+# Every launch setting can also come from TENSORFLEET_<FIELD> (TENSORFLEET_WORKERS=4, TENSORFLEET_MODE=sync).
+ENV_FIELDS = {"ps": int, "workers": int, "gpus_per_worker": int, "mode": str, "restart": str, "max_restarts": int,
+              "restart_backoff": float, "logdir": str, "dashboard": int, "port": int, "name": str}
+
+
+def env_overrides(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The settings given as ``TENSORFLEET_*`` variables, converted."""
+    overrides: dict[str, Any] = {}
+    for name, convert in ENV_FIELDS.items():
+        variable = f"TENSORFLEET_{name.upper()}"
+        text = environ.get(variable)
+        if text is None or text == "":
+            continue
+        try:
+            overrides[name] = convert(text)
+        except ValueError:
+            raise ConfigError(f"{variable}={text!r} must be {'an integer' if convert is int else 'a number'}") from None
+    return overrides
+
+
+def job_config(job_file: str | None, script: str | None, flags: Mapping[str, Any],
+               environ: Mapping[str, str] = os.environ) -> JobConfig:
+    """Merge job file < environment < flags (``None`` flags are unset) into a validated JobConfig."""
+    fields: dict[str, Any] = {}
+    if job_file is not None:
+        fields.update(load_job_file(job_file))
+        if "script" not in fields and script is None:
+            raise ConfigError(f"job file {job_file!r} names no script: add 'script: path/to/train.py'")
+    fields.update(env_overrides(environ))
+    fields.update({k: v for k, v in flags.items() if v is not None})
+    if script is not None:
+        fields["script"] = script
+    if "script" not in fields:
+        raise ConfigError("no script: give SCRIPT or a job file (job.yaml / job.toml)")
+    return JobConfig(**fields).validate()

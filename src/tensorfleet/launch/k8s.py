@@ -1,0 +1,338 @@
+"""Render a training fleet as Kubernetes manifests: ``tensorfleet k8s render``.
+
+Kubernetes is the engine for fleets that outgrow one machine; this module only
+writes YAML (no cluster access), so what it renders can be reviewed, diffed and
+applied with ``kubectl``.  Two formats:
+
+* ``manifests`` (plain Kubernetes, no operator needed).  Every task
+  (``ps:0..N-1``, ``worker:0..M-1``) gets a headless Service and a ``batch/v1``
+  Job of one pod.  The Service gives the task a stable DNS name,
+  ``NAME-ps-0.NAMESPACE.svc``, that resolves straight to the pod's IP: headless
+  means no proxy in between, so the ps data port (whatever the OS gave, announced
+  by Status) is reachable as well as the gRPC port.  ``publishNotReadyAddresses``
+  publishes the name as soon as the pod has an IP, because tasks dial each other
+  while starting.  Each pod gets ``TF_CONFIG`` built from those names by
+  ``ClusterSpec.to_tf_config``, the same format ``from_tf_config`` reads.
+  The fleet ends when the workers finish: each ps exits 0 once every worker has
+  said Done, so every Job completes.
+* ``tfjob``: one Kubeflow ``TFJob``; the training operator creates the pods and
+  Services and injects ``TF_CONFIG`` itself (its names follow the same
+  ``NAME-ps-0`` pattern).
+
+Restart policy mirrors the local supervisor: ``on-failure`` restarts a failed
+task in place up to ``max_restarts`` times (pod ``OnFailure``, Job
+``backoffLimit``); ``never`` lets the first failure end that task's Job.
+
+Example:
+    >>> job = K8sJob(name="mnist", num_ps=1, num_workers=2, image="repo/tf:1", script="train.py")
+    >>> [d["kind"] for d in render_manifests(job)].count("Service")
+    3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import yaml
+
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.errors import ClusterSpecError
+
+RESTART_POLICIES = {"on-failure": "OnFailure", "never": "Never"}
+FORMATS = ("manifests", "tfjob")
+GPU_RESOURCE = "nvidia.com/gpu"
+PORT_NAME = "grpc"
+CONTAINER_NAME = "tensorfleet"
+TFJOB_CONTAINER_NAME = "tensorflow"  # the training operator finds the task's container by this name
+TFJOB_PORT_NAME = "tfjob-port"  # ... and its port by this one
+MAX_NAME_LENGTH = 63  # Service names and label values are DNS labels
+
+_DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_DNS_1123 = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+# A Kubernetes quantity without a sign: 500m, 1.5, 2Gi, 1e3.
+_QUANTITY = re.compile(r"(\d+(\.\d*)?|\.\d+)([numkMGTPE]|[KMGTPE]i|[eE][+-]?\d+)?")
+
+
+@dataclass(frozen=True)
+class K8sJob:
+    """One training fleet on Kubernetes, validated on construction.
+
+    Resource requests (``cpu``, ``memory``) apply to every task; GPUs only to
+    workers, since a ps applies updates on CPU.
+
+    Raises:
+        ClusterSpecError: a value is invalid; the message quotes it and says what is valid.
+    """
+
+    name: str
+    num_ps: int
+    num_workers: int
+    image: str
+    script: str
+    script_args: tuple[str, ...] = ()
+    gpus_per_worker: int = 0
+    namespace: str = "default"
+    restart: str = "on-failure"
+    max_restarts: int = 3
+    port: int = 2222
+    cpu: str = "1"
+    memory: str = "2Gi"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "script_args", tuple(self.script_args))
+        for field, low in (("num_ps", 1), ("num_workers", 1), ("gpus_per_worker", 0), ("max_restarts", 0)):
+            _check_int(field, getattr(self, field), low)
+        _check_int("port", self.port, 1, 65535)
+        self._check_names()
+        if self.restart not in RESTART_POLICIES:
+            raise ClusterSpecError(f"restart {self.restart!r} is not valid: use one of {', '.join(RESTART_POLICIES)}")
+        for field in ("image", "script"):
+            value = getattr(self, field)
+            if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+                raise ClusterSpecError(f"{field} {value!r} must be a non-empty string without spaces")
+        for field in ("cpu", "memory"):
+            value = getattr(self, field)
+            if not isinstance(value, str) or not _QUANTITY.fullmatch(value):
+                raise ClusterSpecError(f"{field} {value!r} is not a Kubernetes quantity: use e.g. '500m', '2', "
+                                       "'512Mi' or '4Gi'")
+
+    def _check_names(self) -> None:
+        if not isinstance(self.name, str) or not _DNS_1035.fullmatch(self.name):
+            raise ClusterSpecError(f"name {self.name!r} is not a DNS-1035 label: use lowercase letters, digits "
+                                   "and '-', starting with a letter and ending with a letter or digit")
+        longest = max((self.task_name(TaskSpec("ps", self.num_ps - 1)),
+                       self.task_name(TaskSpec("worker", self.num_workers - 1))), key=len)
+        if len(longest) > MAX_NAME_LENGTH:
+            room = MAX_NAME_LENGTH - (len(longest) - len(self.name))
+            raise ClusterSpecError(f"name {self.name!r} is too long: task names such as {longest!r} must stay "
+                                   f"within {MAX_NAME_LENGTH} characters, so use at most {room} characters")
+        if (not isinstance(self.namespace, str) or len(self.namespace) > MAX_NAME_LENGTH
+                or not _DNS_1123.fullmatch(self.namespace)):
+            raise ClusterSpecError(f"namespace {self.namespace!r} is not a DNS-1123 label: lowercase letters, "
+                                   f"digits and '-', at most {MAX_NAME_LENGTH} characters")
+
+    @property
+    def tasks(self) -> tuple[TaskSpec, ...]:
+        """Every task, ps first: the order the objects are rendered in."""
+        return (tuple(TaskSpec("ps", i) for i in range(self.num_ps))
+                + tuple(TaskSpec("worker", i) for i in range(self.num_workers)))
+
+    def task_name(self, task: TaskSpec) -> str:
+        """``NAME-worker-1``: the task's Service and Job name (the TFJob operator uses the same)."""
+        return f"{self.name}-{task.job_name}-{task.index}"
+
+    def cluster_spec(self) -> ClusterSpec:
+        """The cluster as every pod sees it: the tasks' Service DNS names and the common port."""
+        hosts = {job: [f"{self.task_name(TaskSpec(job, i))}.{self.namespace}.svc:{self.port}" for i in range(count)]
+                 for job, count in (("ps", self.num_ps), ("worker", self.num_workers))}
+        return ClusterSpec.from_dict(hosts)
+
+
+def _check_int(field: str, value: Any, low: int, high: int | None = None) -> None:
+    valid = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        raise ClusterSpecError(f"{field} {value!r} is not valid: it must be {valid}")
+
+
+def labels(job: K8sJob, task: TaskSpec | None = None) -> dict[str, str]:
+    """The labels of every object; with ``task``, the ones that select exactly that task's pod."""
+    result = {"app.kubernetes.io/name": "tensorfleet", "app.kubernetes.io/instance": job.name}
+    if task is not None:
+        result.update({"tensorfleet.io/replica-type": task.job_name, "tensorfleet.io/replica-index": str(task.index)})
+    return result
+
+
+def _resources(job: K8sJob, job_name: str) -> dict[str, Any]:
+    requests: dict[str, Any] = {"cpu": job.cpu, "memory": job.memory}
+    if job_name != "worker" or job.gpus_per_worker == 0:
+        return {"requests": requests}
+    # Extended resources cannot be overcommitted: Kubernetes wants requests == limits.
+    return {"requests": {**requests, GPU_RESOURCE: job.gpus_per_worker},
+            "limits": {GPU_RESOURCE: job.gpus_per_worker}}
+
+
+def _container(job: K8sJob, job_name: str, *, name: str, port_name: str,
+               tf_config: str | None) -> dict[str, Any]:
+    env = [{"name": "TF_CONFIG", "value": tf_config}] if tf_config is not None else []
+    env.append({"name": "PYTHONUNBUFFERED", "value": "1"})  # log lines reach `kubectl logs` as they happen
+    return {"name": name, "image": job.image, "command": ["python", job.script, *job.script_args],
+            "env": env, "ports": [{"name": port_name, "containerPort": job.port, "protocol": "TCP"}],
+            "resources": _resources(job, job_name)}
+
+
+def _metadata(job: K8sJob, name: str, task: TaskSpec | None = None) -> dict[str, Any]:
+    return {"name": name, "namespace": job.namespace, "labels": labels(job, task)}
+
+
+def render_service(job: K8sJob, task: TaskSpec) -> dict[str, Any]:
+    """The headless Service that gives ``task`` its DNS name, published before the pod is ready."""
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(job, job.task_name(task), task),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": labels(job, task),
+                     "ports": [{"name": PORT_NAME, "port": job.port, "targetPort": PORT_NAME, "protocol": "TCP"}]}}
+
+
+def render_job(job: K8sJob, task: TaskSpec) -> dict[str, Any]:
+    """The Job running ``task``'s single pod with its TF_CONFIG; restarts per ``job.restart``."""
+    container = _container(job, task.job_name, name=CONTAINER_NAME, port_name=PORT_NAME,
+                           tf_config=job.cluster_spec().to_tf_config(task))
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(job, job.task_name(task), task),
+            "spec": {"completions": 1, "parallelism": 1, "backoffLimit": _backoff_limit(job),
+                     "template": {"metadata": {"labels": labels(job, task)},
+                                  "spec": {"restartPolicy": RESTART_POLICIES[job.restart],
+                                           "containers": [container]}}}}
+
+
+def _backoff_limit(job: K8sJob) -> int:
+    return job.max_restarts if job.restart == "on-failure" else 0
+
+
+def render_manifests(job: K8sJob) -> list[dict[str, Any]]:
+    """Every Service, then every Job: the names resolve by the time the pods dial them."""
+    return [render_service(job, t) for t in job.tasks] + [render_job(job, t) for t in job.tasks]
+
+
+def render_tfjob(job: K8sJob) -> dict[str, Any]:
+    """One Kubeflow TFJob; the operator makes the pods and Services and sets TF_CONFIG itself.
+
+    ``successPolicy: AllWorkers`` ends the job when every worker is done (not just
+    worker 0), and ``cleanPodPolicy: Running`` removes only stragglers, so the
+    logs of finished pods stay readable.
+    """
+    def replica(job_name: str, count: int) -> dict[str, Any]:
+        meta_labels = {**labels(job), "tensorfleet.io/replica-type": job_name}
+        container = _container(job, job_name, name=TFJOB_CONTAINER_NAME, port_name=TFJOB_PORT_NAME, tf_config=None)
+        return {"replicas": count, "restartPolicy": RESTART_POLICIES[job.restart],
+                "template": {"metadata": {"labels": meta_labels}, "spec": {"containers": [container]}}}
+
+    return {"apiVersion": "kubeflow.org/v1", "kind": "TFJob", "metadata": _metadata(job, job.name),
+            "spec": {"runPolicy": {"backoffLimit": _backoff_limit(job), "cleanPodPolicy": "Running"},
+                     "successPolicy": "AllWorkers",
+                     "tfReplicaSpecs": {"PS": replica("ps", job.num_ps), "Worker": replica("worker", job.num_workers)}}}
+
+
+RENDERERS: dict[str, Callable[[K8sJob], list[dict[str, Any]]]] = {
+    "manifests": render_manifests, "tfjob": lambda job: [render_tfjob(job)]}
+
+
+def to_yaml(docs: Sequence[dict[str, Any]]) -> str:
+    """Multi-document YAML in the objects' own key order, one long line per TF_CONFIG (no folding)."""
+    return yaml.safe_dump_all(list(docs), sort_keys=False, default_flow_style=False, width=2**31 - 1)
+
+
+# --- command line -----------------------------------------------------------------------------------------------
+
+def _integer(low: int, high: int | None = None) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            valid = f"at least {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: it must be {valid}")
+        return value
+    return convert
+
+
+def _choice(options: Sequence[str]) -> Callable[[str], str]:
+    def convert(text: str) -> str:
+        if text not in options:
+            raise argparse.ArgumentTypeError(f"{text!r} is not valid: use one of {', '.join(options)}")
+        return text
+    return convert
+
+
+# flag, environment fallback, converter, default (None: required), metavar, help
+_OPTIONS: tuple[tuple[str, str, Callable[[str], Any], Any, str, str], ...] = (
+    ("--ps", "TENSORFLEET_PS", _integer(1), None, "N", "number of ps tasks"),
+    ("--workers", "TENSORFLEET_WORKERS", _integer(1), None, "M", "number of worker tasks"),
+    ("--image", "TENSORFLEET_IMAGE", str, None, "IMG", "container image with python, tensorfleet and SCRIPT"),
+    ("--gpus-per-worker", "TENSORFLEET_GPUS_PER_WORKER", _integer(0), 0, "K",
+     f"{GPU_RESOURCE} per worker (ps get none)"),
+    ("--namespace", "TENSORFLEET_NAMESPACE", str, "default", "NS", "namespace of every object"),
+    ("--name", "TENSORFLEET_NAME", str, "tensorfleet", "NAME", "job name, the prefix of every object name"),
+    ("--restart", "TENSORFLEET_RESTART", _choice(tuple(RESTART_POLICIES)), "on-failure", "POLICY",
+     "on-failure (restart a task up to --max-restarts times) or never"),
+    ("--max-restarts", "TENSORFLEET_MAX_RESTARTS", _integer(0), 3, "R", "restarts per task with on-failure"),
+    ("--port", "TENSORFLEET_PORT", _integer(1, 65535), 2222, "P", "gRPC port of every task"),
+    ("--cpu", "TENSORFLEET_CPU", str, "1", "C", "CPU request of every task"),
+    ("--memory", "TENSORFLEET_MEMORY", str, "2Gi", "MEM", "memory request of every task"),
+    ("--format", "TENSORFLEET_FORMAT", _choice(FORMATS), "manifests", "FORMAT",
+     "manifests (Services + Jobs) or tfjob (one Kubeflow TFJob)"),
+)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def add_parser(subcommands: argparse._SubParsersAction) -> None:
+    """Register ``k8s render`` on the ``tensorfleet`` parser's subcommands."""
+    k8s = subcommands.add_parser("k8s", help="render Kubernetes manifests for a training fleet")
+    actions = k8s.add_subparsers(dest="k8s_command", required=True, metavar="ACTION")
+    render = actions.add_parser(
+        "render", help="write Services + Jobs (or a TFJob) running SCRIPT as YAML",
+        description="Write the Kubernetes objects of a fleet of N ps and M workers, each running SCRIPT (a path "
+                    "inside IMG) with its own TF_CONFIG. Arguments after '--' go to SCRIPT. Nothing is sent "
+                    "to a cluster: apply the output with 'kubectl apply -f'.",
+        epilog="example: tensorfleet k8s render --ps 2 --workers 4 --image repo/train:1 train.py -- --steps 1000 "
+               "> fleet.yaml && kubectl apply -f fleet.yaml")
+    for flag, env, convert, default, metavar, text in _OPTIONS:
+        shown = "required" if default is None else f"default {default}"
+        render.add_argument(flag, type=convert, default=None, metavar=metavar, help=f"{text} (env {env}, {shown})")
+    render.add_argument("-o", "--output", default=None, metavar="FILE", help="write to FILE instead of stdout")
+    render.add_argument("script", metavar="SCRIPT", help="the training script every task runs, a path inside IMG")
+    render.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="arguments for SCRIPT (after '--')")
+
+
+def _resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Each option from its flag, else its TENSORFLEET_* variable, else its default; ClusterSpecError if unset."""
+    values: dict[str, Any] = {}
+    for flag, env, convert, default, _, _ in _OPTIONS:
+        value = getattr(args, _dest(flag))
+        if value is None and os.environ.get(env):
+            try:
+                value = convert(os.environ[env])
+            except argparse.ArgumentTypeError as exc:
+                raise ClusterSpecError(f"{env}={os.environ[env]!r}: {exc}") from None
+        if value is None and default is None:
+            raise ClusterSpecError(f"{flag} is required (or set {env})")
+        values[_dest(flag)] = default if value is None else value
+    return values
+
+
+def job_from_args(args: argparse.Namespace) -> tuple[K8sJob, str]:
+    """The K8sJob and the format named by parsed ``k8s render`` arguments (flags, then environment)."""
+    values = _resolve(args)
+    extra = args.script_args[1:] if args.script_args[:1] == ["--"] else list(args.script_args)
+    job = K8sJob(name=values["name"], num_ps=values["ps"], num_workers=values["workers"], image=values["image"],
+                 script=args.script, script_args=tuple(extra), gpus_per_worker=values["gpus_per_worker"],
+                 namespace=values["namespace"], restart=values["restart"], max_restarts=values["max_restarts"],
+                 port=values["port"], cpu=values["cpu"], memory=values["memory"])
+    return job, values["format"]
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``tensorfleet k8s render``: 0 on success, 2 for a bad option, 1 if the output cannot be written."""
+    try:
+        job, fmt = job_from_args(args)
+    except ClusterSpecError as exc:
+        print(f"tensorfleet k8s render: error: {exc}", file=sys.stderr)
+        return 2
+    text = to_yaml(RENDERERS[fmt](job))
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        with open(args.output, "w", encoding="utf-8") as out:
+            out.write(text)
+    except OSError as exc:
+        print(f"tensorfleet k8s render: error: cannot write {args.output!r}: {exc.strerror}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,266 @@
+"""The fleet as the launcher and the dashboard see it: every task's Status RPC, polled about once a second.
+
+``FleetMonitor.snapshot()`` is the one picture every view reads (the progress line,
+the dashboard page, ``/metrics``): the job's global step, target, steps and examples
+per second, ETA and dropped stale gradients; each task's role, address, state,
+restarts, step, loss and heartbeat age; and a bounded history for the charts.
+
+With a ``Supervisor`` (inside ``tensorfleet launch``) task states come from it: it
+knows restarting, done and failed.  Without one (``tensorfleet dashboard`` attached
+to a running fleet) a task is running while it answers and unreachable when it stops.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.errors import TensorfleetError
+from tensorfleet.launch.supervisor import Supervisor
+from tensorfleet.wire.rpc import Channel
+from tensorfleet.worker.status import final_status_path
+
+RATE_WINDOW_S = 5.0  # rates are averaged over this much history
+HISTORY_POINTS = 1800  # half an hour at one poll a second
+
+
+@dataclass
+class _Seen:
+    """The last Status a task answered, and when (monotonic)."""
+
+    status: dict[str, Any] | None = None
+    at: float | None = None
+    ever: bool = False
+    final: bool = False  # the status is the one the task left as it exited
+
+
+def task_role(cluster: ClusterSpec, task: TaskSpec) -> str:
+    if task.job_name == "ps":
+        return "ps"
+    return "chief" if cluster.is_chief(task) else "worker"
+
+
+def fleet_tasks(cluster: ClusterSpec) -> list[TaskSpec]:
+    """Every task, ps first: the order tasks start in and are listed in."""
+    return [TaskSpec("ps", i) for i in range(cluster.num_tasks("ps"))] + list(cluster.replicas)
+
+
+class FleetMonitor:
+    """Polls every task's Status in a background thread and keeps the picture views read.
+
+    Args:
+        cluster: the fleet.
+        job_name: shown in the views.
+        mode: "sync" / "async" when the launcher knows it (otherwise learned from the ps).
+        supervisor: the launcher's, for task states, pids, restarts and exit codes.
+        interval_s: seconds between polls.
+    """
+
+    def __init__(self, cluster: ClusterSpec, *, job_name: str, mode: str | None = None,
+                 supervisor: Supervisor | None = None, interval_s: float = 1.0,
+                 final_status_dir: Path | None = None) -> None:
+        self.cluster, self.job_name, self.mode = cluster, job_name, mode
+        self.supervisor = supervisor
+        self.final_status_dir = final_status_dir
+        self.interval_s = interval_s
+        self.tasks = fleet_tasks(cluster)
+        self._channels = {t.short: Channel(cluster.task_address(t.job_name, t.index), task=t.name) for t in self.tasks}
+        self._seen = {t.short: _Seen() for t in self.tasks}
+        self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY_POINTS)
+        self._samples: collections.deque[tuple[float, int, dict[str, int]]] = collections.deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.started = time.monotonic()
+        self.job_state = "running"
+
+    # --- polling ------------------------------------------------------------------------------
+
+    def start(self) -> "FleetMonitor":
+        self._thread = threading.Thread(target=self._run, name="fleet-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        for channel in self._channels.values():
+            channel.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.poll()
+            self._stop.wait(self.interval_s)
+
+    def _worth_asking(self, name: str) -> bool:
+        if self.supervisor is None:
+            return True
+        return self.supervisor.by_name[name].state in ("starting", "running")
+
+    def poll(self, timeout_s: float = 0.8) -> None:
+        """Ask every task once (concurrently), then update the picture."""
+        asked = time.monotonic()
+        pending = {name: channel.call_async("Status", timeout=timeout_s)
+                   for name, channel in self._channels.items() if self._worth_asking(name)}
+        answers: dict[str, dict[str, Any]] = {}
+        for name, future in pending.items():
+            try:
+                answers[name] = future.result()[0]
+            except TensorfleetError:
+                self._channels[name].reconnect()  # a restarted task: do not wait on the dead connection
+        answers.update(self._final_statuses())
+        now = time.monotonic()
+        with self._lock:
+            for name, status in answers.items():
+                seen = self._seen[name]
+                seen.status, seen.at, seen.ever = status, now, True
+                if self.supervisor is not None:
+                    self.supervisor.answered(name, since=asked)
+            self._record(now)
+
+    def _final_statuses(self) -> dict[str, dict[str, Any]]:
+        """The last Status of tasks that finished since the last poll, from the files they leave."""
+        if self.supervisor is None or self.final_status_dir is None:
+            return {}
+        finals = {}
+        for task in self.tasks:
+            record, seen = self.supervisor.by_name[task.short], self._seen[task.short]
+            if record.state == "done" and not seen.final:
+                path = final_status_path(self.final_status_dir, task)
+                try:
+                    finals[task.short] = json.loads(path.read_text(encoding="utf-8"))
+                except (OSError, ValueError):
+                    continue
+                seen.final = True
+        return finals
+
+    # --- the picture --------------------------------------------------------------------------
+
+    def _ps_status(self) -> dict[str, Any] | None:
+        return self._seen["ps:0"].status if "ps:0" in self._seen else None
+
+    def _global_step(self) -> int:
+        """ps:0 counts the global step; workers repeat the last one they saw (the ps may have exited)."""
+        return max((int(s.status.get("global_step") or 0) for s in self._seen.values() if s.status), default=0)
+
+    @property
+    def answered_once(self) -> bool:
+        return any(seen.ever for seen in self._seen.values())
+
+    def _examples(self) -> dict[str, int]:
+        return {name: int(s.status.get("examples") or 0) for name, s in self._seen.items()
+                if s.status is not None and s.status.get("role") != "ps"}
+
+    def _record(self, now: float) -> None:
+        step, examples = self._global_step(), self._examples()
+        self._samples.append((now, step, examples))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
+            self._samples.popleft()
+        rates = self._rates()
+        losses = [s.status["loss"] for s in self._seen.values()
+                  if s.status is not None and s.status.get("loss") is not None and s.status.get("role") != "ps"]
+        self._history.append({"t": round(now - self.started, 2), "global_step": step,
+                              "loss": sum(losses) / len(losses) if losses else None,
+                              "examples_per_sec": rates["examples"], "steps_per_sec": rates["steps"]})
+
+    def _rates(self) -> dict[str, Any]:
+        """Steps/s and examples/s over the window; per task too. A counter that went down (restart) restarts."""
+        if len(self._samples) < 2:
+            return {"steps": None, "examples": None, "per_task": {}}
+        (t0, step0, ex0), (t1, step1, ex1) = self._samples[0], self._samples[-1]
+        span = t1 - t0
+        if span <= 0:
+            return {"steps": None, "examples": None, "per_task": {}}
+        per_task = {name: max(ex1[name] - ex0.get(name, 0), 0) / span for name in ex1 if ex1[name] >= ex0.get(name, 0)}
+        examples = sum(per_task.values()) if any(ex1.values()) else None
+        return {"steps": max(step1 - step0, 0) / span, "examples": examples, "per_task": per_task}
+
+    def _task_state(self, name: str, now: float) -> str:
+        if self.supervisor is not None:
+            return self.supervisor.by_name[name].state
+        seen = self._seen[name]
+        if seen.at is not None and now - seen.at <= 3 * self.interval_s + 1.0:
+            return "done" if (seen.status or {}).get("state") == "done" else "running"
+        return "unreachable" if seen.ever else "starting"
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole picture as a JSON-ready dict (the dashboard's ``/api/status``)."""
+        now = time.monotonic()
+        with self._lock:
+            rates = self._rates()
+            step = self._global_step()
+            statuses = {name: seen.status or {} for name, seen in self._seen.items()}
+            ps0 = self._ps_status() or {}
+            tasks = []
+            for task in self.tasks:
+                name, seen = task.short, self._seen[task.short]
+                status = statuses[name]
+                record = self.supervisor.by_name[name] if self.supervisor is not None else None
+                is_ps = task.job_name == "ps"
+                tasks.append({
+                    "name": name, "role": task_role(self.cluster, task),
+                    "address": self.cluster.task_address(task.job_name, task.index),
+                    "state": self._task_state(name, now),
+                    "pid": record.pid if record is not None else status.get("pid"),
+                    "restarts": record.restarts if record is not None else 0,
+                    "step": status.get("global_step" if is_ps else "local_step"),
+                    "global_step": status.get("global_step"),
+                    "loss": None if is_ps else status.get("loss"),
+                    "examples_per_sec": None if is_ps else rates["per_task"].get(name),
+                    "heartbeat_age_s": None if seen.at is None else round(now - seen.at, 2),
+                    "exit_code": record.exit_code if record is not None else None,
+                })
+            targets = [s.get("target_step") for s in statuses.values() if s.get("target_step")]
+            target = max(targets) if targets else None
+            steps_per_sec = rates["steps"]
+            eta = ((target - step) / steps_per_sec if target is not None and steps_per_sec and step < target
+                   else None)
+            dropped = max((int(s.get("dropped_stale") or 0) for s in statuses.values() if s.get("role") == "ps"),
+                          default=0)
+            mode = self.mode or ps0.get("mode")
+            job = {"name": self.job_name, "mode": mode, "state": self.job_state, "global_step": step,
+                   "target_step": target, "steps_per_sec": steps_per_sec, "examples_per_sec": rates["examples"],
+                   "eta_s": eta, "dropped_stale": dropped, "elapsed_s": round(now - self.started, 2),
+                   "restarts": self.supervisor.total_restarts if self.supervisor is not None else 0}
+            return {"job": job, "tasks": tasks, "history": list(self._history)}
+
+
+def progress_line(snapshot: dict[str, Any]) -> str:
+    """``step 4,200/10,000 (42%) | 51,300 ex/s | 513 steps/s | ETA 11s | 3/3 tasks running | 1 restart``"""
+    job = snapshot["job"]
+    step, target = job["global_step"], job["target_step"]
+    parts = [f"step {step:,}/{target:,} ({100 * step / target:.0f}%)" if target else f"step {step:,}"]
+    if job["examples_per_sec"] is not None:
+        parts.append(f"{job['examples_per_sec']:,.0f} ex/s")
+    if job["steps_per_sec"] is not None:
+        parts.append(f"{job['steps_per_sec']:,.0f} steps/s")
+    if job["eta_s"] is not None:
+        parts.append(f"ETA {format_seconds(job['eta_s'])}")
+    tasks = snapshot["tasks"]
+    running = sum(t["state"] == "running" for t in tasks)
+    parts.append(f"{running}/{len(tasks)} tasks running")
+    others = collections.Counter(t["state"] for t in tasks if t["state"] not in ("running", "done"))
+    parts += [f"{n} {state}" for state, n in sorted(others.items())]
+    if job["restarts"]:
+        parts.append(f"{job['restarts']} restart{'s' if job['restarts'] != 1 else ''}")
+    if job["mode"] == "sync" and job["dropped_stale"]:
+        parts.append(f"{job['dropped_stale']} stale dropped")
+    return " | ".join(parts)
+
+
+def format_seconds(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"

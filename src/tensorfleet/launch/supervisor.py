@@ -1,0 +1,208 @@
+"""The launcher's bookkeeping: every task's state, the restart policy, and the job's outcome.
+
+No processes here (``local.py`` starts and watches them): this module only decides.
+A task goes
+
+    starting --(answers its Status RPC)--> running --(exit 0)--> done
+        \\                                     |
+         +------(exit != 0 or a signal)-------+--> restarting --(backoff elapsed)--> starting
+                                              |
+                                              +--> failed   (policy "never", restarts exhausted,
+                                                             or exit code 2: bad flags, a restart
+                                                             cannot help)
+
+and every exit, restart and give-up is recorded as an event.  The job succeeds when
+every worker is done; a failed task fails the job (the others could only wait for it).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from tensorfleet.cluster.spec import TaskSpec
+
+STATES = ("starting", "running", "restarting", "done", "failed", "stopped")
+RESTART_MODES = ("on-failure", "never")
+USAGE_EXIT_CODE = 2  # argparse and run_task exit 2 for bad flags or TF_CONFIG: the same command fails again
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a task that died is started again: ``on-failure`` up to ``max_restarts`` times, or ``never``.
+
+    The n-th restart of a task waits ``backoff_s * 2**(n-1)`` seconds, at most ``max_backoff_s``.
+    """
+
+    mode: str = "on-failure"
+    max_restarts: int = 3
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in RESTART_MODES:
+            raise ValueError(f"restart={self.mode!r}: choose one of {', '.join(RESTART_MODES)}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts} must be 0 or more")
+
+    def delay(self, restart_number: int) -> float:
+        return min(self.backoff_s * 2 ** (restart_number - 1), self.max_backoff_s)
+
+
+@dataclass
+class TaskRecord:
+    """What the supervisor knows of one task across its incarnations."""
+
+    task: TaskSpec
+    address: str
+    role: str  # "ps", "chief" or "worker"
+    state: str = "starting"
+    pid: int | None = None
+    restarts: int = 0
+    exit_code: int | None = None
+    first_started: float | None = None
+    last_started: float | None = None
+    ended: float | None = None
+    restart_at: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.task.short
+
+    def wall_s(self, now: float) -> float:
+        if self.first_started is None:
+            return 0.0
+        return (self.ended if self.ended is not None else now) - self.first_started
+
+
+def describe_exit(code: int) -> str:
+    """``exit code 1`` or ``killed by SIGKILL`` (Popen reports a signal as a negative code)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def exit_label(code: int) -> str:
+    """``1`` or ``SIGKILL``: an exit in one word, for tables."""
+    return describe_exit(code).removeprefix("exit code ").removeprefix("killed by ")
+
+
+@dataclass
+class Supervisor:
+    """Decides what happens to each task when it starts, answers, exits; keeps the event log.
+
+    Args:
+        records: one per task, in start order (ps first).
+        policy: the restart policy of every task.
+        clock: seconds, monotonic (tests pass a fake one).
+    """
+
+    records: Sequence[TaskRecord]
+    policy: RestartPolicy = RestartPolicy()
+    clock: Callable[[], float] = time.monotonic
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.by_name = {record.name: record for record in self.records}
+        self.started_at = self.clock()
+        self.stopping = False
+
+    def _event(self, record: TaskRecord, kind: str, **details: Any) -> dict[str, Any]:
+        event = {"t": round(self.clock() - self.started_at, 3), "task": record.name, "event": kind, **details}
+        self.events.append(event)
+        return event
+
+    def started(self, name: str, pid: int) -> None:
+        record = self.by_name[name]
+        now = self.clock()
+        record.state, record.pid, record.exit_code, record.restart_at = "starting", pid, None, None
+        record.last_started = now
+        if record.first_started is None:
+            record.first_started = now
+        self._event(record, "started", pid=pid, incarnation=record.restarts)
+
+    def answered(self, name: str, since: float) -> None:
+        """The task answered its Status RPC at ``since`` (clock time): a starting task is now running."""
+        record = self.by_name[name]
+        if record.state == "starting" and record.last_started is not None and since >= record.last_started:
+            record.state = "running"
+            self._event(record, "running")
+
+    def exited(self, name: str, code: int) -> str:
+        """Record an exit; return what happens next: ``done``, ``restart`` (at ``restart_at``) or ``failed``."""
+        record = self.by_name[name]
+        now = self.clock()
+        record.exit_code, record.pid = code, None
+        if code == 0:
+            record.state, record.ended = "done", now
+            self._event(record, "exited", code=code)
+            return "done"
+        if self.stopping:
+            record.state, record.ended = "stopped", now
+            self._event(record, "stopped", code=code)
+            return "stopped"
+        why = self._no_restart_reason(record, code)
+        if why is None:
+            record.restarts += 1
+            delay = self.policy.delay(record.restarts)
+            record.state, record.restart_at = "restarting", now + delay
+            self._event(record, "exited", code=code, how=describe_exit(code), restart=record.restarts,
+                        delay_s=delay)
+            return "restart"
+        record.state, record.ended = "failed", now
+        self._event(record, "failed", code=code, how=describe_exit(code), reason=why)
+        return "failed"
+
+    def _no_restart_reason(self, record: TaskRecord, code: int) -> str | None:
+        if self.policy.mode == "never":
+            return "the restart policy is 'never'"
+        if code == USAGE_EXIT_CODE:
+            return "exit code 2 means bad flags or configuration, which a restart cannot fix"
+        if record.restarts >= self.policy.max_restarts:
+            return f"it was already restarted {record.restarts} time(s) (--max-restarts {self.policy.max_restarts})"
+        return None
+
+    def due(self) -> list[TaskRecord]:
+        """Tasks whose restart backoff has elapsed, to be started again now."""
+        now = self.clock()
+        return [r for r in self.records if r.state == "restarting" and r.restart_at is not None and r.restart_at <= now]
+
+    @property
+    def workers(self) -> list[TaskRecord]:
+        return [r for r in self.records if r.role != "ps"]
+
+    def workers_done(self) -> bool:
+        return all(r.state == "done" for r in self.workers)
+
+    def failed(self) -> list[TaskRecord]:
+        return [r for r in self.records if r.state == "failed"]
+
+    def stop_all(self) -> None:
+        """From now on an exit is a stop we asked for, not a failure to restart."""
+        self.stopping = True
+        now = self.clock()
+        for record in self.records:
+            if record.state == "restarting":
+                record.state, record.ended, record.restart_at = "stopped", now, None
+
+    @property
+    def total_restarts(self) -> int:
+        return sum(r.restarts for r in self.records)
+
+    def summary_table(self) -> str:
+        """One row per task: state, exit, restarts and wall time, for the end of the job."""
+        now = self.clock()
+        rows = [("task", "role", "state", "exit", "restarts", "wall time")]
+        for r in self.records:
+            exit_text = "-" if r.exit_code is None else exit_label(r.exit_code)
+            rows.append((r.name, r.role, r.state, exit_text, str(r.restarts), f"{r.wall_s(now):.1f} s"))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+                 for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,148 @@
+"""Browser tests drive Debian's chromium (``apt-get install chromium``) through Playwright's sync API.
+
+Playwright never downloads a browser here: it is pointed at ``/usr/bin/chromium``.
+Without that binary the tests are skipped, except on CI (``CI=true``), where a
+missing browser is a broken image and fails.  Each test gets its own Playwright
+driver and browser, closed before the root conftest checks for leftover
+processes.  Every wait is bounded: Playwright's default timeouts are set here.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Error as PlaywrightError
+from playwright.sync_api import Page, expect, sync_playwright
+
+from tensorfleet.dashboard import Dashboard
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+LAUNCH_TIMEOUT_MS = 30_000
+ACTION_TIMEOUT_MS = 10_000
+VIEWPORT = {"width": 1440, "height": 1000}
+
+expect.set_options(timeout=ACTION_TIMEOUT_MS)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test in this folder is a browser test."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.browser)
+
+
+@pytest.fixture
+def browser_page() -> Iterator[Page]:
+    """A fresh page in headless chromium, 1440x1000; uncaught JavaScript errors fail the test."""
+    if not os.path.exists(CHROMIUM):
+        message = f"{CHROMIUM} is missing: apt-get install chromium"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    errors: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True, timeout=LAUNCH_TIMEOUT_MS)
+        try:
+            page = browser.new_page(viewport=VIEWPORT)
+            page.set_default_timeout(ACTION_TIMEOUT_MS)
+            page.set_default_navigation_timeout(ACTION_TIMEOUT_MS)
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            yield page
+        finally:
+            browser.close()
+    assert not errors, f"uncaught JavaScript errors on the page: {errors}"
+
+
+@pytest.fixture
+def save_screenshot(tmp_path: Path) -> Callable[[Page, str], Path]:
+    """``save_screenshot(page, "name.png")``: a full-page PNG in $TENSORFLEET_SCREENSHOT_DIR, else tmp_path."""
+    folder = Path(os.environ.get("TENSORFLEET_SCREENSHOT_DIR") or tmp_path)
+
+    def save(page: Page, name: str) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / name
+        try:
+            page.screenshot(path=str(path), full_page=True, animations="disabled", timeout=ACTION_TIMEOUT_MS)
+        except PlaywrightError as error:
+            pytest.fail(f"could not save the screenshot {path}: {error}")
+        return path
+
+    return save
+
+
+def fake_snapshot(points: int = 60) -> dict:
+    """A realistic fleet: 2 ps and 3 workers (one restarting), ``points`` polls of history."""
+    noise = random.Random(0)
+    history = []
+    for i in range(points):
+        rate = 47000.0 * (1 - 0.6 * 0.85 ** i) * noise.uniform(0.97, 1.03)
+        history.append({
+            "t": 0.5 * (i + 1), "global_step": 250 * (i + 1),
+            "loss": round((2.3 * 0.94 ** i + 0.12) * noise.uniform(0.96, 1.04), 4),
+            "examples_per_sec": round(rate, 1), "steps_per_sec": round(rate / 100, 2),
+        })
+    step = history[-1]["global_step"] if history else 0
+
+    def task(name: str, role: str, port: int, **fields) -> dict:
+        return {"name": name, "role": role, "address": f"127.0.0.1:{port}", "state": "running",
+                "pid": 41000 + port % 1000, "restarts": 0, "step": None, "global_step": step, "loss": None,
+                "examples_per_sec": None, "heartbeat_age_s": 0.3, "exit_code": None, **fields}
+
+    return {
+        "job": {"name": "mnist_mlp", "mode": "async", "state": "running", "global_step": step,
+                "target_step": 30000, "steps_per_sec": 468.2, "examples_per_sec": 46820.0,
+                "eta_s": (30000 - step) / 468.2, "dropped_stale": 0, "elapsed_s": 31.6, "restarts": 1},
+        "tasks": [
+            task("ps:0", "ps", 41230, step=step),
+            task("ps:1", "ps", 41231, step=step, heartbeat_age_s=0.5),
+            task("worker:0", "chief", 41232, step=5120, loss=0.1312, examples_per_sec=16210.0),
+            task("worker:1", "worker", 41233, state="restarting", pid=None, restarts=1, step=3411,
+                 global_step=step - 2750, loss=0.1584, heartbeat_age_s=6.2, exit_code=-9),
+            task("worker:2", "worker", 41234, step=5098, loss=0.1297, examples_per_sec=15980.0,
+                 heartbeat_age_s=0.2),
+        ],
+        "history": history,
+    }
+
+
+class FakeFleet:
+    """Stands in for the fleet monitor: ``snapshot()`` copies ``state``; edit it inside ``with fleet.lock``."""
+
+    def __init__(self, state: dict) -> None:
+        self.lock = threading.Lock()
+        self.state = state
+        self.broken = False  # True: snapshot() raises, as a monitor with a bug would
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            if self.broken:
+                raise RuntimeError("the fake monitor is broken on purpose")
+            return copy.deepcopy(self.state)
+
+
+@pytest.fixture
+def fleet() -> FakeFleet:
+    return FakeFleet(fake_snapshot())
+
+
+@pytest.fixture
+def dashboard(fleet: FakeFleet) -> Iterator[Dashboard]:
+    """A real Dashboard on a free loopback port over ``fleet``."""
+    dashboard = Dashboard(fleet.snapshot)
+    dashboard.start()
+    try:
+        yield dashboard
+    finally:
+        dashboard.stop()

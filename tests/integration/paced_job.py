@@ -1,0 +1,58 @@
+"""A small, paced training job for the launcher and dashboard tests: slow enough to kill a task mid-run.
+
+A tiny linear model on random data; each worker sleeps ``--step_sleep_s`` per step so
+the job lasts seconds without loading the CPU, and reports loss and examples like a
+real script.  ``--fail`` makes the named task exit 1 at once (a crashing script).
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+import tensorfleet as tfl
+
+
+def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    replica = tfl.Replica(model, cluster, task, optimizer=tfl.OptimizerSpec.sgd(lr=0.05),
+                          **tfl.training_options(args))
+    generator = torch.Generator().manual_seed(cluster.replica_id(task))
+    with replica:
+        replica.report(target_step=args.last_step)
+        print(f"{task.short} starts at global step {replica.global_step}", flush=True)
+        while replica.pull() < args.last_step:
+            x = torch.randn(16, 8, generator=generator)
+            loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+            loss.backward()
+            replica.push()
+            replica.report(loss=loss.item(), examples=len(x))
+            time.sleep(args.step_sleep_s)
+    print(f"{task.short} done at global step {replica.global_step}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    tfl.add_cluster_flags(parser)
+    tfl.add_training_flags(parser)
+    parser.add_argument("--last_step", type=int, default=400)
+    parser.add_argument("--step_sleep_s", type=float, default=0.01)
+    parser.add_argument("--fail", default=None, help="a task (worker:1) that exits 1 at once")
+    args = parser.parse_args()
+    if args.fail and "TF_CONFIG" in os.environ and _this_task() == args.fail:
+        print(f"{args.fail}: failing on purpose", flush=True)
+        return 1
+    return tfl.run_task(args, train)
+
+
+def _this_task() -> str:
+    _, task = tfl.from_tf_config(os.environ["TF_CONFIG"])
+    return task.short
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""`tensorfleet k8s render`: the objects validate against the Kubernetes API schema and wire the fleet right."""
+
+import json
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, from_tf_config
+from tensorfleet.errors import ClusterSpecError
+from tensorfleet.launch import k8s
+from tensorfleet.launch.cli import main
+from tensorfleet.launch.k8s import K8sJob, render_manifests, render_tfjob, to_yaml
+
+K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
+SHAPES = [(1, 1, 0), (1, 2, 0), (2, 3, 1), (3, 5, 4)]  # (ps, workers, gpus per worker)
+
+
+@pytest.fixture(autouse=True)
+def _no_tensorfleet_env(monkeypatch):
+    """The developer's own TENSORFLEET_* variables must not leak into these tests."""
+    for option in k8s._OPTIONS:
+        monkeypatch.delenv(option[1], raising=False)
+
+
+def make_job(num_ps=1, num_workers=2, gpus=0, **overrides):
+    fields = dict(name="mnist", num_ps=num_ps, num_workers=num_workers, image="repo/train:1",
+                  script="examples/mnist_mlp.py", script_args=("--train_steps", "100"), gpus_per_worker=gpus,
+                  namespace="ml")
+    return K8sJob(**{**fields, **overrides})
+
+
+def of_kind(docs, kind):
+    return [d for d in docs if d["kind"] == kind]
+
+
+def container_of(pod_template):
+    (container,) = pod_template["spec"]["containers"]
+    return container
+
+
+def env_of(container):
+    return {e["name"]: e["value"] for e in container["env"]}
+
+
+def task_of(doc):
+    labels = doc["metadata"]["labels"]
+    return TaskSpec(labels["tensorfleet.io/replica-type"], int(labels["tensorfleet.io/replica-index"]))
+
+
+def validate(doc, version):
+    kubernetes_validate.validate(doc, version, strict=True)  # raises ValidationError if the object is wrong
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("restart", ["on-failure", "never"])
+@pytest.mark.parametrize("num_ps,num_workers,gpus", SHAPES)
+def test_every_object_validates_against_the_api_schema(num_ps, num_workers, gpus, restart, version):
+    docs = render_manifests(make_job(num_ps, num_workers, gpus, restart=restart))
+    assert len(of_kind(docs, "Service")) == len(of_kind(docs, "Job")) == num_ps + num_workers
+    for doc in docs:
+        validate(doc, version)
+
+
+def test_the_schema_check_catches_a_wrong_object():
+    """Guards the test above: strict validation really rejects a misspelled or mistyped field."""
+    job = of_kind(render_manifests(make_job()), "Job")[0]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate({**job, "spec": {**job["spec"], "backoffLimt": 3}}, "1.30")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate({**job, "spec": {**job["spec"], "completions": "one"}}, "1.30")
+
+
+def test_names_namespace_and_labels_on_every_object():
+    docs = render_manifests(make_job(num_ps=2, num_workers=3))
+    expected = {"mnist-ps-0", "mnist-ps-1", "mnist-worker-0", "mnist-worker-1", "mnist-worker-2"}
+    for kind in ("Service", "Job"):
+        assert {d["metadata"]["name"] for d in of_kind(docs, kind)} == expected
+    assert [d["kind"] for d in docs] == ["Service"] * 5 + ["Job"] * 5  # names exist before pods dial them
+    for doc in docs:
+        assert doc["metadata"]["namespace"] == "ml"
+        labels = doc["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "tensorfleet"
+        assert labels["app.kubernetes.io/instance"] == "mnist"
+        assert doc["metadata"]["name"] == f"mnist-{labels['tensorfleet.io/replica-type']}-" \
+                                          f"{labels['tensorfleet.io/replica-index']}"
+
+
+@pytest.mark.parametrize("num_ps,num_workers,gpus", SHAPES)
+def test_tf_config_of_each_pod_parses_back_to_the_cluster_and_its_task(num_ps, num_workers, gpus):
+    job = make_job(num_ps, num_workers, gpus, port=3333)
+    expected = ClusterSpec.from_dict({
+        "ps": [f"mnist-ps-{i}.ml.svc:3333" for i in range(num_ps)],
+        "worker": [f"mnist-worker-{i}.ml.svc:3333" for i in range(num_workers)]})
+    seen = []
+    for doc in of_kind(render_manifests(job), "Job"):
+        container = container_of(doc["spec"]["template"])
+        cluster, task = from_tf_config(env_of(container)["TF_CONFIG"])
+        assert cluster == expected
+        assert task == task_of(doc) == task_of(doc["spec"]["template"])
+        assert doc["metadata"]["name"] == f"mnist-{task.job_name}-{task.index}"
+        assert container["ports"] == [{"name": "grpc", "containerPort": 3333, "protocol": "TCP"}]
+        seen.append(task)
+    assert sorted(seen, key=lambda t: (t.job_name, t.index)) == sorted(
+        job.tasks, key=lambda t: (t.job_name, t.index))
+    assert len(set(seen)) == num_ps + num_workers
+
+
+def test_tf_config_hosts_are_the_services_dns_names_and_ports():
+    docs = render_manifests(make_job(num_ps=2, num_workers=2))
+    services = {d["metadata"]["name"]: d for d in of_kind(docs, "Service")}
+    tf_config = json.loads(env_of(container_of(of_kind(docs, "Job")[0]["spec"]["template"]))["TF_CONFIG"])
+    for addresses in tf_config["cluster"].values():
+        for address in addresses:
+            host, port = address.rsplit(":", 1)
+            service_name, namespace, svc = host.split(".")
+            assert (namespace, svc) == ("ml", "svc")
+            assert services[service_name]["spec"]["ports"][0]["port"] == int(port)
+
+
+@pytest.mark.parametrize("num_ps,num_workers,gpus", SHAPES)
+def test_each_service_selects_exactly_one_pod_template(num_ps, num_workers, gpus):
+    docs = render_manifests(make_job(num_ps, num_workers, gpus))
+    jobs = of_kind(docs, "Job")
+    for service in of_kind(docs, "Service"):
+        spec = service["spec"]
+        assert spec["clusterIP"] == "None" and spec["publishNotReadyAddresses"] is True
+        selector = spec["selector"].items()
+        matching = [j for j in jobs if selector <= j["spec"]["template"]["metadata"]["labels"].items()]
+        assert [j["metadata"]["name"] for j in matching] == [service["metadata"]["name"]]
+        port_names = {p["name"] for p in container_of(matching[0]["spec"]["template"])["ports"]}
+        assert spec["ports"][0]["targetPort"] in port_names
+
+
+def test_pods_run_the_script_with_its_args_unbuffered():
+    for doc in of_kind(render_manifests(make_job()), "Job"):
+        container = container_of(doc["spec"]["template"])
+        assert container["image"] == "repo/train:1"
+        assert container["command"] == ["python", "examples/mnist_mlp.py", "--train_steps", "100"]
+        assert env_of(container)["PYTHONUNBUFFERED"] == "1"
+        assert container["resources"]["requests"] == {"cpu": "1", "memory": "2Gi"}
+        assert doc["spec"]["completions"] == doc["spec"]["parallelism"] == 1
+
+
+@pytest.mark.parametrize("restart,max_restarts,policy,backoff", [
+    ("on-failure", 5, "OnFailure", 5), ("on-failure", 0, "OnFailure", 0), ("never", 5, "Never", 0)])
+def test_restart_policy_maps_to_pod_policy_and_backoff_limit(restart, max_restarts, policy, backoff):
+    job = make_job(restart=restart, max_restarts=max_restarts)
+    for doc in of_kind(render_manifests(job), "Job"):
+        assert doc["spec"]["template"]["spec"]["restartPolicy"] == policy
+        assert doc["spec"]["backoffLimit"] == backoff
+    tfjob = render_tfjob(job)
+    assert tfjob["spec"]["runPolicy"]["backoffLimit"] == backoff
+    assert {r["restartPolicy"] for r in tfjob["spec"]["tfReplicaSpecs"].values()} == {policy}
+
+
+def test_restart_modes_are_the_local_supervisors():
+    from tensorfleet.launch.supervisor import RESTART_MODES
+    assert tuple(k8s.RESTART_POLICIES) == tuple(RESTART_MODES)
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 4])
+def test_gpus_only_on_workers(gpus):
+    for doc in of_kind(render_manifests(make_job(num_ps=2, num_workers=2, gpus=gpus, cpu="500m",
+                                                 memory="8Gi")), "Job"):
+        resources = container_of(doc["spec"]["template"])["resources"]
+        assert resources["requests"]["cpu"] == "500m" and resources["requests"]["memory"] == "8Gi"
+        if task_of(doc).job_name == "worker" and gpus:
+            assert resources["limits"] == {"nvidia.com/gpu": gpus}
+            assert resources["requests"]["nvidia.com/gpu"] == gpus
+        else:
+            assert "limits" not in resources and "nvidia.com/gpu" not in resources["requests"]
+
+
+@pytest.mark.parametrize("overrides,quoted", [
+    ({"name": "Mnist"}, "'Mnist'"), ({"name": "1mnist"}, "'1mnist'"), ({"name": "mnist-"}, "'mnist-'"),
+    ({"name": ""}, "''"), ({"namespace": "ML"}, "'ML'"), ({"num_ps": 0}, "num_ps 0"),
+    ({"num_workers": -1}, "num_workers -1"), ({"num_ps": True}, "num_ps True"),
+    ({"gpus_per_worker": -1}, "gpus_per_worker -1"), ({"max_restarts": -2}, "max_restarts -2"),
+    ({"port": 70000}, "port 70000"), ({"port": 0}, "port 0"), ({"restart": "always"}, "'always'"),
+    ({"cpu": "lots"}, "'lots'"), ({"memory": "-1Gi"}, "'-1Gi'"), ({"image": ""}, "image ''"),
+    ({"script": "my script.py"}, "'my script.py'")])
+def test_invalid_job_raises_an_error_quoting_the_value(overrides, quoted):
+    with pytest.raises(ClusterSpecError) as caught:
+        make_job(**overrides)
+    assert quoted in str(caught.value)
+
+
+def test_name_length_keeps_every_derived_name_within_63_characters():
+    longest_ok = "a" * (63 - len("-worker-99"))
+    job = make_job(num_workers=100, name=longest_ok)
+    assert max(len(d["metadata"]["name"]) for d in render_manifests(job)) == 63
+    with pytest.raises(ClusterSpecError, match=f"at most {len(longest_ok)} characters"):
+        make_job(num_workers=100, name=longest_ok + "a")
+    with pytest.raises(ClusterSpecError, match="too long"):  # many ps tasks make the longest name a ps one
+        make_job(num_ps=100000, num_workers=1, name="a" * (63 - len("-ps-99999") + 1))
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("num_ps,num_workers,gpus", SHAPES)
+def test_tfjob_structure_and_pod_templates_validate(num_ps, num_workers, gpus, version):
+    tfjob = render_tfjob(make_job(num_ps, num_workers, gpus))
+    assert (tfjob["apiVersion"], tfjob["kind"]) == ("kubeflow.org/v1", "TFJob")
+    assert tfjob["metadata"] == {"name": "mnist", "namespace": "ml",
+                                 "labels": {"app.kubernetes.io/name": "tensorfleet",
+                                            "app.kubernetes.io/instance": "mnist"}}
+    spec = tfjob["spec"]
+    assert spec["runPolicy"] == {"backoffLimit": 3, "cleanPodPolicy": "Running"}
+    assert spec["successPolicy"] == "AllWorkers"
+    replicas = spec["tfReplicaSpecs"]
+    assert set(replicas) == {"PS", "Worker"}
+    assert (replicas["PS"]["replicas"], replicas["Worker"]["replicas"]) == (num_ps, num_workers)
+    for replica_type, replica in replicas.items():
+        container = container_of(replica["template"])
+        assert container["name"] == "tensorflow"
+        assert container["ports"] == [{"name": "tfjob-port", "containerPort": 2222, "protocol": "TCP"}]
+        assert "TF_CONFIG" not in env_of(container)  # the operator injects it
+        gpu = container["resources"].get("limits", {}).get("nvidia.com/gpu")
+        assert gpu == (gpus if replica_type == "Worker" and gpus else None)
+        pod_template = {"apiVersion": "v1", "kind": "PodTemplate",
+                        "metadata": {"name": f"mnist-{replica_type.lower()}", "namespace": "ml"},
+                        "template": replica["template"]}
+        validate(pod_template, version)
+
+
+def test_yaml_is_multi_document_in_key_order_with_tf_config_on_one_line():
+    docs = render_manifests(make_job(num_ps=3, num_workers=8))
+    text = to_yaml(docs)
+    assert list(yaml.safe_load_all(text)) == docs
+    assert text.startswith("apiVersion: v1\nkind: Service\n")
+    assert sum(1 for line in text.splitlines() if line.strip().startswith("value: '{\"cluster\"")) == 11
+
+
+RENDER = ["k8s", "render", "--ps", "1", "--workers", "2", "--image", "repo/train:1", "--name", "mnist",
+          "--namespace", "ml"]
+
+
+def test_cli_writes_yaml_to_stdout(capsys):
+    assert main(RENDER + ["examples/mnist_mlp.py", "--", "--train_steps", "100"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert list(yaml.safe_load_all(out)) == render_manifests(make_job())
+
+
+def test_cli_writes_to_an_output_file(tmp_path, capsys):
+    target = tmp_path / "fleet.yaml"
+    argv = RENDER + ["--gpus-per-worker", "2", "--restart", "never", "--port", "4444", "--cpu", "2",
+                     "--memory", "16Gi", "-o", str(target), "train.py", "--", "--lr", "0.1"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == ""
+    docs = list(yaml.safe_load_all(target.read_text()))
+    assert docs == render_manifests(make_job(gpus=2, restart="never", port=4444, cpu="2", memory="16Gi",
+                                             script="train.py", script_args=("--lr", "0.1")))
+
+
+def test_cli_tfjob_format(capsys):
+    assert main(RENDER + ["--format", "tfjob", "--max-restarts", "7", "train.py"]) == 0
+    (tfjob,) = yaml.safe_load_all(capsys.readouterr().out)
+    assert tfjob == render_tfjob(make_job(script="train.py", script_args=(), max_restarts=7))
+
+
+def test_cli_options_fall_back_to_environment(monkeypatch, capsys):
+    monkeypatch.setenv("TENSORFLEET_PS", "2")
+    monkeypatch.setenv("TENSORFLEET_WORKERS", "3")
+    monkeypatch.setenv("TENSORFLEET_IMAGE", "repo/env:2")
+    monkeypatch.setenv("TENSORFLEET_NAMESPACE", "ml")
+    assert main(["k8s", "render", "--workers", "1", "train.py"]) == 0  # the flag wins over the environment
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert docs == render_manifests(make_job(num_ps=2, num_workers=1, name="tensorfleet", image="repo/env:2",
+                                             script="train.py", script_args=()))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ps", "0"], "argument --ps: 0 is out of range: it must be at least 1"),
+    (["--workers", "two"], "argument --workers: 'two' is not an integer"),
+    (["--restart", "always"], "argument --restart: 'always' is not valid: use one of on-failure, never"),
+    (["--format", "helm"], "argument --format: 'helm' is not valid: use one of manifests, tfjob"),
+    (["--port", "70000"], "argument --port: 70000 is out of range: it must be in 1..65535"),
+    (["--gpus-per-worker", "-1"], "argument --gpus-per-worker: -1 is out of range: it must be at least 0"),
+])
+def test_bad_flag_values_exit_2_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(RENDER + argv + ["train.py"])
+    assert caught.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_script_or_action_exit_2(capsys):
+    for argv in (RENDER, ["k8s"]):
+        with pytest.raises(SystemExit) as caught:
+            main(argv)
+        assert caught.value.code == 2
+        assert "required" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["k8s", "render", "--workers", "2", "--image", "i", "train.py"], "--ps is required (or set TENSORFLEET_PS)"),
+    (["k8s", "render", "--ps", "1", "--workers", "2", "train.py"], "--image is required"),
+    (RENDER + ["--name", "My_Job", "train.py"], "name 'My_Job' is not a DNS-1035 label"),
+    (RENDER + ["--cpu", "lots", "train.py"], "cpu 'lots' is not a Kubernetes quantity"),
+    (RENDER + ["--namespace", "Prod", "train.py"], "namespace 'Prod' is not a DNS-1123 label"),
+])
+def test_invalid_values_exit_2_with_one_clear_line(argv, message, capsys):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("tensorfleet k8s render: error: ") and message in err and err.count("\n") == 1
+
+
+def test_bad_environment_value_exit_2_naming_the_variable(monkeypatch, capsys):
+    monkeypatch.setenv("TENSORFLEET_MAX_RESTARTS", "many")
+    assert main(RENDER + ["train.py"]) == 2
+    assert "TENSORFLEET_MAX_RESTARTS='many': 'many' is not an integer" in capsys.readouterr().err
+
+
+def test_unwritable_output_exit_1(tmp_path, capsys):
+    assert main(RENDER + ["-o", str(tmp_path / "no" / "such" / "dir.yaml"), "train.py"]) == 1
+    assert "cannot write" in capsys.readouterr().err

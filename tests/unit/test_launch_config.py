@@ -1,0 +1,126 @@
+"""Launch settings from job files, environment and flags; GPU assignment; the console and progress line."""
+
+import io
+from pathlib import Path
+
+import pytest
+
+from tensorfleet.launch.config import ConfigError, JobConfig, job_config, load_job_file
+from tensorfleet.launch.console import CLEAR_LINE, Console
+from tensorfleet.launch.local import gpu_assignment
+from tensorfleet.launch.monitor import format_seconds, progress_line
+
+NO_FLAGS = {"ps": None, "workers": None, "mode": None}
+
+
+@pytest.fixture
+def script(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("train.py").write_text("print('hi')\n")
+    return "train.py"
+
+
+def test_yaml_and_toml_job_files_give_the_same_job(script):
+    Path("job.yaml").write_text("script: train.py\nargs: [--train_steps, 2000]\nps: 2\nworkers: 3\nmode: sync\n"
+                                "max-restarts: 5\nenv: {OMP_NUM_THREADS: 1}\n")
+    Path("job.toml").write_text('script = "train.py"\nargs = ["--train_steps", "2000"]\nps = 2\nworkers = 3\n'
+                                'mode = "sync"\nmax_restarts = 5\nenv = { OMP_NUM_THREADS = "1" }\n')
+    from_yaml, from_toml = (job_config(name, None, NO_FLAGS, environ={}) for name in ("job.yaml", "job.toml"))
+    assert from_yaml == from_toml
+    assert from_yaml.args == ["--train_steps", "2000"] and from_yaml.env == {"OMP_NUM_THREADS": "1"}
+    assert (from_yaml.ps, from_yaml.workers, from_yaml.mode, from_yaml.max_restarts) == (2, 3, "sync", 5)
+    assert from_yaml.restart_policy.max_restarts == 5 and from_yaml.job_name == "train"
+
+
+def test_flags_beat_environment_which_beats_the_job_file(script):
+    Path("job.yaml").write_text("script: train.py\nworkers: 3\nps: 2\nrestart: never\n")
+    config = job_config("job.yaml", None, {"workers": 5, "ps": None},
+                        environ={"TENSORFLEET_WORKERS": "4", "TENSORFLEET_PS": "3", "TENSORFLEET_MODE": "sync"})
+    assert (config.workers, config.ps, config.mode, config.restart) == (5, 3, "sync", "never")
+
+
+@pytest.mark.parametrize("text, says", [
+    ("script: train.py\nworker: 2\n", "unknown field(s) worker; valid fields: args, dashboard"),
+    ("script: train.py\nworkers: 0\n", "workers must be at least 1, got 0"),
+    ("script: train.py\nworkers: two\n", "workers must be an integer, got 'two'"),
+    ("script: train.py\nmode: semi\n", "mode 'semi' is not valid: use 'sync' or 'async'"),
+    ("script: train.py\nrestart: always\n", "restart 'always' is not valid: use one of on-failure, never"),
+    ("script: missing.py\n", "script 'missing.py' does not exist"),
+    ("ps: 1\n", "names no script"),
+    ("script: train.py\nargs: --steps 5\n", "args must be a list of strings"),
+    ("script: train.py\nenv: [A]\n", "env must map names to strings"),
+    ("- a\n- b\n", "must be a mapping of fields"),
+    ("script: [unclosed\n", "is not valid YAML"),
+])
+def test_bad_job_files_say_what_is_wrong_and_what_is_valid(script, text, says):
+    Path("job.yaml").write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        job_config("job.yaml", None, NO_FLAGS, environ={})
+    assert says in str(caught.value)
+
+
+def test_bad_environment_and_missing_job_file_are_config_errors(script):
+    with pytest.raises(ConfigError, match="TENSORFLEET_WORKERS='many' must be an integer"):
+        job_config(None, "train.py", NO_FLAGS, environ={"TENSORFLEET_WORKERS": "many"})
+    with pytest.raises(ConfigError, match="job file 'nope.yaml' does not exist"):
+        load_job_file("nope.yaml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        Path("bad.toml").write_text("ps = [\n")
+        load_job_file("bad.toml")
+
+
+def test_cli_with_a_bad_job_file_exits_2_and_starts_nothing(script, capsys):
+    from tensorfleet.launch.cli import main
+    Path("job.yaml").write_text("script: train.py\nlogdir: logs\nworkers: -1\n")
+    assert main(["launch", "job.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "tensorfleet launch: error: workers must be at least 1, got -1"
+    assert not Path("logs").exists()
+
+
+def test_gpus_are_split_into_disjoint_blocks_or_refused():
+    assert gpu_assignment(2, 3, available=8) == ["0,1", "2,3", "4,5"]
+    assert gpu_assignment(1, 2, available=2) == ["0", "1"]
+    with pytest.raises(ConfigError, match="needs 4 GPU\\(s\\); this machine has 0"):
+        gpu_assignment(2, 2, available=0)
+
+
+def test_dry_run_lists_gpus_per_worker(script, capsys):
+    from tensorfleet.launch.local import LocalLauncher
+    config = JobConfig("train.py", ps=1, workers=2, gpus_per_worker=2).validate()
+    text = LocalLauncher(config, gpus_available=4).dry_run_text()
+    assert "CUDA_VISIBLE_DEVICES=0,1" in text and "CUDA_VISIBLE_DEVICES=2,3" in text
+    assert "CUDA_VISIBLE_DEVICES=''" in text  # the ps sees no GPU
+
+
+def snapshot(**job):
+    base = {"global_step": 4200, "target_step": 10000, "steps_per_sec": 513.0, "examples_per_sec": 51300.0,
+            "eta_s": 11.3, "restarts": 1, "mode": "async", "dropped_stale": 0}
+    tasks = [{"state": "running"}, {"state": "running"}, {"state": "restarting"}]
+    return {"job": {**base, **job}, "tasks": tasks}
+
+
+def test_progress_line_has_step_target_rates_eta_and_task_states():
+    assert progress_line(snapshot()) == ("step 4,200/10,000 (42%) | 51,300 ex/s | 513 steps/s | ETA 11s | "
+                                         "2/3 tasks running | 1 restarting | 1 restart")
+    line = progress_line(snapshot(target_step=None, examples_per_sec=None, eta_s=None, restarts=0,
+                                  mode="sync", dropped_stale=7))
+    assert line == "step 4,200 | 513 steps/s | 2/3 tasks running | 1 restarting | 7 stale dropped"
+    assert [format_seconds(s) for s in (9.6, 75, 3725)] == ["10s", "1m15s", "1h02m"]
+
+
+def test_console_keeps_the_progress_line_at_the_bottom_of_a_terminal():
+    out = io.StringIO()
+    console = Console(out, interactive=True)
+    console.progress("step 1")
+    console.line("[worker:0] hello")
+    console.close()
+    assert out.getvalue() == (f"{CLEAR_LINE}[launch] step 1{CLEAR_LINE}[worker:0] hello\n[launch] step 1\n")
+
+
+def test_console_prints_progress_at_most_every_interval_in_a_log():
+    out = io.StringIO()
+    console = Console(out, interactive=False, every_s=3600)
+    console.progress("step 1")
+    console.progress("step 2")
+    assert out.getvalue() == "[launch] step 1\n"

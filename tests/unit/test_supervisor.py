@@ -1,0 +1,110 @@
+"""The supervisor's state machine and restart policy, driven by a fake clock (no processes)."""
+
+import pytest
+
+from tensorfleet.cluster.spec import TaskSpec
+from tensorfleet.launch.supervisor import RestartPolicy, Supervisor, TaskRecord, describe_exit, exit_label
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fleet(policy=RestartPolicy(), clock=None):
+    records = [TaskRecord(TaskSpec("ps", 0), "127.0.0.1:1", "ps"),
+               TaskRecord(TaskSpec("worker", 0), "127.0.0.1:2", "chief"),
+               TaskRecord(TaskSpec("worker", 1), "127.0.0.1:3", "worker")]
+    supervisor = Supervisor(records, policy, clock=clock or Clock())
+    for pid, record in enumerate(records, start=10):
+        supervisor.started(record.name, pid)
+    return supervisor
+
+
+def test_backoff_doubles_up_to_a_cap():
+    policy = RestartPolicy(backoff_s=1.0, max_backoff_s=5.0)
+    assert [policy.delay(n) for n in range(1, 6)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+@pytest.mark.parametrize("kwargs", [{"mode": "always"}, {"max_restarts": -1}])
+def test_policy_refuses_bad_settings(kwargs):
+    with pytest.raises(ValueError):
+        RestartPolicy(**kwargs)
+
+
+def test_starting_becomes_running_only_on_an_answer_after_the_latest_start():
+    clock = Clock()
+    supervisor = fleet(clock=clock)
+    supervisor.answered("worker:1", since=clock.now - 5)  # an answer from before this start: not this incarnation
+    assert supervisor.by_name["worker:1"].state == "starting"
+    supervisor.answered("worker:1", since=clock.now)
+    assert supervisor.by_name["worker:1"].state == "running"
+    assert [e["event"] for e in supervisor.events if e["task"] == "worker:1"] == ["started", "running"]
+
+
+def test_a_crash_is_restarted_after_its_backoff_until_the_limit_then_fails():
+    clock = Clock()
+    supervisor = fleet(RestartPolicy(max_restarts=2, backoff_s=1.0), clock)
+    assert supervisor.exited("worker:1", -9) == "restart"
+    record = supervisor.by_name["worker:1"]
+    assert record.state == "restarting" and record.restarts == 1 and record.restart_at == clock.now + 1.0
+    assert supervisor.due() == []
+    clock.now += 1.0
+    assert supervisor.due() == [record]
+    supervisor.started("worker:1", 99)
+    assert record.state == "starting" and record.exit_code is None and supervisor.due() == []
+    assert supervisor.exited("worker:1", 1) == "restart" and record.restart_at == clock.now + 2.0
+    clock.now += 2.0
+    supervisor.started("worker:1", 100)
+    assert supervisor.exited("worker:1", 1) == "failed"
+    assert record.state == "failed" and record.restarts == 2 and supervisor.failed() == [record]
+    assert "already restarted 2 time(s) (--max-restarts 2)" in supervisor.events[-1]["reason"]
+    assert supervisor.total_restarts == 2
+
+
+def test_policy_never_and_exit_code_2_are_not_restarted():
+    supervisor = fleet(RestartPolicy(mode="never"))
+    assert supervisor.exited("worker:1", -9) == "failed"
+    assert supervisor.events[-1]["reason"] == "the restart policy is 'never'"
+    supervisor = fleet()
+    assert supervisor.exited("worker:0", 2) == "failed"
+    assert "bad flags" in supervisor.events[-1]["reason"]
+
+
+def test_exit_0_is_done_and_the_job_is_done_when_every_worker_is():
+    supervisor = fleet()
+    assert supervisor.exited("worker:0", 0) == "done"
+    assert not supervisor.workers_done()
+    assert supervisor.exited("worker:1", 0) == "done"
+    assert supervisor.workers_done()  # the ps is not a worker: it exits by itself afterwards
+
+
+def test_after_stop_all_exits_are_stops_and_pending_restarts_are_cancelled():
+    supervisor = fleet()
+    supervisor.exited("worker:1", 1)
+    supervisor.stop_all()
+    assert supervisor.by_name["worker:1"].state == "stopped" and supervisor.due() == []
+    assert supervisor.exited("ps:0", -15) == "stopped"
+    assert supervisor.by_name["ps:0"].state == "stopped"
+
+
+def test_summary_table_has_a_row_per_task():
+    clock = Clock()
+    supervisor = fleet(clock=clock)
+    clock.now += 12.5
+    supervisor.exited("worker:1", -9)
+    supervisor.exited("worker:0", 0)
+    lines = supervisor.summary_table().splitlines()
+    assert lines[0].split() == ["task", "role", "state", "exit", "restarts", "wall", "time"]
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert rows["worker:1"] == ["worker:1", "worker", "restarting", "SIGKILL", "1", "12.5", "s"]
+    assert rows["worker:0"] == ["worker:0", "chief", "done", "0", "0", "12.5", "s"]
+    assert rows["ps:0"][2:5] == ["starting", "-", "0"]
+
+
+def test_exits_are_described_in_words():
+    assert describe_exit(1) == "exit code 1" and describe_exit(-9) == "killed by SIGKILL"
+    assert exit_label(-15) == "SIGTERM" and exit_label(3) == "3"
