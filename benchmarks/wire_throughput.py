@@ -260,7 +260,7 @@ def main() -> int:
     print(f"ratio data plane / raw TCP at 64 MiB: {result['ratio_data_plane_to_raw_64MiB']:.2f}")
     print(f"ratio ps push+pull / raw TCP at 64 MiB: {result['ratio_ps_to_raw_64MiB']:.2f}")
     print(f"ratio gRPC unary / raw TCP at 64 MiB: {result['ratio_grpc_to_raw_64MiB']:.2f}")
-    print(f"one direction at 64 MiB, runs of the same call: " + ", ".join(
+    print("one direction at 64 MiB, runs of the same call: " + ", ".join(
         f"{name} {rate:.2f} GB/s" for name, rate in one_way.items()))
     print(f"ratio data plane / raw TCP, one direction: push {one_way['data plane push'] / one_way['raw push']:.2f}, "
           f"pull {one_way['data plane pull'] / one_way['raw pull']:.2f}")

@@ -73,6 +73,12 @@ class LaunchError(TensorfleetError):
     """The launcher could not start or supervise the fleet. Not recoverable."""
 
 
+class ConfigError(LaunchError, ValueError):
+    """A launch or render setting (flag, TENSORFLEET_* variable, job file field) is wrong; nothing started."""
+
+    code = "INVALID_ARGUMENT"
+
+
 class NanLossError(TensorfleetError):
     """The loss was NaN or infinite; nothing was pushed. Not recoverable by retrying the same step."""
 

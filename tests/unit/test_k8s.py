@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, from_tf_config
-from tensorfleet.errors import ClusterSpecError
+from tensorfleet.errors import ConfigError
 from tensorfleet.launch import k8s
 from tensorfleet.launch.cli import main
 from tensorfleet.launch.k8s import K8sJob, render_manifests, render_tfjob, to_yaml
@@ -181,7 +181,7 @@ def test_gpus_only_on_workers(gpus):
     ({"cpu": "lots"}, "'lots'"), ({"memory": "-1Gi"}, "'-1Gi'"), ({"image": ""}, "image ''"),
     ({"script": "my script.py"}, "'my script.py'")])
 def test_invalid_job_raises_an_error_quoting_the_value(overrides, quoted):
-    with pytest.raises(ClusterSpecError) as caught:
+    with pytest.raises(ConfigError) as caught:
         make_job(**overrides)
     assert quoted in str(caught.value)
 
@@ -190,9 +190,9 @@ def test_name_length_keeps_every_derived_name_within_63_characters():
     longest_ok = "a" * (63 - len("-worker-99"))
     job = make_job(num_workers=100, name=longest_ok)
     assert max(len(d["metadata"]["name"]) for d in render_manifests(job)) == 63
-    with pytest.raises(ClusterSpecError, match=f"at most {len(longest_ok)} characters"):
+    with pytest.raises(ConfigError, match=f"at most {len(longest_ok)} characters"):
         make_job(num_workers=100, name=longest_ok + "a")
-    with pytest.raises(ClusterSpecError, match="too long"):  # many ps tasks make the longest name a ps one
+    with pytest.raises(ConfigError, match="too long"):  # many ps tasks make the longest name a ps one
         make_job(num_ps=100000, num_workers=1, name="a" * (63 - len("-ps-99999") + 1))
 
 

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tensorfleet.launch.config import ConfigError, JobConfig, job_config, load_job_file
+from tensorfleet.errors import ConfigError
+from tensorfleet.launch.config import JobConfig, job_config, load_job_file
 from tensorfleet.launch.console import CLEAR_LINE, Console
 from tensorfleet.launch.local import gpu_assignment
 from tensorfleet.launch.monitor import format_seconds, progress_line

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from tensorfleet.cluster.spec import ClusterSpec, split_hosts, from_tf_config
-from tensorfleet.launch.config import ConfigError
+from tensorfleet.errors import ConfigError
 from tensorfleet.launch.monitor import FleetMonitor
 
 

@@ -20,9 +20,9 @@ import os
 import sys
 from typing import NoReturn, Sequence
 
-from tensorfleet.errors import TensorfleetError
+from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch import k8s
-from tensorfleet.launch.config import ConfigError, is_job_file, job_config
+from tensorfleet.launch.config import is_job_file, job_config
 from tensorfleet.launch.supervisor import RESTART_MODES
 
 USAGE_ERROR = 2

@@ -30,18 +30,12 @@ from typing import Any, Mapping
 
 import yaml
 
-from tensorfleet.errors import TensorfleetError
+from tensorfleet.errors import ConfigError
 from tensorfleet.launch.supervisor import RESTART_MODES, RestartPolicy
 
 JOB_FILE_SUFFIXES = (".yaml", ".yml", ".toml")
 MODES = ("sync", "async")
 NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$")
-
-
-class ConfigError(TensorfleetError):
-    """A launch setting is wrong; nothing was started."""
-
-    code = "INVALID_ARGUMENT"
 
 
 @dataclass

@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
-from tensorfleet.errors import ClusterSpecError
+from tensorfleet.errors import ConfigError
 
 RESTART_POLICIES = {"on-failure": "OnFailure", "never": "Never"}
 FORMATS = ("manifests", "tfjob")
@@ -66,7 +66,7 @@ class K8sJob:
     workers, since a ps applies updates on CPU.
 
     Raises:
-        ClusterSpecError: a value is invalid; the message quotes it and says what is valid.
+        ConfigError: a value is invalid; the message quotes it and says what is valid.
     """
 
     name: str
@@ -90,30 +90,30 @@ class K8sJob:
         _check_int("port", self.port, 1, 65535)
         self._check_names()
         if self.restart not in RESTART_POLICIES:
-            raise ClusterSpecError(f"restart {self.restart!r} is not valid: use one of {', '.join(RESTART_POLICIES)}")
+            raise ConfigError(f"restart {self.restart!r} is not valid: use one of {', '.join(RESTART_POLICIES)}")
         for field in ("image", "script"):
             value = getattr(self, field)
             if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-                raise ClusterSpecError(f"{field} {value!r} must be a non-empty string without spaces")
+                raise ConfigError(f"{field} {value!r} must be a non-empty string without spaces")
         for field in ("cpu", "memory"):
             value = getattr(self, field)
             if not isinstance(value, str) or not _QUANTITY.fullmatch(value):
-                raise ClusterSpecError(f"{field} {value!r} is not a Kubernetes quantity: use e.g. '500m', '2', "
+                raise ConfigError(f"{field} {value!r} is not a Kubernetes quantity: use e.g. '500m', '2', "
                                        "'512Mi' or '4Gi'")
 
     def _check_names(self) -> None:
         if not isinstance(self.name, str) or not _DNS_1035.fullmatch(self.name):
-            raise ClusterSpecError(f"name {self.name!r} is not a DNS-1035 label: use lowercase letters, digits "
+            raise ConfigError(f"name {self.name!r} is not a DNS-1035 label: use lowercase letters, digits "
                                    "and '-', starting with a letter and ending with a letter or digit")
         longest = max((self.task_name(TaskSpec("ps", self.num_ps - 1)),
                        self.task_name(TaskSpec("worker", self.num_workers - 1))), key=len)
         if len(longest) > MAX_NAME_LENGTH:
             room = MAX_NAME_LENGTH - (len(longest) - len(self.name))
-            raise ClusterSpecError(f"name {self.name!r} is too long: task names such as {longest!r} must stay "
+            raise ConfigError(f"name {self.name!r} is too long: task names such as {longest!r} must stay "
                                    f"within {MAX_NAME_LENGTH} characters, so use at most {room} characters")
         if (not isinstance(self.namespace, str) or len(self.namespace) > MAX_NAME_LENGTH
                 or not _DNS_1123.fullmatch(self.namespace)):
-            raise ClusterSpecError(f"namespace {self.namespace!r} is not a DNS-1123 label: lowercase letters, "
+            raise ConfigError(f"namespace {self.namespace!r} is not a DNS-1123 label: lowercase letters, "
                                    f"digits and '-', at most {MAX_NAME_LENGTH} characters")
 
     @property
@@ -136,7 +136,7 @@ class K8sJob:
 def _check_int(field: str, value: Any, low: int, high: int | None = None) -> None:
     valid = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        raise ClusterSpecError(f"{field} {value!r} is not valid: it must be {valid}")
+        raise ConfigError(f"{field} {value!r} is not valid: it must be {valid}")
 
 
 def labels(job: K8sJob, task: TaskSpec | None = None) -> dict[str, str]:
@@ -292,7 +292,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 
 
 def _resolve(args: argparse.Namespace) -> dict[str, Any]:
-    """Each option from its flag, else its TENSORFLEET_* variable, else its default; ClusterSpecError if unset."""
+    """Each option from its flag, else its TENSORFLEET_* variable, else its default; ConfigError if unset."""
     values: dict[str, Any] = {}
     for flag, env, convert, default, _, _ in _OPTIONS:
         value = getattr(args, _dest(flag))
@@ -300,9 +300,9 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 value = convert(os.environ[env])
             except argparse.ArgumentTypeError as exc:
-                raise ClusterSpecError(f"{env}={os.environ[env]!r}: {exc}") from None
+                raise ConfigError(f"{env}={os.environ[env]!r}: {exc}") from None
         if value is None and default is None:
-            raise ClusterSpecError(f"{flag} is required (or set {env})")
+            raise ConfigError(f"{flag} is required (or set {env})")
         values[_dest(flag)] = default if value is None else value
     return values
 
@@ -322,7 +322,7 @@ def main(args: argparse.Namespace) -> int:
     """Run ``tensorfleet k8s render``: 0 on success, 2 for a bad option, 1 if the output cannot be written."""
     try:
         job, fmt = job_from_args(args)
-    except ClusterSpecError as exc:
+    except ConfigError as exc:
         print(f"tensorfleet k8s render: error: {exc}", file=sys.stderr)
         return 2
     text = to_yaml(RENDERERS[fmt](job))

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import TextIO
 
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
-from tensorfleet.launch.config import ConfigError, JobConfig
+from tensorfleet.errors import ConfigError
+from tensorfleet.launch.config import JobConfig
 from tensorfleet.launch.console import Console
 from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks, progress_line, task_role
 from tensorfleet.launch.supervisor import Supervisor, TaskRecord, describe_exit

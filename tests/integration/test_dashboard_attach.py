@@ -1,0 +1,57 @@
+"""``tensorfleet dashboard --cluster`` attached to a fleet it did not start: it reads every task's Status."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tensorfleet.testing.fleet import poll
+from tensorfleet.testing.local_cluster import REPO, LauncherProcess
+
+pytestmark = pytest.mark.cluster
+PACED = Path(__file__).resolve().parent / "paced_job.py"
+
+
+def get_json(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url, timeout=10).read())
+
+
+def test_attached_dashboard_shows_a_fleet_started_elsewhere(tmp_path):
+    job = LauncherProcess(tmp_path / "logs", ["--ps", "1", "--workers", "2"], PACED,
+                          ["--last_step", "1200", "--step_sleep_s", "0.01"])
+    board = None
+    try:
+        addresses = poll(lambda: (lambda found: found if len(found) == 3 else None)(
+            dict(re.findall(r"started (\w+:\d+) \(pid \d+\) at (\S+)", job.output))), 60, "three tasks to start")
+        cluster = {"ps": [addresses["ps:0"]], "worker": [addresses["worker:0"], addresses["worker:1"]]}
+        board = subprocess.Popen([sys.executable, "-m", "tensorfleet.launch.cli", "dashboard", "--cluster",
+                                  json.dumps(cluster), "--name", "attached"], cwd=REPO, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        url = re.search(r"(http://127\.0\.0\.1:\d+/)", board.stdout.readline()).group(1)
+        snapshot = poll(lambda: (lambda s: s if all(t["state"] == "running" for t in s["tasks"])
+                                 and s["job"]["global_step"] > 20 else None)(get_json(url + "api/status")),
+                        60, "every task to answer the attached dashboard")
+        assert snapshot["job"]["name"] == "attached" and snapshot["job"]["mode"] == "async"
+        assert [t["role"] for t in snapshot["tasks"]] == ["ps", "chief", "worker"]
+        assert snapshot["job"]["target_step"] == 1200
+        metrics = urllib.request.urlopen(url + "metrics", timeout=10).read().decode()
+        assert re.search(r'tensorfleet_task_up\{[^}]*task="worker:1"[^}]*\} 1\.0', metrics), metrics
+        code, output = job.wait()
+        assert code == 0, output
+        # The fleet is gone: the attached dashboard shows its tasks unreachable (or done), and keeps serving.
+        poll(lambda: all(t["state"] in ("unreachable", "done") for t in get_json(url + "api/status")["tasks"]),
+             30, "the dashboard to notice the fleet is gone")
+        board.send_signal(signal.SIGTERM)
+        assert board.wait(timeout=20) == 0
+    finally:
+        job.kill()
+        if board is not None and board.poll() is None:
+            board.kill()
+            board.wait()
