@@ -79,12 +79,26 @@ class ConfigError(LaunchError, ValueError):
     code = "INVALID_ARGUMENT"
 
 
+class UnauthenticatedError(TensorfleetError):
+    """A call without the job's token (or with a wrong one) was refused. Not recoverable: fix the token."""
+
+    code = "UNAUTHENTICATED"
+
+
+class StaleIncarnationError(TensorfleetError):
+    """A push from a worker process that has since been replaced (restarted). Not recoverable: this process
+    should exit, its successor trains in its place."""
+
+    code = "PERMISSION_DENIED"
+
+
 class NanLossError(TensorfleetError):
     """The loss was NaN or infinite; nothing was pushed. Not recoverable by retrying the same step."""
 
 
 _BY_CODE: dict[str, type[TensorfleetError]] = {
-    cls.code: cls for cls in (InvalidArgumentError, NotInitializedError, UnavailableError, DeadlineExceededError)}
+    cls.code: cls for cls in (InvalidArgumentError, NotInitializedError, UnavailableError, DeadlineExceededError,
+                              UnauthenticatedError, StaleIncarnationError)}
 
 
 def from_code(code: str, message: str, *, task: str | None = None) -> TensorfleetError:

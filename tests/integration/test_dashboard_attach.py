@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -12,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tensorfleet.errors import UnauthenticatedError
 from tensorfleet.testing.fleet import poll
 from tensorfleet.testing.local_cluster import REPO, LauncherProcess
+from tensorfleet.wire import auth
+from tensorfleet.wire.rpc import Channel, WireOptions
 
 pytestmark = pytest.mark.cluster
 PACED = Path(__file__).resolve().parent / "paced_job.py"
@@ -24,16 +28,22 @@ def get_json(url: str) -> dict:
 
 
 def test_attached_dashboard_shows_a_fleet_started_elsewhere(tmp_path):
+    token = auth.new_token()  # the launcher uses the token it is given; the dashboard needs the same one
+    env = {**os.environ, auth.TOKEN_ENV: token}
     job = LauncherProcess(tmp_path / "logs", ["--ps", "1", "--workers", "2"], PACED,
-                          ["--last_step", "1200", "--step_sleep_s", "0.01"])
+                          ["--last_step", "1200", "--step_sleep_s", "0.01"], env=env)
     board = None
     try:
         addresses = poll(lambda: (lambda found: found if len(found) == 3 else None)(
             dict(re.findall(r"started (\w+:\d+) \(pid \d+\) at (\S+)", job.output))), 60, "three tasks to start")
         cluster = {"ps": [addresses["ps:0"]], "worker": [addresses["worker:0"], addresses["worker:1"]]}
+        stranger = Channel(addresses["worker:1"], task="worker:1", options=WireOptions(token=None))
+        with pytest.raises(UnauthenticatedError, match="refuses calls without the job's token"):
+            stranger.call("Status", timeout=30, wait_for_ready=True)  # without the token, nothing to see
+        stranger.close()
         board = subprocess.Popen([sys.executable, "-m", "tensorfleet.launch.cli", "dashboard", "--cluster",
                                   json.dumps(cluster), "--name", "attached"], cwd=REPO, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True)
+                                 stderr=subprocess.STDOUT, text=True, env=env)
         url = re.search(r"(http://127\.0\.0\.1:\d+/)", board.stdout.readline()).group(1)
         snapshot = poll(lambda: (lambda s: s if all(t["state"] == "running" for t in s["tasks"])
                                  and s["job"]["global_step"] > 20 else None)(get_json(url + "api/status")),

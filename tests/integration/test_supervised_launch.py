@@ -49,6 +49,9 @@ def test_a_killed_worker_is_restarted_rejoins_and_the_job_succeeds(launches):
     first = poll(lambda: run.events_of("worker:1", "running"), 60, "worker:1 to answer its Status RPC")
     pid = run.events_of("worker:1", "started")[0]["pid"]
     assert first and psutil.pid_exists(pid)
+    # Every task has the job's token in its environment, never on its command line.
+    token = psutil.Process(pid).environ()["TENSORFLEET_TOKEN"]
+    assert len(token) == 64 and token not in " ".join(psutil.Process(pid).cmdline())
     os.kill(pid, signal.SIGKILL)
     poll(lambda: run.events_of("worker:1", "exited"), 30, "the launcher to see worker:1 die")
     poll(lambda: len(run.events_of("worker:1", "running")) == 2, 60, "worker:1 to run again")
@@ -120,6 +123,7 @@ def test_dry_run_prints_tasks_ports_and_environment_and_starts_nothing(tmp_path)
     for name, port in [("ps:0", 23000), ("ps:1", 23001), ("worker:0", 23002), ("worker:2", 23004)]:
         assert f"{name} (" in out and f"127.0.0.1:{port}" in out
     assert "worker:0 (chief)" in out and "TENSORFLEET_MODE=sync" in out
+    assert out.count("TENSORFLEET_TOKEN=<the job's secret token>") == 5  # never printed
     tf_configs = re.findall(r"TF_CONFIG='(.*)'", out)
     assert len(tf_configs) == 5
     assert json.loads(tf_configs[4])["task"] == {"type": "worker", "index": 2}

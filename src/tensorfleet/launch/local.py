@@ -1,6 +1,7 @@
 """Run a job as local processes on 127.0.0.1: start every task, restart what dies, report, tear down.
 
-Each task is ``python SCRIPT ARGS`` with its own ``TF_CONFIG``, in a process group
+Each task is ``python SCRIPT ARGS`` with its own ``TF_CONFIG`` and the job's secret
+token (``TENSORFLEET_TOKEN``, in the environment, not on the command line), in a process group
 of its own (so a Ctrl-C reaches the launcher, which then stops every task in order,
 rather than racing the tasks).  Its output goes to the console, prefixed with the
 task (``[worker:1] ...``), and to ``LOGDIR/worker-1.log``; every start, exit,
@@ -34,12 +35,15 @@ from tensorfleet.launch.config import JobConfig
 from tensorfleet.launch.console import Console
 from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks, progress_line, task_role
 from tensorfleet.launch.supervisor import Supervisor, TaskRecord, describe_exit
+from tensorfleet.wire import auth
+from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.status import STATUS_DIR_ENV
 
 PS_EXIT_GRACE_S = 10.0
 KILL_GRACE_S = 5.0
 LOOP_S = 0.1
-FAILED_LOG_LINES = 12  # the tail of a failed task's log shown in the summary
+FAILED_LOG_LINES = 12
+SECRET_SHOWN = "<the job's secret token>"  # what --dry-run prints instead of the token  # the tail of a failed task's log shown in the summary
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -104,8 +108,10 @@ class LocalLauncher:
         records = [TaskRecord(t, self.cluster.task_address(t.job_name, t.index), task_role(self.cluster, t))
                    for t in self.tasks]
         self.supervisor = Supervisor(records, config.restart_policy)
+        # A new secret per job (or the one this launcher was given): every task requires it of every caller.
+        self.token = auth.job_token() or auth.new_token()
         self.monitor = FleetMonitor(self.cluster, job_name=config.job_name, mode=config.mode,
-                                    supervisor=self.supervisor)
+                                    supervisor=self.supervisor, options=WireOptions(token=self.token))
         self.processes: dict[str, subprocess.Popen] = {}
         self._pumps: list[threading.Thread] = []
         self._events_written = 0
@@ -120,7 +126,8 @@ class LocalLauncher:
 
     def task_env(self, task: TaskSpec) -> dict[str, str]:
         """The variables a task gets on top of the launcher's environment."""
-        env = {"TF_CONFIG": self.cluster.to_tf_config(task), "PYTHONUNBUFFERED": "1", **self.config.env}
+        env = {"TF_CONFIG": self.cluster.to_tf_config(task), "PYTHONUNBUFFERED": "1", **self.config.env,
+               auth.TOKEN_ENV: self.token}
         if self.logdir is not None:
             env[STATUS_DIR_ENV] = str(self.logdir)  # where a task leaves its final status as it exits
         if self.config.mode is not None:
@@ -151,7 +158,8 @@ class LocalLauncher:
         for task in self.tasks:
             lines.append(f"{task.short} ({task_role(self.cluster, task)}) at "
                          f"{self.cluster.task_address(task.job_name, task.index)}")
-            lines += [f"    {key}={shlex.quote(value)}" for key, value in self.task_env(task).items()]
+            lines += [f"    {key}={SECRET_SHOWN if key == auth.TOKEN_ENV else shlex.quote(value)}"
+                      for key, value in self.task_env(task).items()]
         return "\n".join(lines)
 
     # --- processes ------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.launch.supervisor import Supervisor
-from tensorfleet.wire.rpc import Channel
+from tensorfleet.wire.rpc import Channel, WireOptions
 from tensorfleet.worker.status import final_status_path
 
 RATE_WINDOW_S = 5.0  # rates are averaged over this much history
@@ -60,17 +60,20 @@ class FleetMonitor:
         mode: "sync" / "async" when the launcher knows it (otherwise learned from the ps).
         supervisor: the launcher's, for task states, pids, restarts and exit codes.
         interval_s: seconds between polls.
+        final_status_dir: where tasks leave their last Status as they exit (the launcher's logdir).
+        options: carries the job's token, which every task requires.
     """
 
     def __init__(self, cluster: ClusterSpec, *, job_name: str, mode: str | None = None,
                  supervisor: Supervisor | None = None, interval_s: float = 1.0,
-                 final_status_dir: Path | None = None) -> None:
+                 final_status_dir: Path | None = None, options: WireOptions = WireOptions()) -> None:
         self.cluster, self.job_name, self.mode = cluster, job_name, mode
         self.supervisor = supervisor
         self.final_status_dir = final_status_dir
         self.interval_s = interval_s
         self.tasks = fleet_tasks(cluster)
-        self._channels = {t.short: Channel(cluster.task_address(t.job_name, t.index), task=t.name) for t in self.tasks}
+        self._channels = {t.short: Channel(cluster.task_address(t.job_name, t.index), task=t.name, options=options)
+                          for t in self.tasks}
         self._seen = {t.short: _Seen() for t in self.tasks}
         self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY_POINTS)
         self._samples: collections.deque[tuple[float, int, dict[str, int]]] = collections.deque()

@@ -13,7 +13,7 @@ from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, bind_address, parse_
 from tensorfleet.errors import ClusterSpecError
 from tensorfleet.ps.service import PsService
 from tensorfleet.ps.store import VariableStore
-from tensorfleet.wire import rpc
+from tensorfleet.wire import auth, rpc
 from tensorfleet.wire.dataplane import DataServer
 
 log = logging.getLogger(__name__)
@@ -42,12 +42,13 @@ class Server:
         self.store = VariableStore(task=self.task.name, replica_names=[r.name for r in replicas])
         self.service = PsService(self.store, num_workers=len(replicas))
         address = bind_address(cluster.task_address(job_name, task_index))
+        gate = self.service.gate = auth.Gate(options.token)  # one count of refusals for both planes
         self._data = DataServer(parse_address(address)[0], self.service.data_methods(), task=self.task.name,
-                                options=options)
+                                options=options, gate=gate)
         self.service.data_port = self._data.port
         try:
             self._grpc, self.port = rpc.start_server(address, self.service.handlers(), task=self.task.name,
-                                                     options=options, max_workers=8)
+                                                     options=options, max_workers=8, gate=gate)
         except BaseException:
             self._data.stop()
             raise

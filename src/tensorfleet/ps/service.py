@@ -21,7 +21,8 @@ Push        async: advance_step: bool                    step (this shard's); ou
 Snapshot    -                                            global_step, applied_updates; tensors: the
                                                          flattened ShardState (values, slots, averages)
 Status      -                                            initialized, mode, sync, step, counters,
-                                                         data_port, task, role ("ps"), pid, uptime_s
+                                                         data_port, task, role ("ps"), pid, uptime_s,
+                                                         auth_refused
 Done        replica: int                                 workers_done, num_workers
 ==========  ===========================================  ==========================================
 """
@@ -41,6 +42,7 @@ from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.ps.store import ShardState, VariableStore
+from tensorfleet.wire import auth
 from tensorfleet.wire.codec import DTYPE_NAMES, DTYPES, NARROW_DTYPES
 from tensorfleet.wire.dataplane import Method, Reply, Request
 from tensorfleet.wire.rpc import Handler, Message
@@ -58,6 +60,7 @@ class PsService:
         self.finished = threading.Event()
         self._workers_done = 0
         self._started_unix = time.time()
+        self.gate = auth.Gate(None)  # the server's, which counts calls refused for want of the token
 
     def handlers(self) -> dict[str, Handler]:
         """The control plane's gRPC methods."""
@@ -139,7 +142,8 @@ class PsService:
         sync = self.store.sync_options
         reply.update(task=self.store.task, role="ps", pid=os.getpid(), uptime_s=time.time() - self._started_unix,
                      workers_done=self._workers_done, num_workers=self.num_workers,
-                     sync=sync.to_meta() if sync else None, data_port=self.data_port)
+                     sync=sync.to_meta() if sync else None, data_port=self.data_port,
+                     auth_refused=self.gate.refused)
         return reply, {}
 
     def done(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:

@@ -14,15 +14,18 @@ from typing import Iterator, Sequence
 from tensorfleet.cluster.spec import ClusterSpec
 from tensorfleet.launch.local import local_cluster
 from tensorfleet.ps.server import Server
+from tensorfleet.wire.rpc import WireOptions
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 @contextlib.contextmanager
-def ps_servers(num_ps: int = 1, num_workers: int = 1) -> Iterator[tuple[ClusterSpec, list[Server]]]:
+def ps_servers(num_ps: int = 1, num_workers: int = 1, *,
+               options: WireOptions | None = None) -> Iterator[tuple[ClusterSpec, list[Server]]]:
     """Start ``num_ps`` ps servers in this process on free ports; stop them on exit."""
     cluster = local_cluster(num_ps, num_workers)
-    servers = [Server(cluster, job_name="ps", task_index=i) for i in range(num_ps)]
+    servers = [Server(cluster, job_name="ps", task_index=i, options=options or WireOptions())
+               for i in range(num_ps)]
     try:
         yield cluster, servers
     finally:
@@ -56,12 +59,12 @@ class LauncherProcess:
     """
 
     def __init__(self, logdir: Path, launch_flags: Sequence[str], script: str | Path,
-                 script_args: Sequence[str] = ()) -> None:
+                 script_args: Sequence[str] = (), *, env: dict[str, str] | None = None) -> None:
         self.logdir = Path(logdir)
         command = [sys.executable, "-m", "tensorfleet.launch.cli", "launch", "--logdir", str(self.logdir),
                    *launch_flags, str(script), "--", *script_args]
         self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True)
+                                        text=True, env=env)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

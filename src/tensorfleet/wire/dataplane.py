@@ -15,6 +15,10 @@ before that has its body skipped, so the connection stays usable), and sends the
 malformed stream gets an error reply and the connection is closed.  A bug in a
 method becomes an INTERNAL reply, never a dead server.
 
+With a job token (``tensorfleet.wire.auth``) a connection must open with ``Hello``
+carrying it; without it, the task answers UNAUTHENTICATED and closes the connection
+before reading anything else.
+
 Client: ``DataChannel`` is one connection, one request at a time, connected on
 first use and again after a failure; a broken connection is UNAVAILABLE
 (recoverable: the ps may be restarting), silence past the deadline is
@@ -33,13 +37,14 @@ from typing import Any, Callable, Mapping
 import torch
 
 from tensorfleet import errors
-from tensorfleet.wire import frame
+from tensorfleet.wire import auth, frame
 from tensorfleet.wire.codec import TensorEntry
 from tensorfleet.wire.rpc import WireOptions
 
 log = logging.getLogger(__name__)
 
 OK = "OK"
+HELLO = "Hello"  # the first message of a connection when the job has a token (see tensorfleet.wire.auth)
 
 
 @dataclass
@@ -111,8 +116,9 @@ class DataServer:
     """
 
     def __init__(self, host: str, methods: Mapping[str, Method], *, task: str,
-                 options: WireOptions = WireOptions(), port: int = 0) -> None:
+                 options: WireOptions = WireOptions(), port: int = 0, gate: auth.Gate | None = None) -> None:
         self.methods, self.task, self.options = dict(methods), task, options
+        self.gate = gate if gate is not None else auth.Gate(options.token)
         try:
             self._listener = socket.create_server((host, port), backlog=128)
         except OSError as exc:
@@ -141,8 +147,9 @@ class DataServer:
     def _serve(self, sock: socket.socket) -> None:
         reader, pool = frame.Reader(sock), BufferPool()
         try:
-            while self._serve_one(sock, reader, pool):
-                pass
+            if not self.gate.required or self._hello(sock, reader):
+                while self._serve_one(sock, reader, pool):
+                    pass
         except (OSError, errors.UnavailableError):
             pass  # the peer went away mid-message: nothing was applied, nothing to answer
         finally:
@@ -150,6 +157,29 @@ class DataServer:
             sock.close()
             with self._lock:
                 self._connections.discard(sock)
+
+    def _hello(self, sock: socket.socket, reader: frame.Reader) -> bool:
+        """A connection must open with ``Hello`` carrying the job's token; anything else is refused and closed."""
+        sock.settimeout(self.options.deadline_s)  # a silent peer must not hold a thread forever
+        try:
+            head = reader.read_head(max_body_bytes=self.options.max_message_bytes)  # its body is never read
+        except errors.WireError as exc:
+            frame.send_message(sock, exc.code, {"message": exc.message})
+            return False
+        if head is None:
+            return False
+        if head.kind == HELLO and not head.body_bytes and self.gate.admits(head.meta.get("token")):
+            frame.send_message(sock, OK, {})
+            sock.settimeout(None)
+            return True
+        if head.kind != HELLO or head.body_bytes:
+            self.gate.admits(None)  # counted as a refusal
+        log.warning("%s: refused a data connection without the job's token (%d refused so far)", self.task,
+                    self.gate.refused)
+        frame.send_message(sock, errors.UnauthenticatedError.code, {
+            "message": f"{self.task} refuses data connections without the job's token: set TENSORFLEET_TOKEN "
+                       "(or TENSORFLEET_TOKEN_FILE) to the token of this job"})
+        return False
 
     def _serve_one(self, sock: socket.socket, reader: frame.Reader, pool: BufferPool) -> bool:
         """Serve one request; False when the connection is over (closed, or its stream can't be trusted)."""
@@ -274,8 +304,16 @@ class DataChannel:
                 raise errors.UnavailableError(f"cannot connect to the data port {self.address[0]}:{self.address[1]}: "
                                               f"{exc}", task=self.task) from None
             self._sock, self._reader, self._sock_address = frame.configure(sock), frame.Reader(sock), self.address
+            self._sock.settimeout(timeout or self.options.deadline_s)
+            if self.options.token:
+                self._say_hello()
         self._sock.settimeout(timeout or self.options.deadline_s)
         return self._sock
+
+    def _say_hello(self) -> None:
+        """Open the connection with the job's token; the task refuses anything else."""
+        frame.send_message(self._sock, HELLO, {"token": self.options.token})
+        self._read_reply(None).result(self.task)
 
     def _read_reply(self, into: Mapping[str, torch.Tensor] | None) -> "_Reply":
         head = self._reader.read_head(max_body_bytes=self.options.max_message_bytes)

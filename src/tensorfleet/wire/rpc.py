@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import grpc
 import torch
 
 from tensorfleet import errors
-from tensorfleet.wire import codec
+from tensorfleet.wire import auth, codec
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,14 @@ class WireOptions:
     Args:
         max_message_bytes: largest message sent or received; bigger ones are refused with a clear status.
         deadline_s: default deadline of one RPC.
+        token: the job's shared secret, sent with every call and required of every caller (None: no
+            authentication). By default from ``TENSORFLEET_TOKEN`` / ``TENSORFLEET_TOKEN_FILE`` when the
+            options are created (see ``tensorfleet.wire.auth``).
     """
 
     max_message_bytes: int = 1024 * 1024 * 1024
     deadline_s: float = 60.0
+    token: str | None = field(default_factory=auth.job_token, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1024:
@@ -79,8 +83,18 @@ def _error_for(code: grpc.StatusCode, detail: str, task: str) -> errors.Tensorfl
     return errors.from_code(code.name, detail, task=task)
 
 
-def _wrap(handler: Handler, options: WireOptions, task: str) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+def presented_token(context: grpc.ServicerContext) -> str | None:
+    return next((value for key, value in context.invocation_metadata() if key == auth.METADATA_KEY), None)
+
+
+def _wrap(handler: Handler, options: WireOptions, task: str,
+          gate: auth.Gate) -> Callable[[bytes, grpc.ServicerContext], bytes]:
     def unary(request: bytes, context: grpc.ServicerContext) -> bytes:
+        if gate.required and not gate.admits(presented_token(context)):
+            log.warning("%s: refused a call without the job's token from %s (%d refused so far)", task,
+                        context.peer(), gate.refused)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{task} refuses calls without the job's token: "
+                          "set TENSORFLEET_TOKEN (or TENSORFLEET_TOKEN_FILE) to the token of this job")
         try:
             meta, tensors = codec.decode(request, max_bytes=options.max_message_bytes)
             reply_meta, reply_tensors = handler(meta, tensors)
@@ -95,8 +109,12 @@ def _wrap(handler: Handler, options: WireOptions, task: str) -> Callable[[bytes,
 
 
 def start_server(address: str, handlers: Mapping[str, Handler], *, task: str,
-                 options: WireOptions = WireOptions(), max_workers: int = 8) -> tuple[grpc.Server, int]:
+                 options: WireOptions = WireOptions(), max_workers: int = 8,
+                 gate: auth.Gate | None = None) -> tuple[grpc.Server, int]:
     """Serve ``handlers`` (method name -> handler) on ``address``; return the server and the bound port.
+
+    Every call must carry ``options.token`` (checked by ``gate``, which counts refusals; pass the
+    task's shared gate so that gRPC and data-plane refusals add up).
 
     Raises:
         UnavailableError: the address cannot be bound (already in use, or not an address of this machine).
@@ -106,7 +124,8 @@ def start_server(address: str, handlers: Mapping[str, Handler], *, task: str,
         raise ValueError(f"unknown RPC method(s) {sorted(unknown)}: the service defines {METHODS}")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"rpc-{task}"),
                          options=options.grpc_options())
-    method_handlers = {name: grpc.unary_unary_rpc_method_handler(_wrap(h, options, task))
+    gate = gate if gate is not None else auth.Gate(options.token)
+    method_handlers = {name: grpc.unary_unary_rpc_method_handler(_wrap(h, options, task, gate))
                        for name, h in handlers.items()}
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, method_handlers)])
     try:
@@ -150,6 +169,7 @@ class Channel:
 
     def __init__(self, address: str, *, task: str, options: WireOptions = WireOptions()) -> None:
         self.address, self.task, self.options = address, task, options
+        self._metadata = ((auth.METADATA_KEY, options.token),) if options.token else None
         self._open()
 
     def _open(self) -> None:
@@ -169,7 +189,7 @@ class Channel:
             raise errors.WireError(f"{method} request of {len(request)} bytes exceeds the limit of "
                                    f"{self.options.max_message_bytes} bytes", task=self.task)
         inner = self._stubs[method].future(request, timeout=timeout or self.options.deadline_s,
-                                           wait_for_ready=wait_for_ready)
+                                           wait_for_ready=wait_for_ready, metadata=self._metadata)
         return RpcFuture(inner, self.task, self.options)
 
     def call(self, method: str, meta: Mapping[str, Any] | None = None,

@@ -1,0 +1,93 @@
+"""The job token: every gRPC call and every data connection without it is refused, counted, and changes nothing."""
+
+import socket
+
+import pytest
+import torch
+from torch import nn
+
+import tensorfleet as tfl
+from tensorfleet.cluster.spec import TaskSpec
+from tensorfleet.errors import ConfigError, UnauthenticatedError
+from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.testing.local_cluster import ps_servers
+from tensorfleet.wire import auth, frame
+from tensorfleet.wire.dataplane import DataChannel
+from tensorfleet.wire.rpc import Channel, WireOptions
+from tensorfleet.worker.client import PsClient
+
+TOKEN = auth.new_token()
+VALUES = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+
+
+@pytest.fixture
+def guarded():
+    """One ps that requires TOKEN, initialized by a client that has it."""
+    with ps_servers(num_ps=1, num_workers=1, options=WireOptions(token=TOKEN)) as (cluster, servers):
+        client = PsClient(cluster, {"w": 0}, options=WireOptions(token=TOKEN))
+        client.wait_for_shards(10)
+        client.initialize(VALUES, OptimizerSpec.sgd(lr=1.0))
+        yield cluster, servers[0], client
+        client.close()
+
+
+@pytest.mark.parametrize("token", [None, "wrong", TOKEN[:-1]])
+def test_grpc_calls_without_the_right_token_are_refused_and_counted(guarded, token):
+    cluster, server, _ = guarded
+    stranger = Channel(cluster.ps_addresses[0], task="ps:0", options=WireOptions(token=token))
+    try:
+        with pytest.raises(UnauthenticatedError, match="refuses calls without the job's token"):
+            stranger.call("Init", {"optimizer": {"name": "sgd", "options": {"lr": 9.0}}}, {"w": torch.zeros(2, 3)},
+                          timeout=10)
+        with pytest.raises(UnauthenticatedError):
+            stranger.call("Status", timeout=10)
+    finally:
+        stranger.close()
+    assert server.status()["auth_refused"] == 2
+    assert torch.equal(server.store.read()[0]["w"], VALUES["w"])
+
+
+@pytest.mark.parametrize("token", [None, "wrong"])
+def test_data_connections_without_the_right_token_are_refused_closed_and_change_nothing(guarded, token):
+    _, server, client = guarded
+    port = client.wait_for_shards(10)[0]["data_port"]
+    channel = DataChannel(task="ps:0", options=WireOptions(token=token))
+    channel.set_address("127.0.0.1", port)
+    try:
+        with pytest.raises(UnauthenticatedError, match="refuses data connections without the job's token"):
+            channel.call("Push", {"advance_step": True}, {"w": torch.ones(2, 3)})
+    finally:
+        channel.close()
+    # A raw connection that skips the Hello gets the refusal and a closed stream.
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        frame.send_message(raw, "Pull", {})
+        reader = frame.Reader(raw)
+        assert reader.read_head(max_body_bytes=1 << 20).kind == UnauthenticatedError.code
+        assert raw.recv(1) == b""  # closed
+    assert server.status()["auth_refused"] == 2
+    assert server.status()["global_step"] == 0 and torch.equal(server.store.read()[0]["w"], VALUES["w"])
+    assert client.push({"w": torch.ones(2, 3)}).global_step == 1  # the job's own clients are still served
+
+
+def test_a_replica_with_the_token_trains_against_a_guarded_ps():
+    with ps_servers(num_ps=1, num_workers=1, options=WireOptions(token=TOKEN)) as (cluster, server):
+        model = nn.Linear(2, 1)
+        with tfl.Replica(model, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1),
+                         options=WireOptions(token=TOKEN)) as replica:
+            model(torch.ones(3, 2)).sum().backward()
+            assert replica.push() == 1
+        assert server[0].status()["auth_refused"] == 0
+
+
+def test_the_token_comes_from_the_environment_or_a_file(tmp_path):
+    assert auth.job_token({}) is None
+    assert auth.job_token({auth.TOKEN_ENV: "abc"}) == "abc"
+    secret = tmp_path / "token"
+    secret.write_text(TOKEN + "\n")
+    assert auth.job_token({auth.TOKEN_FILE_ENV: str(secret)}) == TOKEN
+    with pytest.raises(ConfigError, match="cannot be read"):
+        auth.job_token({auth.TOKEN_FILE_ENV: str(tmp_path / "missing")})
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ConfigError, match="is empty"):
+        auth.job_token({auth.TOKEN_FILE_ENV: str(tmp_path / "empty")})
+    assert "token" not in repr(WireOptions(token=TOKEN)) and TOKEN not in repr(WireOptions(token=TOKEN))
