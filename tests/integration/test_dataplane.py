@@ -68,7 +68,7 @@ def test_interleaved_async_pushes_from_several_workers_are_each_applied_once():
 
         def worker(index):
             for _ in range(pushes):  # integers: the sum is exact in any order
-                clients[index].push({n: torch.full(s, -float(index + 1)) for n, s in shapes.items()})
+                clients[index].push({n: torch.full(s, -float(index + 1)) for n, s in shapes.items()}, replica=index)
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(workers)]
         for thread in threads:

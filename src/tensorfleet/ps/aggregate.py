@@ -103,6 +103,7 @@ class Offer(Enum):
     STALE = "stale"          # tagged with an older step: dropped
     DUPLICATE = "duplicate"  # this replica already gave a gradient for this step: dropped
     ABANDONED = "abandoned"  # the step can no longer complete (the other replicas finished): not applied
+    RETRIED = "retried"      # the same push again (its reply was lost): its first copy counted, this one not
 
 
 class SyncAccumulator:

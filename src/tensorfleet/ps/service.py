@@ -8,16 +8,20 @@ Request and reply fields (the ``meta`` of a message):
 method      request                                      reply
 ==========  ===========================================  ==========================================
 Init        optimizer: {name, options, schedule};        initialized: bool (False: already was)
+            nonfinite: "reject" (default) | "apply";
             sync: {..} or absent (async); average_decay:
             float or absent; restore: {global_step,
             applied_updates} or absent; tensors: values,
             or with restore a flattened ShardState
 Pull        averages: bool (moving averages instead      step (this shard's); tensors: every
             of values)                                   variable's value (or average)
-Push        async: advance_step: bool                    step (this shard's); outcome; with
-            sync: replica: int, step: int (blocks until  values: the shard's values after the
-            the step is aggregated); values: bool (reply update (a push and the next pull in
-            with the values); tensors: gradients         one round trip)
+Push        async: advance_step: bool                    step (this shard's); outcome (applied;
+            sync: replica: int, step: int (blocks until  sync: accepted, complete, stale, duplicate,
+            the step is aggregated); values: bool (reply abandoned; retried: a push received again
+            with the values); origin: [worker,           after a lost reply, not applied twice;
+            incarnation, seq] (exactly once: a seq seen  rejected: NaN/Inf gradients); with values:
+            again is not applied again, an older         the shard's values after the update (a push
+            incarnation is refused); tensors: gradients  and the next pull in one round trip)
 Snapshot    -                                            global_step, applied_updates; tensors: the
                                                          flattened ShardState (values, slots, averages)
 Status      -                                            initialized, mode, sync, step, counters,
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -41,7 +46,7 @@ import torch
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
-from tensorfleet.ps.store import ShardState, VariableStore
+from tensorfleet.ps.store import NONFINITE_POLICIES, Origin, ShardState, VariableStore
 from tensorfleet.wire import auth
 from tensorfleet.wire.codec import DTYPE_NAMES, DTYPES, NARROW_DTYPES
 from tensorfleet.wire.dataplane import Method, Reply, Request
@@ -86,7 +91,10 @@ class PsService:
         if not isinstance(force, bool) or (force and restore is None):
             raise InvalidArgumentError("Init 'force' must be a bool and needs 'restore': only a checkpoint "
                                        "may overwrite a live shard")
-        created = self.store.initialize(tensors, spec, sync, decay, restore, force=force)
+        nonfinite = meta.get("nonfinite", "reject")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise InvalidArgumentError(f"Init 'nonfinite' must be one of {NONFINITE_POLICIES}, got {nonfinite!r:.50}")
+        created = self.store.initialize(tensors, spec, sync, decay, restore, force=force, nonfinite=nonfinite)
         if created:
             log.info("%s: initialized %d variable(s)%s, optimizer %s %s, %s", self.store.task, len(tensors),
                      f" from a checkpoint at step {restore.global_step}" if restore else "",
@@ -120,14 +128,20 @@ class PsService:
         wire_dtype = _wire_dtype(meta)
         self.store.check_push({e.name: (e.dtype, e.shape) for e in request.entries},  # before reading the body
                               wire_dtype=wire_dtype)
+        origin = _origin(meta)
         gradients = request.receive()
         if wire_dtype is not None:
             gradients = self.store.upcast(gradients)
-        if sync:
-            new_step, offer = self.store.push_sync(replica, step, gradients)
+        nonfinite = self.store.nonfinite == "reject" and nonfinite_names(gradients)
+        if nonfinite:
+            self.store.reject_nonfinite(nonfinite, origin)
+            reply = {"step": self.store.status().global_step, "outcome": "rejected"}
+        elif sync:
+            new_step, offer = self.store.push_sync(replica, step, gradients, origin)
             reply = {"step": new_step, "outcome": offer.value}
         else:
-            reply = {"step": self.store.apply(gradients, advance_step=advance), "outcome": "applied"}
+            new_step, outcome = self.store.apply(gradients, advance_step=advance, origin=origin)
+            reply = {"step": new_step, "outcome": outcome}
         if not with_values:
             return Reply(reply)
         values, reply["step"], release = self.store.read_live()  # the step the values belong to
@@ -178,6 +192,29 @@ def _reply_with_values(meta: dict[str, Any], values: dict[str, torch.Tensor], re
     finally:
         release()
     return Reply(meta, narrowed)
+
+
+def _origin(meta: dict[str, Any]) -> Origin | None:
+    """A push's ``origin``: [worker, incarnation, seq], non-negative integers; absent: not numbered."""
+    value = meta.get("origin")
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 3
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value)):
+        raise InvalidArgumentError(f"Push 'origin' must be [worker, incarnation, seq] (non-negative integers), "
+                                   f"got {value!r:.80}")
+    return Origin(*value)
+
+
+def nonfinite_names(gradients: dict[str, torch.Tensor]) -> list[str]:
+    """Names of floating-point gradients holding NaN or Inf.
+
+    One summing pass per gradient (no temporary the size of the gradient); a sum that is not
+    finite is confirmed element-wise, since finite values can also overflow when summed.
+    """
+    suspects = [name for name, grad in gradients.items()
+                if grad.is_floating_point() and grad.numel() and not math.isfinite(float(grad.sum()))]
+    return [name for name in suspects if not bool(torch.isfinite(gradients[name]).all())]
 
 
 def _int_field(meta: dict[str, Any], name: str, *, method: str) -> int:

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError
+from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError, StaleIncarnationError
 from tensorfleet.ps.aggregate import Offer, SyncAccumulator, SyncOptions
 from tensorfleet.ps.apply import Applier, MovingAverage, OptimizerSpec, check_gradients, check_layout
 
@@ -73,6 +73,9 @@ class ShardState:
         return cls(values, slots, averages or None, global_step, applied_updates)
 
 
+NONFINITE_POLICIES = ("reject", "apply")
+
+
 @dataclass(frozen=True)
 class StoreStatus:
     initialized: bool
@@ -83,6 +86,20 @@ class StoreStatus:
     dropped_duplicate: int
     num_variables: int
     num_bytes: int
+    accepted_pushes: int  # pushes taken for the first time (applied, or offered to a sync step)
+    retried_pushes: int  # pushes received again after a lost reply: recognized, not applied twice
+    rejected_nonfinite: int  # pushes refused for NaN/Inf gradients
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Who sent a push: the worker (replica id), the incarnation of its process, and the push's sequence
+    number on this shard.  A later incarnation replaces an earlier one; a sequence number seen before
+    is a retry."""
+
+    worker: int
+    incarnation: int
+    seq: int
 
 
 class VariableStore:
@@ -107,18 +124,26 @@ class VariableStore:
         self._readers = 0  # replies being sent from the live tensors (read_live)
         self._updates_waiting = 0
         self._generation = 0  # bumped by a forced restore: releases sync waits of the old timeline
+        self.nonfinite = "reject"  # NaN/Inf gradients: "reject" the push or "apply" it (set by Init)
+        self._origins: dict[int, Origin] = {}  # worker -> its latest push (exactly-once bookkeeping)
+        self._accepted_pushes = 0
+        self._retried_pushes = 0
+        self._rejected_nonfinite = 0
 
     def initialize(self, values: Mapping[str, torch.Tensor], spec: OptimizerSpec,
                    sync: SyncOptions | None = None, average_decay: float | None = None,
-                   restore: ShardState | None = None, force: bool = False) -> bool:
+                   restore: ShardState | None = None, force: bool = False, nonfinite: str = "reject") -> bool:
         """Take initial values (copied), the optimizer, the mode and the moving-average decay (None: no averages);
         with ``restore``, also the optimizer slots, averages and counters of a checkpoint.
 
         Return False, changing nothing, if already initialized: a second initialization
         (a restarted chief) must never overwrite trained values.  ``force`` is the one
         exception: after a ps was lost, the chief rolls *every* shard back to the same
-        checkpoint so that they agree again.
+        checkpoint so that they agree again.  ``nonfinite`` is what happens to a push with
+        NaN/Inf gradients: "reject" it (counted and logged), or "apply" it.
         """
+        if nonfinite not in NONFINITE_POLICIES:
+            raise InvalidArgumentError(f"nonfinite={nonfinite!r}: use one of {NONFINITE_POLICIES}", task=self.task)
         owned = {name: value.detach().clone() for name, value in values.items()}
         applier = Applier(spec, owned)  # validates everything before anything is stored
         accumulator = SyncAccumulator(sync) if sync is not None else None
@@ -134,6 +159,7 @@ class VariableStore:
             if self._applier is not None and not force:
                 return False
             self._variables, self._applier, self._sync, self._average = owned, applier, accumulator, average
+            self.nonfinite = nonfinite
             self._global_step = restore.global_step if restore is not None else 0
             self._applied_updates = restore.applied_updates if restore is not None else 0
             self._generation += 1
@@ -219,8 +245,15 @@ class VariableStore:
         return {name: grad if dtypes.get(name, grad.dtype) == grad.dtype else grad.to(dtypes[name])
                 for name, grad in gradients.items()}
 
-    def apply(self, gradients: Mapping[str, torch.Tensor], *, advance_step: bool) -> int:
-        """Async mode: apply one update now; advance the global step if asked. Return the step after it."""
+    def apply(self, gradients: Mapping[str, torch.Tensor], *, advance_step: bool,
+              origin: Origin | None = None) -> tuple[int, str]:
+        """Async mode: apply one update now; advance the global step if asked.
+
+        Returns:
+            (the step after it, "applied"), or "retried" for a push already applied (``origin`` seen before).
+        Raises:
+            StaleIncarnationError: ``origin`` is an incarnation of its worker older than one already seen.
+        """
         with self._cond:
             self._exclusive()  # first: from here on the lock is never released until the update is done
             self._require_initialized()
@@ -228,13 +261,49 @@ class VariableStore:
                 raise InvalidArgumentError("this ps runs in sync mode: a push must carry the replica and the step "
                                            "of the parameters it was computed from", task=self.task)
             check_gradients(self._variables, gradients, task=self.task)
+            if not self._admit(origin):
+                return self._global_step, "retried"
             if gradients:
                 self._apply(gradients)
             if advance_step:
                 self._global_step += 1
-            return self._global_step
+            return self._global_step, "applied"
 
-    def push_sync(self, replica: int, step: int, gradients: Mapping[str, torch.Tensor]) -> tuple[int, Offer]:
+    def _admit(self, origin: Origin | None) -> bool:
+        """Exactly once: True for a push seen for the first time, False for a retry of one already taken.
+
+        Called under the lock, after the push was validated and before it changes anything.
+        """
+        if origin is None:  # a caller that does not number its pushes (tests, tools): no dedup
+            self._accepted_pushes += 1
+            return True
+        known = self._origins.get(origin.worker)
+        if known is not None and origin.incarnation < known.incarnation:
+            raise StaleIncarnationError(
+                f"push from an old incarnation of {self._replica_name(origin.worker)} ({origin.incarnation}; "
+                f"the current one is {known.incarnation}): that process was replaced, so its pushes are refused",
+                task=self.task)
+        if known is not None and origin.incarnation == known.incarnation and origin.seq <= known.seq:
+            self._retried_pushes += 1
+            log.warning("%s: push %d from %s received again (its reply was lost); not applied twice",
+                        self.task, origin.seq, self._replica_name(origin.worker))
+            return False
+        self._origins[origin.worker] = origin
+        self._accepted_pushes += 1
+        return True
+
+    def reject_nonfinite(self, names: Sequence[str], origin: Origin | None) -> None:
+        """Count and log a push refused for NaN/Inf gradients in ``names``."""
+        with self._cond:
+            self._rejected_nonfinite += 1
+            count = self._rejected_nonfinite
+        sender = self._replica_name(origin.worker) if origin is not None else "a worker"
+        log.warning("%s: rejected a push from %s with NaN/Inf in %s (%d rejected so far); nothing applied. "
+                    "Lower the learning rate or check the data; Replica(nonfinite_gradients='apply') applies them",
+                    self.task, sender, ", ".join(sorted(names)[:5]), count)
+
+    def push_sync(self, replica: int, step: int, gradients: Mapping[str, torch.Tensor],
+                  origin: Origin | None = None) -> tuple[int, Offer]:
         """Sync mode: offer one replica's gradients for ``step`` and wait until that step is aggregated.
 
         Returns:
@@ -257,6 +326,10 @@ class VariableStore:
             if missing:
                 raise InvalidArgumentError(f"a sync push must carry every variable of the shard; missing "
                                            f"{sorted(missing)[:5]}", task=self.task)
+            if not self._admit(origin):  # a retry: the first copy was offered; wait for its step like it
+                if sync.step <= step:
+                    self._wait_for_step(step)
+                return self._global_step, Offer.RETRIED
             offer = sync.offer(replica, step, gradients)
             if offer is Offer.COMPLETE:
                 self._aggregate()
@@ -347,7 +420,9 @@ class VariableStore:
                 dropped_stale=sync.dropped_stale if sync else 0,
                 dropped_duplicate=sync.dropped_duplicate if sync else 0,
                 num_variables=len(self._variables),
-                num_bytes=sum(v.numel() * v.element_size() for v in self._variables.values()))
+                num_bytes=sum(v.numel() * v.element_size() for v in self._variables.values()),
+                accepted_pushes=self._accepted_pushes, retried_pushes=self._retried_pushes,
+                rejected_nonfinite=self._rejected_nonfinite)
 
     def _require_initialized(self) -> None:
         if self._applier is None:

@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 
 ShardCall = Callable[[], Any]
 STATUS_ATTEMPT_S = 2.0  # one Status attempt while waiting for a ps; then a fresh connection
+PUSH_ATTEMPTS = 3  # a push whose connection broke is sent again (same sequence number) this many times in all
+# What the ps did not apply: late (stale), a second gradient for the step (duplicate), a step that can no
+# longer complete (abandoned), NaN/Inf gradients (rejected).  "retried" is not here: its first copy counted.
+DROPPED_OUTCOMES = ("stale", "duplicate", "abandoned", "rejected")
 
 
 class Gathered:
@@ -78,6 +82,9 @@ class PsClient:
         self._hosts = [parse_address(address)[0] for address in cluster.ps_addresses]
         self._threads = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ps{i}-data")
                          for i in range(len(self.channels))]
+        # Exactly once: every push names (worker, this client's incarnation, a per-shard sequence number).
+        self.incarnation = time.time_ns()  # a restarted process has a later one; the ps refuses older ones
+        self._seq = [0] * len(self.channels)
         self._names_by_shard: list[list[str]] = [[] for _ in self.channels]
         for name, shard in self.placement.items():
             self._names_by_shard[shard].append(name)
@@ -116,14 +123,16 @@ class PsClient:
 
     def initialize(self, values: Mapping[str, torch.Tensor], optimizer: OptimizerSpec,
                    sync: SyncOptions | None = None, average_decay: float | None = None,
-                   restore: Sequence[ShardState] | None = None, force: bool = False) -> bool:
+                   restore: Sequence[ShardState] | None = None, force: bool = False,
+                   nonfinite: str = "reject") -> bool:
         """Send initial values (or, with ``restore``, each shard's checkpointed state), optimizer, mode
-        and moving-average decay to every shard; ``force`` overwrites live shards (recovery only).
+        and moving-average decay to every shard; ``force`` overwrites live shards (recovery only);
+        ``nonfinite``: what the ps does with NaN/Inf gradients ("reject" or "apply").
 
         Returns True if any shard took them, False if all already had values.
         """
         meta = {"optimizer": optimizer.to_meta(), "sync": sync.to_meta() if sync else None,
-                "average_decay": average_decay, "force": force}
+                "average_decay": average_decay, "force": force, "nonfinite": nonfinite}
         if restore is None:
             requests = [(meta, part) for part in self._split(values)]
         else:
@@ -206,9 +215,29 @@ class PsClient:
         return Gathered(self._fan_out(calls, inline=inline), lambda r: _merge_replies(shards, r, len(self.channels)))
 
     def _push_meta(self, shard: int, sync_steps: Sequence[int] | None, replica: int, values: bool) -> dict:
+        self._seq[shard] += 1
+        meta = {"values": values, "origin": [replica, self.incarnation, self._seq[shard]], **self._wire_meta}
         if sync_steps is None:
-            return {"advance_step": shard == 0, "values": values, **self._wire_meta}
-        return {"replica": replica, "step": sync_steps[shard], "values": values, **self._wire_meta}
+            return {"advance_step": shard == 0, **meta}
+        return {"replica": replica, "step": sync_steps[shard], **meta}
+
+    def _send_push(self, shard: int, meta: dict, part: Mapping[str, torch.Tensor],
+                   into: Mapping[str, torch.Tensor] | None, timeout_s: float | None) -> tuple[dict, dict]:
+        """One shard's push; sent again, with the same sequence number, if the connection broke.
+
+        A broken connection may have lost the request or only its reply: the ps recognizes a
+        sequence number it has seen and does not apply it twice, so resending is always safe.
+        A ps that is gone (refused connections) still fails after the retries: the caller recovers.
+        """
+        for attempt in range(PUSH_ATTEMPTS):
+            try:
+                return self.data[shard].call("Push", meta, part, into=into, timeout=timeout_s)
+            except UnavailableError as exc:
+                if attempt == PUSH_ATTEMPTS - 1:
+                    raise
+                log.warning("%s: push %d failed (%s); sending it again", self.data[shard].task,
+                            meta["origin"][2], exc.message)
+        raise AssertionError("unreachable")
 
     def _travel_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         """The dtype ``tensor`` travels in: the wire dtype if one is set and the tensor is floating point."""
@@ -231,8 +260,7 @@ class PsClient:
             meta = self._push_meta(shard, sync_steps, replica, into is not None)
             part = {name: self.narrow(tensor) for name, tensor in part.items()}
             shards.append(shard)
-            calls.append((shard, lambda s=shard, m=meta, t=part: self.data[s].call("Push", m, t, into=into,
-                                                                                  timeout=timeout_s)))
+            calls.append((shard, lambda s=shard, m=meta, t=part: self._send_push(s, m, t, into, timeout_s)))
         return Gathered(self._fan_out(calls, inline=inline),
                         lambda r: _pushed(shards, r, len(self.channels), with_values=into is not None))
 
@@ -285,7 +313,8 @@ class Pulled:
 @dataclass(frozen=True)
 class Pushed:
     """The global step after the push, what each shard did with its part (``applied``; in sync mode
-    ``accepted``/``complete``, or ``stale``/``duplicate``/``abandoned`` if dropped), and, when the push
+    ``accepted``/``complete``; ``retried`` when a resent push had already arrived; ``stale``/``duplicate``/
+    ``abandoned``/``rejected`` if dropped), and, when the push
     asked for them, the values each shard held after it (``pulled``)."""
 
     global_step: int
@@ -294,7 +323,7 @@ class Pushed:
 
     @property
     def dropped(self) -> bool:
-        return any(outcome in ("stale", "duplicate", "abandoned") for outcome in self.outcomes.values())
+        return any(outcome in DROPPED_OUTCOMES for outcome in self.outcomes.values())
 
 
 def _merge_replies(shards: list[int], replies: list[tuple[dict, dict]], num_shards: int) -> Pulled:

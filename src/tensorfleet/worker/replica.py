@@ -69,6 +69,8 @@ class Replica:
         wire_dtype: ``torch.bfloat16`` or ``torch.float16``: gradients and values travel in it (half the
             bytes); the ps keeps, accumulates and updates fp32. The module then holds the ps's values
             rounded to that dtype. None (default): tensors travel as they are.
+        nonfinite_gradients: what the ps does with a push holding NaN/Inf gradients: ``"reject"`` it
+            (the default: counted in its Status, logged, ``dropped_gradients`` here) or ``"apply"`` it.
 
     Example:
         >>> with Replica(model, cluster, task, optimizer=OptimizerSpec.adam(lr=0.01)) as replica:  # doctest: +SKIP
@@ -83,7 +85,7 @@ class Replica:
                  placement: PlacementStrategy = RoundRobin(), partitioner: RowPartitioner | None = None,
                  average_decay: float | None = None, options: WireOptions = WireOptions(),
                  init_timeout_s: float = 300.0, log_placement: bool = False, overlap: bool = False,
-                 wire_dtype: torch.dtype | None = None) -> None:
+                 wire_dtype: torch.dtype | None = None, nonfinite_gradients: str = "reject") -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode={mode!r}: choose 'async' or 'sync'")
         self.module = module
@@ -94,6 +96,7 @@ class Replica:
         self.mode = mode
         self.sync = (sync or SyncOptions()).resolve(len(cluster.replicas)) if mode == "sync" else None
         self.average_decay = average_decay
+        self.nonfinite_gradients = nonfinite_gradients
         self.num_ps = len(cluster.ps_addresses)
         self._started = False
         self.init_timeout_s = init_timeout_s
@@ -173,7 +176,8 @@ class Replica:
                                        if self.placement.shard_map()[k] == shard}, {}, None,
                                       self.global_step if (shard == 0 or self.sync) else 0, self.global_step)
                            for shard in range(self.num_ps)]
-            self.client.initialize({}, self.optimizer, self.sync, self.average_decay, restore, force=True)
+            self.client.initialize({}, self.optimizer, self.sync, self.average_decay, restore, force=True,
+                                   nonfinite=self.nonfinite_gradients)
             log.warning("%s (chief): ps task(s) %s restarted empty; every shard restored to global step %d",
                         self.task.name, empty, restore[0].global_step)
         self.client.wait_initialized(timeout_s)
@@ -182,7 +186,8 @@ class Replica:
 
     def _initialize(self, restore: Sequence[ShardState] | None) -> None:
         values = self.placement.views({name: p.detach() for name, p in self._params.items()})
-        if not self.client.initialize(values, self.optimizer, self.sync, self.average_decay, restore):
+        if not self.client.initialize(values, self.optimizer, self.sync, self.average_decay, restore,
+                                      nonfinite=self.nonfinite_gradients):
             log.info("%s (chief): the ps already holds trained variables; not re-initializing", self.task.name)
         elif restore is not None:
             log.info("%s (chief): restored a checkpoint (global step %d) onto %d ps",

@@ -1,0 +1,161 @@
+"""Exactly-once pushes: a push resent after a lost reply is not applied twice; an old incarnation is refused;
+NaN/Inf gradients are rejected (or applied, when the job says so)."""
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from tensorfleet.errors import StaleIncarnationError
+from tensorfleet.ps.aggregate import SyncOptions
+from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.testing.local_cluster import ps_servers
+from tensorfleet.worker.client import PsClient
+
+VALUES = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+GRAD = {"w": torch.ones(2, 3)}
+
+
+class ReplyDropper:
+    """A TCP proxy in front of a data port that forwards requests and, while armed, cuts the connection
+    at the first byte of a reply: the ps has done the work, the client never hears of it."""
+
+    def __init__(self, port: int) -> None:
+        self.target = ("127.0.0.1", port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.armed = threading.Event()
+        self.dropped = 0
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            for source, sink, replies in ((client, server, False), (server, client, True)):
+                threading.Thread(target=self._pump, args=(source, sink, replies, (client, server)), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, replies: bool, pair: tuple) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                if replies and self.armed.is_set():
+                    self.armed.clear()
+                    self.dropped += 1
+                    break
+                sink.sendall(data)
+        except OSError:
+            pass
+        for sock in pair:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture
+def shard():
+    with ps_servers(num_ps=1, num_workers=2) as (cluster, servers):
+        yield cluster, servers[0]
+
+
+def _client_through_proxy(cluster, sync=None):
+    client = PsClient(cluster, {"w": 0})
+    port = client.wait_for_shards(10)[0]["data_port"]
+    client.initialize(VALUES, OptimizerSpec.sgd(lr=1.0), sync=sync)
+    proxy = ReplyDropper(port)
+    client.data[0].set_address("127.0.0.1", proxy.port)
+    return client, proxy
+
+
+def test_an_async_push_whose_reply_is_lost_is_resent_and_applied_once(shard):
+    cluster, server = shard
+    client, proxy = _client_through_proxy(cluster)
+    try:
+        proxy.armed.set()
+        pushed = client.push(GRAD, into={"w": torch.empty(2, 3)})
+        assert proxy.dropped == 1
+        assert pushed.outcomes == {0: "retried"} and not pushed.dropped
+        status = server.store.status()
+        assert (status.applied_updates, status.global_step, status.accepted_pushes, status.retried_pushes) == (1, 1, 1, 1)
+        assert torch.equal(pushed.pulled.values["w"], VALUES["w"] - 1)  # one update, and the reply brings it
+        assert client.push(GRAD).outcomes == {0: "applied"}  # the next push is a new one
+        assert server.store.status().applied_updates == 2
+    finally:
+        client.close()
+        proxy.close()
+
+
+def test_a_sync_push_whose_reply_is_lost_counts_once_toward_its_step(shard):
+    cluster, server = shard
+    client, proxy = _client_through_proxy(cluster, sync=SyncOptions(replicas_to_aggregate=1, total_num_replicas=2))
+    try:
+        proxy.armed.set()
+        pushed = client.push(GRAD, sync_steps=[0], replica=0, into={"w": torch.empty(2, 3)})
+        assert proxy.dropped == 1 and pushed.outcomes == {0: "retried"} and pushed.global_step == 1
+        status = server.store.status()
+        assert (status.applied_updates, status.global_step, status.dropped_duplicate) == (1, 1, 0)
+        assert torch.equal(pushed.pulled.values["w"], VALUES["w"] - 1)
+    finally:
+        client.close()
+        proxy.close()
+
+
+def test_a_push_from_a_replaced_incarnation_is_refused_and_changes_nothing(shard):
+    cluster, server = shard
+    old = PsClient(cluster, {"w": 0})
+    old.wait_for_shards(10)
+    old.initialize(VALUES, OptimizerSpec.sgd(lr=1.0))
+    new = PsClient(cluster, {"w": 0})  # worker 0 restarted: a later incarnation
+    new.wait_for_shards(10)
+    try:
+        assert new.incarnation > old.incarnation
+        assert new.push(GRAD, replica=0).outcomes == {0: "applied"}
+        before = server.store.read()[0]["w"].clone()
+        with pytest.raises(StaleIncarnationError, match="old incarnation of .*replaced"):
+            old.push(GRAD, replica=0)
+        assert torch.equal(server.store.read()[0]["w"], before) and server.store.status().applied_updates == 1
+        assert new.push(GRAD, replica=0).outcomes == {0: "applied"}  # the live one goes on
+        assert old.push(GRAD, replica=1).outcomes == {0: "applied"}  # another worker's numbering is its own
+    finally:
+        old.close()
+        new.close()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_gradients_are_rejected_counted_and_change_nothing(shard, bad):
+    cluster, server = shard
+    client = PsClient(cluster, {"w": 0})
+    client.wait_for_shards(10)
+    client.initialize(VALUES, OptimizerSpec.sgd(lr=1.0))
+    try:
+        grad = torch.ones(2, 3)
+        grad[1, 2] = bad
+        pushed = client.push({"w": grad})
+        assert pushed.outcomes == {0: "rejected"} and pushed.dropped
+        status = server.store.status()
+        assert (status.rejected_nonfinite, status.applied_updates, status.global_step) == (1, 0, 0)
+        assert torch.equal(server.store.read()[0]["w"], VALUES["w"])
+        assert client.push(GRAD).outcomes == {0: "applied"}
+    finally:
+        client.close()
+
+
+def test_nonfinite_gradients_are_applied_when_the_job_says_so(shard):
+    cluster, server = shard
+    client = PsClient(cluster, {"w": 0})
+    client.wait_for_shards(10)
+    client.initialize(VALUES, OptimizerSpec.sgd(lr=1.0), nonfinite="apply")
+    try:
+        assert client.push({"w": torch.full((2, 3), float("nan"))}).outcomes == {0: "applied"}
+        assert torch.isnan(server.store.read()[0]["w"]).all()
+    finally:
+        client.close()
