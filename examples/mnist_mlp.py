@@ -44,7 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch_size", type=int, default=100)
     parser.add_argument("--learning_rate", type=float, default=0.01)
     parser.add_argument("--hidden_units", type=int, default=100)
-    parser.add_argument("--log_every", type=int, default=1000, help="print a line every N local steps")
+    parser.add_argument("--log_every", type=int, default=1000, help="log a line every N local steps")
+    parser.add_argument("--checkpoint_dir", default=None,
+                        help="the chief saves checkpoints here and restores from them (a restarted ps too)")
+    parser.add_argument("--save_checkpoint_steps", type=int, default=None,
+                        help="save a checkpoint every N global steps (default: every 600 s)")
     parser.add_argument("--train_limit", type=int, default=None, help="train on the first N examples only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--intra_op_threads", type=int, default=1, help="torch threads per process")
@@ -76,31 +80,24 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
     torch.manual_seed(args.seed)  # only the chief's initial values reach the ps
     model = build_model(args.hidden_units)
     optimizer = tfl.OptimizerSpec.adam(lr=args.learning_rate)
-    with tfl.Replica(model, cluster, task, optimizer=optimizer, **tfl.training_options(args)) as replica:
-        replica.report(target_step=args.train_steps)
+    replica = tfl.Replica(model, cluster, task, optimizer=optimizer, **tfl.training_options(args))
+    # As MonitoredTrainingSession: stop at the global step, checkpoints (if asked) that a restarted ps is
+    # restored from, a log line every --log_every local steps.
+    with tfl.TrainingSession(replica, hooks=[tfl.StopAtStepHook(last_step=args.train_steps)],
+                             checkpoint_dir=args.checkpoint_dir, save_checkpoint_steps=args.save_checkpoint_steps,
+                             log_step_count_steps=args.log_every) as session:
         start = time.time()
-        print(f"Worker {replica_id}: training begins @ {start:f}")
-        local_step, step = 0, replica.global_step
-        while step < args.train_steps:
-            if replica.pull() >= args.train_steps:
-                break
+        print(f"Worker {replica_id}: training begins @ {start:f} at global step {session.global_step}")
+        while not session.should_stop():
             images, labels = next(data)
-            loss = nn.functional.cross_entropy(model(images), labels)
-            loss.backward()
-            step = replica.push()
-            replica.report(loss=loss.item(), examples=len(labels))  # for the launcher's progress and dashboard
-            local_step += 1
-            if local_step % args.log_every == 0:
-                loss, _ = evaluate(model, Split(images, labels))
-                print(f"{time.time():f}: Worker {replica_id}: training step {local_step} done "
-                      f"(global step: {step}), loss: {loss:.4f}")
+            session.run_step(lambda: nn.functional.cross_entropy(model(images), labels), batch_size=len(labels))
         elapsed = time.time() - start
         step = replica.pull()
         _, last_accuracy = evaluate(model, mnist.test)
         if replica.average_decay:  # evaluate the moving average kept on the ps: less noisy than the last step
             replica.load_averages()
-    print(f"Worker {replica_id}: done after {local_step} local step(s) (global step: {step}), "
-          f"{replica.dropped_gradients} gradient(s) dropped by the ps")
+    print(f"Worker {replica_id}: done after {session.local_step} local step(s) (global step: {step}), "
+          f"{replica.dropped_gradients} gradient(s) dropped by the ps, {session.recoveries} recoveries")
     print(f"Training elapsed time: {elapsed:.2f} s")
     val_loss, _ = evaluate(model, mnist.validation)
     print(f"After {step} training step(s), validation cross entropy = {val_loss:g}")

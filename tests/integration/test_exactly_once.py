@@ -86,6 +86,7 @@ def test_an_async_push_whose_reply_is_lost_is_resent_and_applied_once(shard):
         assert pushed.outcomes == {0: "retried"} and not pushed.dropped
         status = server.store.status()
         assert (status.applied_updates, status.global_step, status.accepted_pushes, status.retried_pushes) == (1, 1, 1, 1)
+        assert status.initial_updates + status.accepted_pushes == status.applied_updates
         assert torch.equal(pushed.pulled.values["w"], VALUES["w"] - 1)  # one update, and the reply brings it
         assert client.push(GRAD).outcomes == {0: "applied"}  # the next push is a new one
         assert server.store.status().applied_updates == 2

@@ -86,7 +86,8 @@ class StoreStatus:
     dropped_duplicate: int
     num_variables: int
     num_bytes: int
-    accepted_pushes: int  # pushes taken for the first time (applied, or offered to a sync step)
+    initial_updates: int  # applied_updates at the last initialization (a restored checkpoint's count)
+    accepted_pushes: int  # pushes taken for the first time since then (applied, or offered to a sync step)
     retried_pushes: int  # pushes received again after a lost reply: recognized, not applied twice
     rejected_nonfinite: int  # pushes refused for NaN/Inf gradients
 
@@ -126,6 +127,7 @@ class VariableStore:
         self._generation = 0  # bumped by a forced restore: releases sync waits of the old timeline
         self.nonfinite = "reject"  # NaN/Inf gradients: "reject" the push or "apply" it (set by Init)
         self._origins: dict[int, Origin] = {}  # worker -> its latest push (exactly-once bookkeeping)
+        self._initial_updates = 0
         self._accepted_pushes = 0
         self._retried_pushes = 0
         self._rejected_nonfinite = 0
@@ -162,6 +164,7 @@ class VariableStore:
             self.nonfinite = nonfinite
             self._global_step = restore.global_step if restore is not None else 0
             self._applied_updates = restore.applied_updates if restore is not None else 0
+            self._initial_updates, self._accepted_pushes = self._applied_updates, 0
             self._generation += 1
             self._cond.notify_all()
             return True
@@ -421,7 +424,8 @@ class VariableStore:
                 dropped_duplicate=sync.dropped_duplicate if sync else 0,
                 num_variables=len(self._variables),
                 num_bytes=sum(v.numel() * v.element_size() for v in self._variables.values()),
-                accepted_pushes=self._accepted_pushes, retried_pushes=self._retried_pushes,
+                initial_updates=self._initial_updates, accepted_pushes=self._accepted_pushes,
+                retried_pushes=self._retried_pushes,
                 rejected_nonfinite=self._rejected_nonfinite)
 
     def _require_initialized(self) -> None:
