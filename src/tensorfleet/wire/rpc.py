@@ -15,6 +15,7 @@ callers handle one hierarchy.
 from __future__ import annotations
 
 import logging
+import os
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -23,6 +24,7 @@ import grpc
 import torch
 
 from tensorfleet import errors
+from tensorfleet.errors import ConfigError
 from tensorfleet.wire import auth, codec
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,45 @@ Handler = Callable[[dict[str, Any], dict[str, torch.Tensor]], Message]
 
 
 @dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for TLS on the gRPC channels: this task's certificate and key (servers), and the CA that
+    signed the fleet's certificates (clients).  The data plane is not encrypted (it is authenticated by
+    the job token); run it on a trusted network.
+    """
+
+    cert: str
+    key: str
+    ca: str
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "TlsFiles | None":
+        """From ``TENSORFLEET_TLS_CERT``, ``TENSORFLEET_TLS_KEY`` and ``TENSORFLEET_TLS_CA``; None if none is set."""
+        environ = os.environ if environ is None else environ
+        paths = {name: environ.get(f"TENSORFLEET_TLS_{name.upper()}") for name in ("cert", "key", "ca")}
+        if not any(paths.values()):
+            return None
+        missing = [f"TENSORFLEET_TLS_{name.upper()}" for name, path in paths.items() if not path]
+        if missing:
+            raise ConfigError(f"TLS needs all of TENSORFLEET_TLS_CERT, TENSORFLEET_TLS_KEY and TENSORFLEET_TLS_CA; "
+                              f"missing {', '.join(missing)}")
+        return cls(**paths)
+
+    def read(self, name: str) -> bytes:
+        path = getattr(self, name)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise ConfigError(f"TLS {name} file {path!r} cannot be read: {exc.strerror}") from None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.read("key"), self.read("cert"))])
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.read("ca"))
+
+
+@dataclass(frozen=True)
 class WireOptions:
     """Limits every channel and server obeys.
 
@@ -49,11 +90,13 @@ class WireOptions:
         token: the job's shared secret, sent with every call and required of every caller (None: no
             authentication). By default from ``TENSORFLEET_TOKEN`` / ``TENSORFLEET_TOKEN_FILE`` when the
             options are created (see ``tensorfleet.wire.auth``).
+        tls: certificate files for TLS on gRPC (None: plaintext); by default from ``TENSORFLEET_TLS_*``.
     """
 
     max_message_bytes: int = 1024 * 1024 * 1024
     deadline_s: float = 60.0
     token: str | None = field(default_factory=auth.job_token, repr=False)
+    tls: TlsFiles | None = field(default_factory=TlsFiles.from_env)
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1024:
@@ -129,7 +172,8 @@ def start_server(address: str, handlers: Mapping[str, Handler], *, task: str,
                        for name, h in handlers.items()}
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, method_handlers)])
     try:
-        port = server.add_insecure_port(address)
+        port = (server.add_secure_port(address, options.tls.server_credentials()) if options.tls
+                else server.add_insecure_port(address))
     except RuntimeError as exc:
         raise errors.UnavailableError(f"cannot listen on {address}: {exc} (is the port in use?)", task=task) from None
     if port == 0:
@@ -173,7 +217,11 @@ class Channel:
         self._open()
 
     def _open(self) -> None:
-        self._channel = grpc.insecure_channel(self.address, options=self.options.grpc_options())
+        if self.options.tls:
+            self._channel = grpc.secure_channel(self.address, self.options.tls.channel_credentials(),
+                                                options=self.options.grpc_options())
+        else:
+            self._channel = grpc.insecure_channel(self.address, options=self.options.grpc_options())
         self._stubs = {name: self._channel.unary_unary(f"/{SERVICE}/{name}") for name in METHODS}
 
     def reconnect(self) -> None:
