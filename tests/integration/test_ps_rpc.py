@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError, WireError
+from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire import frame
@@ -196,3 +197,25 @@ def test_done_from_every_worker_finishes_the_ps(cluster_two_ps):
     assert not servers[0].service.finished.is_set()
     client.done(1)
     assert servers[0].join(timeout=5) and servers[1].join(timeout=5)
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"replica": 0, "step": 5, "values": False}, "step from the future"),
+    ({"replica": 7, "step": 0, "values": False}, "replica 7 is not in 0..1"),
+    ({"replica": 0, "step": 0, "origin": [0, -1, 1]}, "'origin' must be \\[worker, incarnation, seq\\]"),
+    ({"replica": 0, "step": 0, "origin": "me"}, "'origin' must be"),
+])
+def test_bad_sync_push_is_refused_and_changes_nothing(meta, message):
+    with ps_servers(num_ps=1, num_workers=2) as (cluster, servers):
+        client = PsClient(cluster, {"w": 0, "b": 0, "c": 0})
+        client.wait_for_shards(10)
+        client.initialize(VALUES, OptimizerSpec.sgd(lr=1.0), sync=SyncOptions(replicas_to_aggregate=2, total_num_replicas=2))
+        before = _snapshot(servers)
+        channel = _data_channel(servers)
+        with pytest.raises(InvalidArgumentError, match=message):
+            channel.call("Push", meta, {n: torch.ones_like(v) for n, v in VALUES.items()})
+        assert all(torch.equal(b[n], a[n]) for b, a in zip(before, _snapshot(servers)) for n in b)
+        assert servers[0].store.status().global_step == 0 and servers[0].store.status().accepted_pushes == 0
+        assert channel.call("Pull", {})[0]["step"] == 0  # still serving, the connection in step
+        channel.close()
+        client.close()

@@ -127,11 +127,15 @@ class SyncAccumulator:
         """Replicas whose gradient is in the current step's sum, in arrival order."""
         return tuple(self._contributors)
 
-    def offer(self, replica: int, step: int, gradients: Mapping[str, torch.Tensor]) -> Offer:
-        """Take one replica's gradients tagged with ``step``; say what became of them."""
+    def check_step(self, step: int) -> None:
+        """Refuse a gradient tagged with a step this shard has not reached."""
         if step > self.step:
             raise InvalidArgumentError(f"gradient tagged with step {step}, but this shard is at step {self.step}: "
                                        "a step from the future (the worker must tag the step it pulled)")
+
+    def offer(self, replica: int, step: int, gradients: Mapping[str, torch.Tensor]) -> Offer:
+        """Take one replica's gradients tagged with ``step``; say what became of them."""
+        self.check_step(step)
         if step < self.step:
             self.dropped_stale += 1
             return Offer.STALE

@@ -329,6 +329,7 @@ class VariableStore:
             if missing:
                 raise InvalidArgumentError(f"a sync push must carry every variable of the shard; missing "
                                            f"{sorted(missing)[:5]}", task=self.task)
+            sync.check_step(step)  # every refusal comes before _admit: a refused push is not "accepted"
             if not self._admit(origin):  # a retry: the first copy was offered; wait for its step like it
                 if sync.step <= step:
                     self._wait_for_step(step)
