@@ -111,7 +111,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         address = poll(lambda: next(iter(re.findall(r"started ps:0 \(pid \d+\) at (\S+)", job.output)), None),
                        60, "the ps to start")
         sampler = Sampler(address, token)
-        gap = args.train_steps / (args.kills + 2)  # training steps between kills, on average
+        gap = args.train_steps / (2 * args.kills + 2)  # steps between kills: they fall in the run's first ~2/3
         for victim in schedule(rng, args.kills):
             target = sampler.step() + rng.uniform(0.5, 1.0) * gap
             poll(lambda: sampler.step() >= target or job.process.poll() is not None, 300,
