@@ -1,6 +1,7 @@
 """`tensorfleet k8s render`: the objects validate against the Kubernetes API schema and wire the fleet right."""
 
 import json
+import re
 
 import kubernetes_validate
 import pytest
@@ -10,10 +11,14 @@ from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, from_tf_config
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch import k8s
 from tensorfleet.launch.cli import main
-from tensorfleet.launch.k8s import K8sJob, render_manifests, render_tfjob, to_yaml
+from tensorfleet.launch.k8s import K8sJob, render_manifests, render_secret, render_tfjob, to_yaml
+from tensorfleet.wire import auth
 
 K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 SHAPES = [(1, 1, 0), (1, 2, 0), (2, 3, 1), (3, 5, 4)]  # (ps, workers, gpus per worker)
+LABELS = {"app.kubernetes.io/name": "tensorfleet", "app.kubernetes.io/instance": "mnist"}
+TOKEN_FROM_SECRET = {"valueFrom": {"secretKeyRef": {"name": "mnist-token", "key": "token"}}}
+HEX_TOKEN = re.compile(r"[0-9a-f]{64}")
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +45,49 @@ def container_of(pod_template):
 
 
 def env_of(container):
-    return {e["name"]: e["value"] for e in container["env"]}
+    """Name -> value of each variable, or -> {"valueFrom": ...}; every name once, with exactly one source."""
+    env = {}
+    for entry in container["env"]:
+        assert entry["name"] not in env
+        (source,) = set(entry) - {"name"}
+        assert source in ("value", "valueFrom")
+        env[entry["name"]] = entry["value"] if source == "value" else {"valueFrom": entry["valueFrom"]}
+    return env
+
+
+def env_names(container):
+    return [e["name"] for e in container["env"]]
+
+
+def secret_of(docs):
+    (secret,) = of_kind(docs, "Secret")
+    return secret
+
+
+def token_of(docs):
+    return secret_of(docs)["stringData"]["token"]
+
+
+def containers_of(docs):
+    """Every container template: one per Job, one per TFJob replica type."""
+    templates = [d["spec"]["template"] for d in of_kind(docs, "Job")]
+    for tfjob in of_kind(docs, "TFJob"):
+        templates += [r["template"] for r in tfjob["spec"]["tfReplicaSpecs"].values()]
+    return [container_of(t) for t in templates]
+
+
+def paths_holding(obj, text, path=()):
+    """The path of every key or string inside ``obj`` that contains ``text``."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if text in str(key):
+                yield path + (key,)
+            yield from paths_holding(value, text, path + (key,))
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            yield from paths_holding(value, text, path + (i,))
+    elif isinstance(obj, str) and text in obj:
+        yield path
 
 
 def task_of(doc):
@@ -58,6 +105,7 @@ def validate(doc, version):
 def test_every_object_validates_against_the_api_schema(num_ps, num_workers, gpus, restart, version):
     docs = render_manifests(make_job(num_ps, num_workers, gpus, restart=restart))
     assert len(of_kind(docs, "Service")) == len(of_kind(docs, "Job")) == num_ps + num_workers
+    assert len(of_kind(docs, "Secret")) == 1 and len(docs) == 1 + 2 * (num_ps + num_workers)
     for doc in docs:
         validate(doc, version)
 
@@ -76,12 +124,16 @@ def test_names_namespace_and_labels_on_every_object():
     expected = {"mnist-ps-0", "mnist-ps-1", "mnist-worker-0", "mnist-worker-1", "mnist-worker-2"}
     for kind in ("Service", "Job"):
         assert {d["metadata"]["name"] for d in of_kind(docs, kind)} == expected
-    assert [d["kind"] for d in docs] == ["Service"] * 5 + ["Job"] * 5  # names exist before pods dial them
+    # The token and the names exist before the pods need them.
+    assert [d["kind"] for d in docs] == ["Secret"] + ["Service"] * 5 + ["Job"] * 5
+    assert docs[0]["metadata"] == {"name": "mnist-token", "namespace": "ml", "labels": LABELS}
     for doc in docs:
         assert doc["metadata"]["namespace"] == "ml"
         labels = doc["metadata"]["labels"]
         assert labels["app.kubernetes.io/name"] == "tensorfleet"
         assert labels["app.kubernetes.io/instance"] == "mnist"
+    for doc in docs[1:]:
+        labels = doc["metadata"]["labels"]
         assert doc["metadata"]["name"] == f"mnist-{labels['tensorfleet.io/replica-type']}-" \
                                           f"{labels['tensorfleet.io/replica-index']}"
 
@@ -138,6 +190,7 @@ def test_pods_run_the_script_with_its_args_unbuffered():
         assert container["image"] == "repo/train:1"
         assert container["command"] == ["python", "examples/mnist_mlp.py", "--train_steps", "100"]
         assert env_of(container)["PYTHONUNBUFFERED"] == "1"
+        assert env_names(container) == ["TF_CONFIG", "PYTHONUNBUFFERED", "TENSORFLEET_TOKEN"]
         assert container["resources"]["requests"] == {"cpu": "1", "memory": "2Gi"}
         assert doc["spec"]["completions"] == doc["spec"]["parallelism"] == 1
 
@@ -215,6 +268,8 @@ def test_tfjob_structure_and_pod_templates_validate(num_ps, num_workers, gpus, v
         assert container["name"] == "tensorflow"
         assert container["ports"] == [{"name": "tfjob-port", "containerPort": 2222, "protocol": "TCP"}]
         assert "TF_CONFIG" not in env_of(container)  # the operator injects it
+        assert env_names(container) == ["PYTHONUNBUFFERED", "TENSORFLEET_TOKEN"]
+        assert env_of(container)["PYTHONUNBUFFERED"] == "1"
         gpu = container["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert gpu == (gpus if replica_type == "Worker" and gpus else None)
         pod_template = {"apiVersion": "v1", "kind": "PodTemplate",
@@ -227,7 +282,8 @@ def test_yaml_is_multi_document_in_key_order_with_tf_config_on_one_line():
     docs = render_manifests(make_job(num_ps=3, num_workers=8))
     text = to_yaml(docs)
     assert list(yaml.safe_load_all(text)) == docs
-    assert text.startswith("apiVersion: v1\nkind: Service\n")
+    assert text.startswith("apiVersion: v1\nkind: Secret\n")
+    assert text.split("\n---\n")[1].startswith("apiVersion: v1\nkind: Service\n")
     assert sum(1 for line in text.splitlines() if line.strip().startswith("value: '{\"cluster\"")) == 11
 
 
@@ -239,7 +295,9 @@ def test_cli_writes_yaml_to_stdout(capsys):
     assert main(RENDER + ["examples/mnist_mlp.py", "--", "--train_steps", "100"]) == 0
     out, err = capsys.readouterr()
     assert err == ""
-    assert list(yaml.safe_load_all(out)) == render_manifests(make_job())
+    docs = list(yaml.safe_load_all(out))
+    assert HEX_TOKEN.fullmatch(token_of(docs))
+    assert docs == render_manifests(make_job(token=token_of(docs)))  # all but the token is determined
 
 
 def test_cli_writes_to_an_output_file(tmp_path, capsys):
@@ -249,14 +307,19 @@ def test_cli_writes_to_an_output_file(tmp_path, capsys):
     assert main(argv) == 0
     assert capsys.readouterr().out == ""
     docs = list(yaml.safe_load_all(target.read_text()))
+    assert HEX_TOKEN.fullmatch(token_of(docs))
     assert docs == render_manifests(make_job(gpus=2, restart="never", port=4444, cpu="2", memory="16Gi",
-                                             script="train.py", script_args=("--lr", "0.1")))
+                                             script="train.py", script_args=("--lr", "0.1"),
+                                             token=token_of(docs)))
 
 
 def test_cli_tfjob_format(capsys):
     assert main(RENDER + ["--format", "tfjob", "--max-restarts", "7", "train.py"]) == 0
-    (tfjob,) = yaml.safe_load_all(capsys.readouterr().out)
-    assert tfjob == render_tfjob(make_job(script="train.py", script_args=(), max_restarts=7))
+    secret, tfjob = yaml.safe_load_all(capsys.readouterr().out)  # the token's Secret, then the TFJob
+    assert HEX_TOKEN.fullmatch(secret["stringData"]["token"])
+    job = make_job(script="train.py", script_args=(), max_restarts=7, token=secret["stringData"]["token"])
+    assert secret == render_secret(job)
+    assert tfjob == render_tfjob(job)
 
 
 def test_cli_options_fall_back_to_environment(monkeypatch, capsys):
@@ -267,7 +330,8 @@ def test_cli_options_fall_back_to_environment(monkeypatch, capsys):
     assert main(["k8s", "render", "--workers", "1", "train.py"]) == 0  # the flag wins over the environment
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert docs == render_manifests(make_job(num_ps=2, num_workers=1, name="tensorfleet", image="repo/env:2",
-                                             script="train.py", script_args=()))
+                                             script="train.py", script_args=(), token=token_of(docs)))
+    assert secret_of(docs)["metadata"]["name"] == "tensorfleet-token"
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -316,3 +380,100 @@ def test_bad_environment_value_exit_2_naming_the_variable(monkeypatch, capsys):
 def test_unwritable_output_exit_1(tmp_path, capsys):
     assert main(RENDER + ["-o", str(tmp_path / "no" / "such" / "dir.yaml"), "train.py"]) == 1
     assert "cannot write" in capsys.readouterr().err
+
+
+# --- the job's token -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("fmt", k8s.FORMATS)
+def test_the_token_secret_validates_against_the_api_schema(fmt, version):
+    job = make_job()
+    docs = k8s.RENDERERS[fmt](job)
+    assert docs[0]["kind"] == "Secret"  # first, so it exists before any pod starts
+    secret = secret_of(docs)
+    assert secret == {"apiVersion": "v1", "kind": "Secret",
+                      "metadata": {"name": "mnist-token", "namespace": "ml", "labels": LABELS},
+                      "type": "Opaque", "stringData": {"token": job.token}}
+    assert secret == render_secret(job)
+    validate(secret, version)
+    # Guards the check: strict validation rejects a misspelled field or a token that is not a string.
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate({**secret, "stringdata": secret["stringData"]}, version)
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate({**secret, "stringData": {"token": 5}}, version)
+
+
+def test_tfjob_format_is_the_secret_then_the_tfjob():
+    job = make_job()
+    docs = k8s.RENDERERS["tfjob"](job)
+    assert [d["kind"] for d in docs] == ["Secret", "TFJob"]
+    assert docs == [render_secret(job), render_tfjob(job)]
+    assert docs[0]["metadata"]["namespace"] == docs[1]["metadata"]["namespace"] == "ml"
+
+
+@pytest.mark.parametrize("fmt", k8s.FORMATS)
+@pytest.mark.parametrize("num_ps,num_workers,gpus", SHAPES)
+def test_every_container_takes_the_token_from_the_secret(num_ps, num_workers, gpus, fmt):
+    job = make_job(num_ps, num_workers, gpus)
+    docs = k8s.RENDERERS[fmt](job)
+    secret = secret_of(docs)
+    containers = containers_of(docs)
+    assert len(containers) == (num_ps + num_workers if fmt == "manifests" else 2)
+    assert auth.TOKEN_ENV == "TENSORFLEET_TOKEN"  # the variable the tasks read
+    for container in containers:
+        entries = [e for e in container["env"] if e["name"] == "TENSORFLEET_TOKEN"]
+        assert entries == [{"name": "TENSORFLEET_TOKEN", **TOKEN_FROM_SECRET}]  # exactly once, from the Secret
+        ref = entries[0]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["stringData"]
+        # What the kubelet hands the task reads back, through tensorfleet.wire.auth, as the job's token.
+        resolved = {name: secret["stringData"][ref["key"]] if isinstance(value, dict) else value
+                    for name, value in env_of(container).items()}
+        assert auth.job_token(resolved) == job.token
+        assert "TENSORFLEET_TOKEN_FILE" not in resolved
+
+
+def test_the_token_is_64_hex_characters_and_new_per_job():
+    first, second = make_job(), make_job()
+    for job in (first, second):
+        assert HEX_TOKEN.fullmatch(job.token)
+        assert token_of(render_manifests(job)) == job.token
+    assert first.token != second.token
+    assert token_of(render_manifests(first)) != token_of(render_manifests(second))
+    chosen = "0123abcd" * 8
+    assert token_of(render_manifests(make_job(token=chosen))) == chosen
+
+
+@pytest.mark.parametrize("fmt", k8s.FORMATS)
+def test_each_cli_render_makes_a_new_token(fmt, capsys):
+    tokens = []
+    for _ in range(2):
+        assert main(RENDER + ["--format", fmt, "train.py"]) == 0
+        out = capsys.readouterr().out
+        token = token_of(list(yaml.safe_load_all(out)))
+        assert HEX_TOKEN.fullmatch(token)
+        assert out.count(token) == 1
+        tokens.append(token)
+    assert tokens[0] != tokens[1]
+
+
+@pytest.mark.parametrize("fmt", k8s.FORMATS)
+@pytest.mark.parametrize("num_ps,num_workers,gpus", SHAPES)
+def test_the_token_appears_only_in_the_secrets_string_data(num_ps, num_workers, gpus, fmt):
+    job = make_job(num_ps, num_workers, gpus)
+    docs = k8s.RENDERERS[fmt](job)
+    text = to_yaml(docs)
+    assert text.count(job.token) == 1
+    assert list(paths_holding(docs, job.token)) == [(0, "stringData", "token")]
+    for container in containers_of(docs):  # the point of the Secret: not on a command line, not in the pod spec
+        assert not any(job.token in part for part in container["command"] + container.get("args", []))
+        assert not any(job.token in str(entry.get("value", "")) for entry in container["env"])
+    assert list(yaml.safe_load_all(text)) == docs
+
+
+def test_repr_does_not_show_the_token():
+    job = make_job(token="feedc0de" * 8)
+    for shown in (repr(job), str(job)):
+        assert "name='mnist'" in shown and "namespace='ml'" in shown  # the rest of the job is there
+        assert job.token not in shown and "token" not in shown
+    default = make_job()
+    assert default.token not in repr(default) and "token" not in repr(default)

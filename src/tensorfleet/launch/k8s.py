@@ -35,13 +35,14 @@ import argparse
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import yaml
 
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import ConfigError
+from tensorfleet.wire.auth import TOKEN_ENV, new_token
 
 RESTART_POLICIES = {"on-failure": "OnFailure", "never": "Never"}
 FORMATS = ("manifests", "tfjob")
@@ -82,8 +83,12 @@ class K8sJob:
     port: int = 2222
     cpu: str = "1"
     memory: str = "2Gi"
+    token: str = field(default_factory=new_token, repr=False)  # the job's secret, rendered as a Secret
 
     def __post_init__(self) -> None:
+        if not isinstance(self.token, str) or len(self.token) < 16 or any(c.isspace() for c in self.token):
+            raise ConfigError("token must be a string of at least 16 characters without spaces (an empty one "
+                              "would turn authentication off); leave it out to get a new random one")
         object.__setattr__(self, "script_args", tuple(self.script_args))
         for field, low in (("num_ps", 1), ("num_workers", 1), ("gpus_per_worker", 0), ("max_restarts", 0)):
             _check_int(field, getattr(self, field), low)
@@ -160,6 +165,8 @@ def _container(job: K8sJob, job_name: str, *, name: str, port_name: str,
                tf_config: str | None) -> dict[str, Any]:
     env = [{"name": "TF_CONFIG", "value": tf_config}] if tf_config is not None else []
     env.append({"name": "PYTHONUNBUFFERED", "value": "1"})  # log lines reach `kubectl logs` as they happen
+    # Every task requires the job's token of every caller; it comes from the Secret, not the pod spec.
+    env.append({"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name(job), "key": "token"}}})
     return {"name": name, "image": job.image, "command": ["python", job.script, *job.script_args],
             "env": env, "ports": [{"name": port_name, "containerPort": job.port, "protocol": "TCP"}],
             "resources": _resources(job, job_name)}
@@ -167,6 +174,16 @@ def _container(job: K8sJob, job_name: str, *, name: str, port_name: str,
 
 def _metadata(job: K8sJob, name: str, task: TaskSpec | None = None) -> dict[str, Any]:
     return {"name": name, "namespace": job.namespace, "labels": labels(job, task)}
+
+
+def secret_name(job: K8sJob) -> str:
+    return f"{job.name}-token"
+
+
+def render_secret(job: K8sJob) -> dict[str, Any]:
+    """The job's shared token (a new random one per render), which every task requires of every caller."""
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _metadata(job, secret_name(job)), "type": "Opaque",
+            "stringData": {"token": job.token}}
 
 
 def render_service(job: K8sJob, task: TaskSpec) -> dict[str, Any]:
@@ -192,8 +209,8 @@ def _backoff_limit(job: K8sJob) -> int:
 
 
 def render_manifests(job: K8sJob) -> list[dict[str, Any]]:
-    """Every Service, then every Job: the names resolve by the time the pods dial them."""
-    return [render_service(job, t) for t in job.tasks] + [render_job(job, t) for t in job.tasks]
+    """The token's Secret, every Service, then every Job: names resolve by the time the pods dial them."""
+    return [render_secret(job)] + [render_service(job, t) for t in job.tasks] + [render_job(job, t) for t in job.tasks]
 
 
 def render_tfjob(job: K8sJob) -> dict[str, Any]:
@@ -216,7 +233,7 @@ def render_tfjob(job: K8sJob) -> dict[str, Any]:
 
 
 RENDERERS: dict[str, Callable[[K8sJob], list[dict[str, Any]]]] = {
-    "manifests": render_manifests, "tfjob": lambda job: [render_tfjob(job)]}
+    "manifests": render_manifests, "tfjob": lambda job: [render_secret(job), render_tfjob(job)]}
 
 
 def to_yaml(docs: Sequence[dict[str, Any]]) -> str:
@@ -263,7 +280,7 @@ _OPTIONS: tuple[tuple[str, str, Callable[[str], Any], Any, str, str], ...] = (
     ("--cpu", "TENSORFLEET_CPU", str, "1", "C", "CPU request of every task"),
     ("--memory", "TENSORFLEET_MEMORY", str, "2Gi", "MEM", "memory request of every task"),
     ("--format", "TENSORFLEET_FORMAT", _choice(FORMATS), "manifests", "FORMAT",
-     "manifests (Services + Jobs) or tfjob (one Kubeflow TFJob)"),
+     "manifests (a token Secret, Services, Jobs) or tfjob (the Secret and one Kubeflow TFJob)"),
 )
 
 
@@ -276,7 +293,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     k8s = subcommands.add_parser("k8s", help="render Kubernetes manifests for a training fleet")
     actions = k8s.add_subparsers(dest="k8s_command", required=True, metavar="ACTION")
     render = actions.add_parser(
-        "render", help="write Services + Jobs (or a TFJob) running SCRIPT as YAML",
+        "render", help="write a token Secret, Services and Jobs (or a TFJob) running SCRIPT as YAML",
         description="Write the Kubernetes objects of a fleet of N ps and M workers, each running SCRIPT (a path "
                     "inside IMG) with its own TF_CONFIG. Arguments after '--' go to SCRIPT. Nothing is sent "
                     "to a cluster: apply the output with 'kubectl apply -f'.",
