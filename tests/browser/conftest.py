@@ -9,10 +9,8 @@ processes.  Every wait is bounded: Playwright's default timeouts are set here.
 
 from __future__ import annotations
 
-import copy
 import os
 import random
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from playwright.sync_api import Error as PlaywrightError
 from playwright.sync_api import Page, expect, sync_playwright
 
 from tensorfleet.dashboard import Dashboard
+from tensorfleet.testing.snapshots import SnapshotSource, serving
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -117,32 +116,13 @@ def fake_snapshot(points: int = 60) -> dict:
     }
 
 
-class FakeFleet:
-    """Stands in for the fleet monitor: ``snapshot()`` copies ``state``; edit it inside ``with fleet.lock``."""
-
-    def __init__(self, state: dict) -> None:
-        self.lock = threading.Lock()
-        self.state = state
-        self.broken = False  # True: snapshot() raises, as a monitor with a bug would
-
-    def snapshot(self) -> dict:
-        with self.lock:
-            if self.broken:
-                raise RuntimeError("the fake monitor is broken on purpose")
-            return copy.deepcopy(self.state)
+@pytest.fixture
+def fleet() -> SnapshotSource:
+    return SnapshotSource(fake_snapshot())
 
 
 @pytest.fixture
-def fleet() -> FakeFleet:
-    return FakeFleet(fake_snapshot())
-
-
-@pytest.fixture
-def dashboard(fleet: FakeFleet) -> Iterator[Dashboard]:
+def dashboard(fleet: SnapshotSource) -> Iterator[Dashboard]:
     """A real Dashboard on a free loopback port over ``fleet``."""
-    dashboard = Dashboard(fleet.snapshot)
-    dashboard.start()
-    try:
+    with serving(fleet) as dashboard:
         yield dashboard
-    finally:
-        dashboard.stop()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import signal
 import socket
@@ -17,49 +16,38 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tensorfleet.dashboard import Dashboard
 from tensorfleet.errors import LaunchError
+from tensorfleet.testing.snapshots import SnapshotSource, serving
 
 TIMEOUT_S = 5
 
 
-class FakeFleet:
-    """Stands in for the fleet monitor: ``snapshot()`` copies a dict the test edits under a lock."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.state = {
-            "job": {"name": "mnist_mlp", "mode": "async", "state": "running", "global_step": 1234,
-                    "target_step": 10000, "steps_per_sec": 512.3, "examples_per_sec": 51230.0, "eta_s": 17.2,
-                    "dropped_stale": 0, "elapsed_s": 12.3, "restarts": 1},
-            "tasks": [
-                {"name": "ps:0", "role": "ps", "address": "127.0.0.1:41234", "state": "running", "pid": 123,
-                 "restarts": 0, "step": 1234, "global_step": 1234, "loss": None, "examples_per_sec": None,
-                 "heartbeat_age_s": 0.4, "exit_code": None},
-                {"name": "worker:0", "role": "chief", "address": "127.0.0.1:41235", "state": "running",
-                 "pid": 124, "restarts": 1, "step": 600, "global_step": 1230, "loss": 0.23,
-                 "examples_per_sec": 2500.0, "heartbeat_age_s": 0.2, "exit_code": None},
-            ],
-            "history": [{"t": 3.0, "global_step": 800, "loss": 0.41, "examples_per_sec": 50000.0,
-                         "steps_per_sec": 500.0}],
-        }
-
-    def snapshot(self) -> dict:
-        with self.lock:
-            return copy.deepcopy(self.state)
+def fake_state() -> dict:
+    return {
+        "job": {"name": "mnist_mlp", "mode": "async", "state": "running", "global_step": 1234,
+                "target_step": 10000, "steps_per_sec": 512.3, "examples_per_sec": 51230.0, "eta_s": 17.2,
+                "dropped_stale": 0, "elapsed_s": 12.3, "restarts": 1},
+        "tasks": [
+            {"name": "ps:0", "role": "ps", "address": "127.0.0.1:41234", "state": "running", "pid": 123,
+             "restarts": 0, "step": 1234, "global_step": 1234, "loss": None, "examples_per_sec": None,
+             "heartbeat_age_s": 0.4, "exit_code": None},
+            {"name": "worker:0", "role": "chief", "address": "127.0.0.1:41235", "state": "running",
+             "pid": 124, "restarts": 1, "step": 600, "global_step": 1230, "loss": 0.23,
+             "examples_per_sec": 2500.0, "heartbeat_age_s": 0.2, "exit_code": None},
+        ],
+        "history": [{"t": 3.0, "global_step": 800, "loss": 0.41, "examples_per_sec": 50000.0,
+                     "steps_per_sec": 500.0}],
+    }
 
 
 @pytest.fixture
-def fleet() -> FakeFleet:
-    return FakeFleet()
+def fleet() -> SnapshotSource:
+    return SnapshotSource(fake_state())
 
 
 @pytest.fixture
-def dashboard(fleet: FakeFleet) -> Iterator[Dashboard]:
-    dashboard = Dashboard(fleet.snapshot)
-    dashboard.start()
-    try:
+def dashboard(fleet: SnapshotSource) -> Iterator[Dashboard]:
+    with serving(fleet) as dashboard:
         yield dashboard
-    finally:
-        dashboard.stop()
 
 
 def get(url: str) -> tuple[int, str, bytes]:
@@ -92,7 +80,7 @@ def test_page_and_its_static_files(dashboard: Dashboard):
     assert missing.value.code == 404
 
 
-def test_api_status_is_the_current_snapshot(dashboard: Dashboard, fleet: FakeFleet):
+def test_api_status_is_the_current_snapshot(dashboard: Dashboard, fleet: SnapshotSource):
     status, content_type, body = get(dashboard.url + "api/status")
     assert status == 200 and content_type == "application/json"
     assert json.loads(body) == fleet.snapshot()
@@ -103,13 +91,13 @@ def test_api_status_is_the_current_snapshot(dashboard: Dashboard, fleet: FakeFle
     assert json.loads(get(dashboard.url + "api/status")[2]) == fleet.snapshot()
 
 
-def test_api_status_turns_a_nan_loss_into_null(dashboard: Dashboard, fleet: FakeFleet):
+def test_api_status_turns_a_nan_loss_into_null(dashboard: Dashboard, fleet: SnapshotSource):
     with fleet.lock:
         fleet.state["tasks"][1]["loss"] = float("nan")
     assert json.loads(get(dashboard.url + "api/status")[2])["tasks"][1]["loss"] is None
 
 
-def test_metrics(dashboard: Dashboard, fleet: FakeFleet):
+def test_metrics(dashboard: Dashboard, fleet: SnapshotSource):
     status, content_type, body = get(dashboard.url + "metrics")
     assert status == 200 and content_type.startswith("text/plain; version=")
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -126,7 +114,7 @@ def test_healthz(dashboard: Dashboard):
     assert get(dashboard.url + "healthz")[:2] == (200, "text/plain; charset=utf-8")
 
 
-def test_stop_closes_the_port_and_ends_the_thread(fleet: FakeFleet):
+def test_stop_closes_the_port_and_ends_the_thread(fleet: SnapshotSource):
     before = set(threading.enumerate())
     dashboard = Dashboard(fleet.snapshot)
     assert dashboard.start() is dashboard
@@ -146,7 +134,7 @@ def test_stop_closes_the_port_and_ends_the_thread(fleet: FakeFleet):
     dashboard.stop()  # twice is harmless
 
 
-def test_start_leaves_signal_handlers_alone(fleet: FakeFleet):
+def test_start_leaves_signal_handlers_alone(fleet: SnapshotSource):
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with Dashboard(fleet.snapshot) as dashboard:
         get(dashboard.url + "healthz")
@@ -154,7 +142,7 @@ def test_start_leaves_signal_handlers_alone(fleet: FakeFleet):
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
 
 
-def test_a_taken_port_fails_in_start(dashboard: Dashboard, fleet: FakeFleet):
+def test_a_taken_port_fails_in_start(dashboard: Dashboard, fleet: SnapshotSource):
     port = int(dashboard.url.rstrip("/").rsplit(":", 1)[1])
     with pytest.raises(OSError):
         Dashboard(fleet.snapshot, port=port).start()

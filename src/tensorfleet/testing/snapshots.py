@@ -1,0 +1,40 @@
+"""A stand-in for the fleet monitor's ``snapshot()``, so the dashboard's page and routes can be tested on
+a picture the test controls (the real monitor over a real fleet is tested end to end elsewhere)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from typing import Any, Iterator
+
+from tensorfleet.dashboard import Dashboard
+
+
+class SnapshotSource:
+    """``snapshot()`` returns a copy of ``state``; edit it inside ``with source.lock``.
+
+    ``broken = True`` makes ``snapshot()`` raise, as a monitor with a bug would.
+    """
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.lock = threading.Lock()
+        self.state = state
+        self.broken = False
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            if self.broken:
+                raise RuntimeError("the snapshot source is broken on purpose")
+            return copy.deepcopy(self.state)
+
+
+@contextlib.contextmanager
+def serving(source: SnapshotSource) -> Iterator[Dashboard]:
+    """A real Dashboard on a free loopback port over ``source``, stopped on exit."""
+    dashboard = Dashboard(source.snapshot)
+    dashboard.start()
+    try:
+        yield dashboard
+    finally:
+        dashboard.stop()
