@@ -220,6 +220,23 @@ def test_a_ps_restarted_empty_is_restored_from_the_checkpoint_and_training_goes_
         assert servers[1].store.status().applied_updates == servers[0].store.status().applied_updates == 8
 
 
+def test_the_step_run_again_after_a_recovery_pushes_one_backward_not_two(tmp_path):
+    """The failed push leaves its gradients in the module; the re-run step must not add its own to them."""
+    x = torch.tensor([1.0, 2.0, 3.0])
+    with ps_servers(num_ps=1, num_workers=1) as (cluster, servers):
+        model = nn.Linear(3, 1, bias=False)
+        nn.init.zeros_(model.weight)
+        with TrainingSession(replica_for(cluster, model, OptimizerSpec.sgd(lr=1.0)), log_step_count_steps=None,
+                             checkpoint_dir=tmp_path, save_checkpoint_steps=2, recovery_timeout_s=30) as session:
+            for _ in range(2):  # a constant gradient x per step: after n steps the weight is -n*x
+                session.run_step(lambda: model(x).sum())
+            servers[0].stop(grace_s=0)
+            servers[0] = Server(cluster, job_name="ps", task_index=0)
+            session.run_step(lambda: model(x).sum())  # fails at the push, recovers to step 2, runs again
+        assert session.recoveries == 1
+        assert torch.equal(servers[0].store.read()[0]["weight"], -3 * x.reshape(1, 3))
+
+
 def test_a_checkpoint_due_while_a_ps_is_down_is_skipped_not_fatal(tmp_path, caplog):
     with ps_servers(num_ps=2, num_workers=1) as (cluster, servers):
         saver = CheckpointSaverHook(tmp_path, save_steps=1)

@@ -42,8 +42,8 @@ from tensorfleet.worker.status import STATUS_DIR_ENV
 PS_EXIT_GRACE_S = 10.0
 KILL_GRACE_S = 5.0
 LOOP_S = 0.1
-FAILED_LOG_LINES = 12
-SECRET_SHOWN = "<the job's secret token>"  # what --dry-run prints instead of the token  # the tail of a failed task's log shown in the summary
+FAILED_LOG_LINES = 12  # the tail of a failed task's log shown in the summary
+SECRET_SHOWN = "<the job's secret token>"  # what --dry-run prints instead of the token
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:

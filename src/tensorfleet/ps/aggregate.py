@@ -76,8 +76,9 @@ class SyncOptions:
         if not isinstance(r, int) or not isinstance(n, int) or not 1 <= r <= n:
             raise InvalidArgumentError(f"need 1 <= replicas_to_aggregate ({r}) <= total_num_replicas ({n}): "
                                        "a step could never gather more gradients than there are replicas")
-        if not self.timeout_s > 0:
-            raise InvalidArgumentError(f"sync timeout_s={self.timeout_s} must be positive")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise InvalidArgumentError(f"sync timeout_s={t!r:.50} must be a positive number of seconds")
         if self.on_missing not in ON_MISSING:
             raise InvalidArgumentError(f"on_missing={self.on_missing!r}: choose one of {ON_MISSING}")
 

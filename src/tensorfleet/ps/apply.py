@@ -86,7 +86,7 @@ class OptimizerSpec:
             if not _is_plain(value):
                 raise InvalidArgumentError(f"optimizer option {key}={value!r} must be a number, bool or list")
         lr = self.options.get("lr")
-        if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+        if lr is not None and not (_finite_number(lr) and lr >= 0):
             raise InvalidArgumentError(f"learning rate lr={lr!r} must be a finite number >= 0")
 
     @classmethod
@@ -137,6 +137,16 @@ def _nondefault(**options: Any) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k not in _DEFAULTS or _DEFAULTS[k] != v}
 
 
+def _finite_number(value: object) -> bool:
+    """A real number that a float can hold and that is finite (10**400 is neither)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _is_plain(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return all(_is_plain(v) for v in value)
@@ -158,7 +168,7 @@ class Applier:
         params = list(self._variables.values()) or [torch.zeros(0)]
         try:
             self.optimizer = OPTIMIZERS[spec.name](params, **options)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, IndexError, OverflowError) as exc:  # torch's own checks of the options
             raise InvalidArgumentError(f"cannot build optimizer {spec.name} with {dict(spec.options)}: {exc}") from None
         if spec.name in FUSED and all(p.dtype.is_floating_point for p in params):
             self.optimizer = OPTIMIZERS[spec.name](params, **options, fused=True)

@@ -84,6 +84,9 @@ class PsService:
         restore = None
         if meta.get("restore") is not None:  # tensors are a flattened ShardState from a checkpoint
             counters = meta["restore"]
+            if not isinstance(counters, dict):
+                raise InvalidArgumentError(f"Init 'restore' must be an object {{global_step, applied_updates}}, "
+                                           f"got {counters!r:.50}")
             restore = ShardState.unflatten(tensors, global_step=_int_field(counters, "global_step", method="Init"),
                                            applied_updates=_int_field(counters, "applied_updates", method="Init"))
             tensors = restore.values

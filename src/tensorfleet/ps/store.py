@@ -154,7 +154,12 @@ class VariableStore:
             applier.load_slots(restore.slots)
             if average is not None and restore.averages is not None:
                 for name, shadow in average.shadows.items():
-                    shadow.copy_(restore.averages.get(name, shadow))
+                    saved = restore.averages.get(name, shadow)
+                    if saved.shape != shadow.shape or saved.dtype != shadow.dtype:
+                        raise InvalidArgumentError(
+                            f"restored average of {name!r} is {saved.dtype} {tuple(saved.shape)}, but the variable "
+                            f"is {shadow.dtype} {tuple(shadow.shape)}", task=self.task)
+                    shadow.copy_(saved)
             if accumulator is not None:
                 accumulator.step = restore.global_step
         with self._cond:

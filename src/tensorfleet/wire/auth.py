@@ -59,12 +59,13 @@ class Gate:
     def required(self) -> bool:
         return self._token is not None
 
-    def admits(self, presented: str | bytes | None) -> bool:
+    def admits(self, presented: object) -> bool:
+        """True for the right token (or when none is required); anything else is a counted refusal."""
         if self._token is None:
             return True
         if isinstance(presented, str):
             presented = presented.encode()
-        if presented is not None and hmac.compare_digest(presented, self._token):
+        if isinstance(presented, bytes) and hmac.compare_digest(presented, self._token):
             return True
         with self._lock:
             self.refused += 1

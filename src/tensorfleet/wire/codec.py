@@ -29,7 +29,9 @@ from tensorfleet.errors import WireError
 MAGIC = b"TFLW"
 VERSION = 1
 _PREFIX = struct.Struct("<4sBI")
-ALIGN = 8
+ALIGN = 16  # tensor offsets in a message: complex128 (and SIMD loads) need 16-byte alignment
+MAX_DIMS = 64  # torch's limit on a tensor's dimensions
+MAX_EXTENT = 2 ** 62  # the product of a shape's non-zero dims must stay below this (strides are int64)
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
 
@@ -98,8 +100,8 @@ def decode(data: bytes | bytearray | memoryview, *,
         raise WireError(f"header length {header_len} does not fit in a message of {len(view)} bytes")
     try:
         header = json.loads(bytes(view[_PREFIX.size:_PREFIX.size + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f"header is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, huge ints; deep nesting
+        raise WireError(f"header is not valid JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(header, dict) or not isinstance(header.get("meta"), dict) \
             or not isinstance(header.get("tensors"), list):
         raise WireError("header must be an object with 'meta' (object) and 'tensors' (list)")
@@ -147,10 +149,13 @@ def check_entry(entry: Any) -> TensorEntry:
     name, dtype_text, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
     if not isinstance(name, str) or not name:
         raise WireError(f"tensor entry has no valid name: {entry!r:.120}")
-    if dtype_text not in DTYPES:
-        raise WireError(f"tensor {name!r} has unknown dtype {dtype_text!r}: supported are {', '.join(DTYPES)}")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise WireError(f"tensor {name!r} has an invalid shape {shape!r}: expected a list of non-negative ints")
+    if not isinstance(dtype_text, str) or dtype_text not in DTYPES:
+        raise WireError(f"tensor {name!r} has unknown dtype {dtype_text!r:.50}: supported are {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) for d in shape):
+        raise WireError(f"tensor {name!r} has an invalid shape {shape!r:.120}: expected a list of at most "
+                        f"{MAX_DIMS} non-negative ints")
+    if math.prod(d for d in shape if d) >= MAX_EXTENT:
+        raise WireError(f"tensor {name!r} has an impossible shape {shape!r:.120}: its extent overflows")
     return TensorEntry(name, DTYPES[dtype_text], tuple(shape))
 
 
@@ -169,8 +174,12 @@ def _decode_tensor(view: memoryview, entry: Any, body_start: int) -> tuple[str, 
         raise WireError(f"tensor {name!r}: bytes {start}..{start + nbytes} lie outside the {len(view)}-byte message")
     if nbytes == 0:
         return name, torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(view, dtype=dtype, count=nbytes // dtype.itemsize, offset=start)
-    return name, flat.view(shape)
+    raw = torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=start)
+    if raw.data_ptr() % min(dtype.itemsize, ALIGN):
+        # A misaligned view of a wide dtype crashes torch's kernels (complex128 at an 8-byte offset
+        # segfaults on clone): copy the bytes to aligned memory first. Our encoder never needs this.
+        raw = raw.clone()
+    return name, raw.view(dtype).view(shape)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

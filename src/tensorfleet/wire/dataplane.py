@@ -152,6 +152,8 @@ class DataServer:
                     pass
         except (OSError, errors.UnavailableError):
             pass  # the peer went away mid-message: nothing was applied, nothing to answer
+        except Exception:  # a bug must not leave a half-read stream open: say so, close this connection only
+            log.exception("%s: unexpected error on a data connection; closing it", self.task)
         finally:
             reader.close()
             sock.close()

@@ -191,8 +191,8 @@ class Reader:
 def _parse_header(raw: bytes, body_bytes: int) -> Head:
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f"header is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, huge ints; deep nesting
+        raise WireError(f"header is not valid JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(header, dict) or not isinstance(header.get("kind"), str) \
             or not isinstance(header.get("meta"), dict) or not isinstance(header.get("tensors"), list):
         raise WireError("header must be an object with 'kind' (string), 'meta' (object) and 'tensors' (list)")
