@@ -3,10 +3,12 @@
 The public API is what ``__all__`` lists; everything else is internal.
 """
 
+from tensorfleet.cluster.device import DeviceSpec, device, device_name
 from tensorfleet.cluster.placement import GreedyByBytes, RoundRobin, RowPartitioner
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, add_cluster_flags, cluster_from_flags, from_tf_config
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.launch.task import run_task
+from tensorfleet.parallel import TowerOptions, TowerReplica, Towers, run_towers
 from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import ExponentialDecay, OptimizerSpec
 from tensorfleet.ps.server import Server
@@ -26,4 +28,5 @@ __all__ = [
     "ClusterSpec", "TaskSpec", "add_cluster_flags", "cluster_from_flags", "from_tf_config",
     "ExponentialDecay", "GreedyByBytes", "OptimizerSpec", "Replica", "RoundRobin", "RowPartitioner", "Server",
     "SyncOptions", "TensorfleetError", "WireOptions", "add_training_flags", "run_task", "training_options",
+    "DeviceSpec", "TowerOptions", "TowerReplica", "Towers", "device", "device_name", "run_towers",
 ]

@@ -14,6 +14,13 @@
                                      per push, no gradient changes between backward and push)
     --wire_dtype float32|bfloat16|float16
                                      the dtype gradients and values travel in (the ps stays fp32)
+    --nonfinite_gradients reject|apply
+                                     what the ps does with NaN/Inf gradients (default: reject the push)
+    --towers K                       K towers on this machine: the batch split over K devices, their
+                                     gradients averaged, one push per worker (TENSORFLEET_TOWERS; 1: none)
+    --tower_device auto|gpu|cpu      the towers' devices: /gpu:k, or K processes on the CPU (auto: GPUs if any)
+    --allow_soft_placement           a tower whose GPU is missing runs on the CPU (with a warning) instead
+                                     of failing
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 
 from tensorfleet.cluster.placement import STRATEGIES, RowPartitioner
 from tensorfleet.ps.aggregate import SyncOptions
+from tensorfleet.ps.store import NONFINITE_POLICIES
 from tensorfleet.wire.codec import DTYPE_NAMES, NARROW_DTYPES
 
 # --wire_dtype choices: float32 (tensors travel as they are) or one of the codec's narrow dtypes.
@@ -54,6 +62,15 @@ def add_training_flags(parser: argparse.ArgumentParser, *, default_mode: str = "
                        help="dtype of gradients and values on the wire; the ps keeps and updates fp32")
     group.add_argument("--overlap", action="store_true",
                        help="push each gradient as soon as backward produces it (needs one backward per push)")
+    group.add_argument("--nonfinite_gradients", choices=NONFINITE_POLICIES, default="reject",
+                       help="what the ps does with NaN/Inf gradients: reject the push (default) or apply it")
+    towers = parser.add_argument_group("towers (several devices of one machine)")
+    towers.add_argument("--towers", type=int, default=os.environ.get("TENSORFLEET_TOWERS", "1"),
+                        help="split each batch over K local devices and average their gradients (1: no towers)")
+    towers.add_argument("--tower_device", choices=("auto", "gpu", "cpu"), default="auto",
+                        help="the towers' devices: /gpu:k, or K processes on the CPU (auto: GPUs if any)")
+    towers.add_argument("--allow_soft_placement", action="store_true",
+                        help="a tower whose GPU is missing runs on the CPU with a warning instead of failing")
 
 
 def training_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -67,4 +84,5 @@ def training_options(args: argparse.Namespace) -> dict[str, Any]:
         "average_decay": args.moving_average_decay or None,
         "overlap": args.overlap,
         "wire_dtype": WIRE_DTYPES[args.wire_dtype],
+        "nonfinite_gradients": args.nonfinite_gradients,
     }

@@ -1,0 +1,206 @@
+"""The hybrid: a worker's towers average locally, then tower 0 alone talks to the ps.
+
+A worker machine with K devices is one replica of the job: the ps sees one push
+per worker and step (M pushes for M workers, not M*K), as a worker with one device
+would send. ``TowerReplica`` is built around a ``Replica`` (composition, no change to
+it) and has the same verbs, so ``TrainingSession`` and its hooks drive it unchanged.
+Every tower calls the same verbs in the same order (SPMD); only tower 0 has ps
+connections:
+
+1. ``pull()``: tower 0 pulls (free right after its push, which brought the new
+   values back) and broadcasts a small header (global step, or tower 0's failure)
+   and then the parameters to the other towers.
+2. Every tower runs forward and backward on its slice of the batch, through
+   ``replica.model`` (torch's DDP): backward leaves the towers' average gradient in
+   every tower's parameters. (A forward that bypassed it is caught at ``push()``,
+   which then averages with one all-reduce.)
+3. ``push()``: tower 0 pushes the average once; the ps applies it (async) or folds
+   it into the step's mean (sync); the reply's values land in tower 0's parameters.
+   Tower 0 broadcasts the header (the new global step) so every tower's hooks,
+   ``StopAtStepHook`` included, decide alike. The next ``pull()`` broadcasts the values.
+
+When tower 0 fails (a ps went away), the header carries the error's class, every
+tower raises it, and ``TrainingSession`` recovers on every tower in step: tower 0
+waits for the ps (``Replica.recover``) and broadcasts the restored values.
+
+On GPUs, tower 0's ``Replica`` holds a CPU copy of the module (the data plane
+receives into host memory); values and gradients cross with one copy each way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.errors import (DeadlineExceededError, InvalidArgumentError, NotInitializedError, TensorfleetError,
+                                UnavailableError)
+from tensorfleet.parallel.towers import Towers
+from tensorfleet.ps.store import ShardState
+from tensorfleet.worker.replica import Replica
+
+# What tower 0's failure becomes on the other towers: the recoverable ones keep their class, so
+# TrainingSession's recovery runs on every tower alike.
+_FAILURES: tuple[type[TensorfleetError], ...] = (UnavailableError, NotInitializedError, DeadlineExceededError,
+                                                  TensorfleetError)
+
+
+def _failure_kind(exc: BaseException) -> int:
+    """Tower 0's error as the header's code: 1 + its index in ``_FAILURES`` (any other error: the last)."""
+    return 1 + next((i for i, cls in enumerate(_FAILURES) if isinstance(exc, cls)), len(_FAILURES) - 1)
+
+
+class TowerReplica:
+    """A worker's towers bound to the ps: the verbs of ``Replica``, one push per worker and step.
+
+    Args:
+        towers: this tower's ``Towers`` (from ``run_towers``).
+        module: the model, already on ``towers.device``; tower 0's initial values are what the chief sends.
+        cluster, task: the cluster and this worker's task (the same on every tower of the worker).
+        **replica_options: ``Replica``'s keyword arguments (``optimizer=``, ``mode=``, ...; see
+            ``training_options``), used by tower 0. ``overlap=True`` is refused with several towers: it
+            would stream each gradient before the towers have averaged it.
+
+    Attributes:
+        model: forward through this (``DistributedDataParallel`` around ``module``; ``module`` itself
+            for one tower): its backward averages the gradients over the towers.
+
+    Example:
+        >>> def train(towers, args, cluster, task):  # doctest: +SKIP
+        ...     model = Net().to(towers.device)
+        ...     replica = TowerReplica(towers, model, cluster, task, optimizer=OptimizerSpec.sgd(lr=0.1))
+        ...     with TrainingSession(replica, hooks=[StopAtStepHook(last_step=1000)]) as session:
+        ...         while not session.should_stop():
+        ...             x, y = towers.split(*next(data))
+        ...             session.run_step(lambda: loss_fn(replica.model(x), y), batch_size=batch_size)
+        >>> run_towers(train, args, cluster, task, options=TowerOptions(num_towers=2))  # doctest: +SKIP
+    """
+
+    def __init__(self, towers: Towers, module: nn.Module, cluster: ClusterSpec, task: TaskSpec,
+                 **replica_options: Any) -> None:
+        if replica_options.get("overlap") and towers.num_towers > 1:
+            raise InvalidArgumentError("overlap=True streams each gradient during backward, before the towers have "
+                                       "averaged it: use towers or --overlap, not both")
+        self.towers = towers
+        self.module = module
+        self.task = task
+        self.replica_id = cluster.replica_id(task)
+        self.is_chief = cluster.is_chief(task) and towers.index == 0  # tower 0 speaks for the worker
+        self.global_step = 0
+        self.dropped_gradients = 0
+        self._params = [p for p in module.parameters()]
+        self._forwarded = False
+        self.model = towers.wrap(module)
+        if self.model is not module:
+            self.model.register_forward_pre_hook(self._on_forward)
+        self.replica: Replica | None = None
+        self._host: nn.Module = module
+        if towers.index == 0:
+            if next(module.parameters()).device.type != "cpu":  # the ps's values arrive in host memory
+                self._host = copy.deepcopy(module).to("cpu")
+            self.replica = Replica(self._host, cluster, task, **replica_options)
+
+    def __getattr__(self, name: str) -> Any:
+        """Tower 0's ``Replica`` attributes (``client``, ``placement``, ``optimizer``, ``sync``, ...)."""
+        replica = self.__dict__.get("replica")
+        if replica is None:
+            raise AttributeError(f"{type(self).__name__} has no {name!r} on this tower: the ps side of a worker "
+                                 "(client, placement, optimizer, ...) lives on tower 0 only")
+        return getattr(replica, name)
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self, *, restore: Sequence[ShardState] | None = None) -> "TowerReplica":
+        """Tower 0 starts its ``Replica`` (chief: initialize or restore the ps); every tower gets its values."""
+        self._lead(lambda: self.replica.start(restore=restore), values=True)
+        return self
+
+    def recover(self, *, restore: Sequence[ShardState] | None, timeout_s: float) -> None:
+        """After a ps was lost: tower 0 recovers (``Replica.recover``); every tower gets the restored values."""
+        for module in {id(m): m for m in (self.module, self._host)}.values():
+            module.zero_grad(set_to_none=True)  # the step runs again from scratch
+        self._lead(lambda: self.replica.recover(restore=restore, timeout_s=timeout_s), values=True)
+
+    def finish(self) -> None:
+        """Tower 0 tells the ps this worker is done; the other towers have nothing to close."""
+        if self.replica is not None:
+            self.replica.finish()
+
+    def __enter__(self) -> "TowerReplica":
+        return self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.finish()
+
+    # --- the step --------------------------------------------------------------------------------
+
+    def pull(self) -> int:
+        """Every tower's parameters take the ps's current values; return the global step."""
+        self._lead(lambda: self.replica.pull(), values=True)
+        return self.global_step
+
+    def load_averages(self) -> int:
+        """Every tower's parameters take the ps's moving averages (for evaluation); return the global step."""
+        self._lead(lambda: self.replica.load_averages(), values=True)
+        return self.global_step
+
+    def push(self) -> int:
+        """Tower 0 pushes the towers' average gradient (one push for the worker); return the new global step.
+
+        Every tower's gradients are cleared, as ``Replica.push`` clears them.
+        """
+        if not self._forwarded:  # backward did not run through ``model``: average here instead
+            self.towers.average_gradients(self.module)
+        self._forwarded = False
+        self._lead(self._push_from_tower_0, values=False)
+        self.module.zero_grad(set_to_none=True)
+        return self.global_step
+
+    def report(self, *, loss: float | None = None, examples: int = 0, target_step: int | None = None) -> None:
+        """Tower 0 answers the task's Status RPC; the other towers' figures are the worker's already."""
+        if self.replica is not None:
+            self.replica.report(loss=loss, examples=examples, target_step=target_step)
+
+    # --- tower 0 leads, the others follow --------------------------------------------------------
+
+    def _push_from_tower_0(self) -> int:
+        if self._host is not self.module:
+            for param, host in zip(self._params, self._host.parameters()):
+                host.grad = None if param.grad is None else param.grad.to("cpu")
+        return self.replica.push()
+
+    def _on_forward(self, _module: nn.Module, _inputs: Any) -> None:
+        if torch.is_grad_enabled():
+            self._forwarded = True  # DDP's backward will average the gradients
+
+    def _lead(self, action: Callable[[], Any], *, values: bool) -> None:
+        """Tower 0 runs ``action``; every tower learns how it went and, with ``values``, gets the parameters."""
+        header = torch.zeros(3, dtype=torch.int64, device=self.towers.device)
+        if self.replica is not None:
+            try:
+                action()
+            except BaseException as exc:
+                header[0] = _failure_kind(exc)
+                with contextlib.suppress(Exception):  # the others may be gone: tower 0's own error is the news
+                    self.towers.broadcast([header])
+                raise
+            header[1], header[2] = self.replica.global_step, self.replica.dropped_gradients
+        self.towers.broadcast([header])
+        failure, self.global_step, self.dropped_gradients = (int(v) for v in header.tolist())
+        if failure:
+            cls = _FAILURES[failure - 1]
+            raise cls(f"tower 0 of {self.task.name} failed ({cls.__name__}); its log has the cause",
+                      task=self.task.name, step=self.global_step)
+        if values:
+            self._share_values()
+
+    def _share_values(self) -> None:
+        if self.replica is not None and self._host is not self.module:
+            with torch.no_grad():
+                for param, host in zip(self._params, self._host.parameters()):
+                    param.copy_(host, non_blocking=True)
+        self.towers.broadcast(self._params)

@@ -1,0 +1,120 @@
+"""Towers in real processes on the CPU (gloo): equivalence with one process, the hybrid with a ps, the examples.
+
+The proofs: K towers on slices of a batch end where one process on the whole batch
+ends (to float tolerance), and a worker with K towers is one replica to the ps (one
+push per step: sync steps aggregate exactly one gradient per worker, none dropped).
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from torch import nn
+
+from tensorfleet.cluster.spec import TaskSpec
+from tensorfleet.testing.local_cluster import REPO, ps_servers, run_launcher
+
+sys.path.insert(0, str(Path(__file__).parent))
+from towers_job import LR, batch_for, make_model  # noqa: E402
+
+pytestmark = pytest.mark.cluster
+JOB = Path(__file__).with_name("towers_job.py")
+STEPS = 5
+
+
+@pytest.fixture(autouse=True)
+def helpers_exit():
+    """multiprocessing's resource tracker (started with the towers) exits a moment after its task: wait for it."""
+    yield
+    psutil.wait_procs(psutil.Process().children(recursive=True), timeout=10)
+
+
+def start_job(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(JOB), *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+
+
+def one_process(num_workers: int) -> dict[str, torch.Tensor]:
+    """SGD on the union of every worker's batch, step by step: what the towers and workers must end at."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        batches = [batch_for(step, w) for w in range(num_workers)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def assert_params_equal(saved: dict, expected: dict) -> None:
+    for name, value in expected.items():
+        torch.testing.assert_close(saved["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_two_cpu_towers_train_as_one_process_on_the_full_batch(tmp_path):
+    job = start_job("local", "--towers", "2", "--tower_device", "cpu", "--steps", str(STEPS),
+                    "--out", str(tmp_path / "local"))
+    output = job.communicate(timeout=120)[0]
+    assert job.returncode == 0, output
+    towers = [torch.load(tmp_path / f"local.{k}") for k in range(2)]
+    assert towers[0]["pid"] != towers[1]["pid"]  # two processes, each with half of every batch
+    expected = one_process(num_workers=1)
+    for saved in towers:
+        assert_params_equal(saved, expected)
+
+
+def test_sync_workers_with_two_towers_each_push_once_per_step_and_equal_one_process(tmp_path):
+    with ps_servers(num_ps=1, num_workers=2) as (cluster, servers):
+        workers = [start_job("hybrid", "--sync", "--towers", "2", "--tower_device", "cpu", "--steps", str(STEPS),
+                             "--out", str(tmp_path / f"worker{i}"), "--log_device_placement",
+                             # worker 1 forwards through the bare module: push() averages instead of DDP
+                             *(["--through", "module"] if i == 1 else []),
+                             env={"TF_CONFIG": cluster.to_tf_config(TaskSpec("worker", i))}) for i in range(2)]
+        outputs = [w.communicate(timeout=180)[0] for w in workers]
+        assert [w.returncode for w in workers] == [0, 0], "\n".join(outputs)
+        status = servers[0].store.status()
+    # Each of the STEPS sync steps aggregated exactly one gradient per worker (M = 2 pushes per step, not
+    # M*K = 4): a second push of a worker in a step would be dropped as a duplicate, a late one as stale.
+    assert (status.global_step, status.applied_updates, status.dropped_duplicate, status.dropped_stale) == \
+        (STEPS, STEPS, 0, 0)
+    expected = one_process(num_workers=2)
+    for i in range(2):
+        towers = [torch.load(tmp_path / f"worker{i}.{k}") for k in range(2)]
+        assert towers[0]["local_steps"] == towers[1]["local_steps"] == STEPS
+        assert towers[0]["global_step"] == towers[1]["global_step"] == STEPS
+        for saved in towers:  # every tower of every worker ends at the one-process parameters
+            assert_params_equal(saved, expected)
+    assert "tower_1/0.weight: /job:worker/replica:0/task:1/device:CPU:1" in outputs[1]
+    assert "0.weight: /job:ps/replica:0/task:0/device:CPU:0" in outputs[0]
+
+
+def test_mnist_cnn_with_towers_under_the_launcher_logs_rates_and_pushes_once_per_step():
+    args = ["--async", "--towers", "2", "--tower_device", "cpu", "--train_steps", "6", "--train_limit", "640",
+            "--eval_limit", "200", "--log_every", "2", "--log_device_placement"]
+    result = run_launcher(REPO / "examples" / "mnist_cnn.py", args, num_ps=1, num_workers=1)
+    assert result.returncode == 0, result.output
+    assert re.search(r"step \d+, loss = [\d.]+ \([\d.]+ examples/sec; [\d.]+ sec/batch\)", result.output), \
+        result.output
+    assert "tower_0/conv1.weight: /job:worker/replica:0/task:0/device:CPU:0" in result.output
+    assert "tower_1/fc2.bias: /job:worker/replica:0/task:0/device:CPU:1" in result.output
+    assert "training begins" in result.output and "on 2 towers" in result.output
+    done = re.findall(r"done after (\d+) local step\(s\) \(global step: (\d+)\)", result.output)
+    assert done == [("6", "6")], result.output  # printed once (by tower 0), not once per tower
+    assert "exiting (global_step=6, applied_updates=6, dropped_stale=0)" in result.output  # one push per step
+
+
+def test_hello_cluster_prints_the_product_every_step_and_where_everything_ran():
+    result = run_launcher(REPO / "examples" / "hello_cluster.py", ["--log_device_placement"], num_ps=1,
+                          num_workers=1, timeout_s=120)
+    assert result.returncode == 0, result.output
+    assert result.lines("[worker:0]").count("[[20]]") == 200
+    for where in ("x: /job:ps/replica:0/task:0/device:CPU:0", "w: /job:ps/replica:0/task:0/device:CPU:0",
+                  "MatMul (x @ w): /job:worker/replica:0/task:0/device:CPU:0", "worker:0: done at global step 200",
+                  "exiting (global_step=200, applied_updates=200"):
+        assert where in result.output, result.output
