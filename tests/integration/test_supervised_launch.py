@@ -129,3 +129,15 @@ def test_dry_run_prints_tasks_ports_and_environment_and_starts_nothing(tmp_path)
     assert json.loads(tf_configs[4])["task"] == {"type": "worker", "index": 2}
     assert "--last_step 5" in out
     assert not (tmp_path / "logs").exists()  # nothing started, nothing written
+
+
+def test_a_dashboard_port_in_use_is_one_line_exit_2_and_nothing_starts(tmp_path):
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "tensorfleet.launch.cli", "launch", "--dashboard", str(port),
+                               "--logdir", str(tmp_path / "logs"), str(PACED)], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"cannot serve the dashboard on 127.0.0.1:{port}" in done.stderr
+    assert "started" not in done.stdout

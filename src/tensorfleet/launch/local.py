@@ -99,10 +99,9 @@ class LocalLauncher:
         self.config = config
         self.cluster = local_cluster(config.ps, config.workers, first_port=config.port)
         self.tasks = fleet_tasks(self.cluster)
-        gpus = (gpu_assignment(config.gpus_per_worker, config.workers,
-                               visible_gpus() if gpus_available is None else gpus_available)
-                if config.gpus_per_worker else None)
-        self._gpus = gpus
+        self._gpus = (gpu_assignment(config.gpus_per_worker, config.workers,
+                                     visible_gpus() if gpus_available is None else gpus_available)
+                      if config.gpus_per_worker else None)
         self.console = Console(out, interactive=interactive, every_s=progress_every_s)
         self.logdir = Path(config.logdir) if config.logdir else None
         records = [TaskRecord(t, self.cluster.task_address(t.job_name, t.index), task_role(self.cluster, t))
@@ -312,7 +311,11 @@ class LocalLauncher:
         if self.config.dashboard is None:
             return
         from tensorfleet.dashboard.server import Dashboard  # the web stack loads only when asked for
-        self.dashboard = Dashboard(self.monitor.snapshot, port=self.config.dashboard).start()
+        try:
+            self.dashboard = Dashboard(self.monitor.snapshot, port=self.config.dashboard).start()
+        except OSError as exc:
+            raise ConfigError(f"cannot serve the dashboard on 127.0.0.1:{self.config.dashboard}: {exc.strerror}; "
+                              "choose another port, or --dashboard without one for a free port") from None
         self.console.line(f"[launch] dashboard at {self.dashboard.url} (metrics at {self.dashboard.url}metrics)")
 
     def _stop_dashboard(self) -> None:
