@@ -18,6 +18,7 @@ every worker is done; a failed task fails the job (the others could only wait fo
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -111,6 +112,9 @@ class Supervisor:
         self.by_name = {record.name: record for record in self.records}
         self.started_at = self.clock()
         self.stopping = False
+        # The launcher's loop reports starts and exits while the monitor's thread reports answers:
+        # each transition is one step under this lock (an answer must not revive a task that just died).
+        self._lock = threading.RLock()
 
     def _event(self, record: TaskRecord, kind: str, **details: Any) -> dict[str, Any]:
         event = {"t": round(self.clock() - self.started_at, 3), "task": record.name, "event": kind, **details}
@@ -118,45 +122,48 @@ class Supervisor:
         return event
 
     def started(self, name: str, pid: int) -> None:
-        record = self.by_name[name]
-        now = self.clock()
-        record.state, record.pid, record.exit_code, record.restart_at = "starting", pid, None, None
-        record.last_started = now
-        if record.first_started is None:
-            record.first_started = now
-        self._event(record, "started", pid=pid, incarnation=record.restarts)
+        with self._lock:
+            record = self.by_name[name]
+            now = self.clock()
+            record.state, record.pid, record.exit_code, record.restart_at = "starting", pid, None, None
+            record.last_started = now
+            if record.first_started is None:
+                record.first_started = now
+            self._event(record, "started", pid=pid, incarnation=record.restarts)
 
     def answered(self, name: str, since: float) -> None:
         """The task answered its Status RPC at ``since`` (clock time): a starting task is now running."""
-        record = self.by_name[name]
-        if record.state == "starting" and record.last_started is not None and since >= record.last_started:
-            record.state = "running"
-            self._event(record, "running")
+        with self._lock:
+            record = self.by_name[name]
+            if record.state == "starting" and record.last_started is not None and since >= record.last_started:
+                record.state = "running"
+                self._event(record, "running")
 
     def exited(self, name: str, code: int) -> str:
         """Record an exit; return what happens next: ``done``, ``restart`` (at ``restart_at``) or ``failed``."""
-        record = self.by_name[name]
-        now = self.clock()
-        record.exit_code, record.pid = code, None
-        if code == 0:
-            record.state, record.ended = "done", now
-            self._event(record, "exited", code=code)
-            return "done"
-        if self.stopping:
-            record.state, record.ended = "stopped", now
-            self._event(record, "stopped", code=code)
-            return "stopped"
-        why = self._no_restart_reason(record, code)
-        if why is None:
-            record.restarts += 1
-            delay = self.policy.delay(record.restarts)
-            record.state, record.restart_at = "restarting", now + delay
-            self._event(record, "exited", code=code, how=describe_exit(code), restart=record.restarts,
-                        delay_s=delay)
-            return "restart"
-        record.state, record.ended = "failed", now
-        self._event(record, "failed", code=code, how=describe_exit(code), reason=why)
-        return "failed"
+        with self._lock:
+            record = self.by_name[name]
+            now = self.clock()
+            record.exit_code, record.pid = code, None
+            if code == 0:
+                record.state, record.ended = "done", now
+                self._event(record, "exited", code=code)
+                return "done"
+            if self.stopping:
+                record.state, record.ended = "stopped", now
+                self._event(record, "stopped", code=code)
+                return "stopped"
+            why = self._no_restart_reason(record, code)
+            if why is None:
+                record.restarts += 1
+                delay = self.policy.delay(record.restarts)
+                record.state, record.restart_at = "restarting", now + delay
+                self._event(record, "exited", code=code, how=describe_exit(code), restart=record.restarts,
+                            delay_s=delay)
+                return "restart"
+            record.state, record.ended = "failed", now
+            self._event(record, "failed", code=code, how=describe_exit(code), reason=why)
+            return "failed"
 
     def _no_restart_reason(self, record: TaskRecord, code: int) -> str | None:
         if self.policy.mode == "never":
@@ -184,11 +191,12 @@ class Supervisor:
 
     def stop_all(self) -> None:
         """From now on an exit is a stop we asked for, not a failure to restart."""
-        self.stopping = True
-        now = self.clock()
-        for record in self.records:
-            if record.state == "restarting":
-                record.state, record.ended, record.restart_at = "stopped", now, None
+        with self._lock:
+            self.stopping = True
+            now = self.clock()
+            for record in self.records:
+                if record.state == "restarting":
+                    record.state, record.ended, record.restart_at = "stopped", now, None
 
     @property
     def total_restarts(self) -> int:
