@@ -38,6 +38,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Iterable, Sequence, TypeVar
@@ -408,7 +409,15 @@ def _tower_main(fn: Callable[..., Any], args: tuple, plan: _Plan, index: int) ->
     logging.basicConfig(level=plan.log_level, format=_LOG_FORMAT)
     torch.set_num_threads(plan.threads)
     towers = Towers._join(plan, index)
-    fn(towers, *args)  # on an error the process exits with it; its connections close, tower 0's collective fails
+    try:
+        fn(towers, *args)
+    except BaseException:
+        # Say why, then leave at once with code 1: a normal interpreter exit with the process group's
+        # threads still running aborts in C++ (SIGABRT), which would hide the cause. Our connections
+        # close as we go, so tower 0's collective fails and it names this tower.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     towers._close()
 
 
