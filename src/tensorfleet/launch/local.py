@@ -272,9 +272,11 @@ class LocalLauncher:
             for record in self.supervisor.due():
                 self._spawn(record)
             now = time.monotonic()
-            if now - last_progress >= 1.0 and self.monitor.answered_once:
+            if now - last_progress >= 1.0:
                 last_progress = now
-                self.console.progress(progress_line(self.monitor.snapshot()))
+                snapshot = self.monitor.snapshot()
+                if snapshot["job"]["global_step"] > 0:  # nothing to say before training starts
+                    self.console.progress(progress_line(snapshot))
             time.sleep(LOOP_S)
         self.console.line(f"[launch] received {self._interrupted}; stopping every task")
         return []

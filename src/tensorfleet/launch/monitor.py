@@ -153,10 +153,6 @@ class FleetMonitor:
         """ps:0 counts the global step; workers repeat the last one they saw (the ps may have exited)."""
         return max((int(s.status.get("global_step") or 0) for s in self._seen.values() if s.status), default=0)
 
-    @property
-    def answered_once(self) -> bool:
-        return any(seen.ever for seen in self._seen.values())
-
     def _examples(self) -> dict[str, int]:
         return {name: int(s.status.get("examples") or 0) for name, s in self._seen.items()
                 if s.status is not None and s.status.get("role") != "ps"}
