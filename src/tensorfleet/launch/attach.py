@@ -41,8 +41,13 @@ def serve_dashboard(args: argparse.Namespace, environ: dict[str, str] | None = N
     """Serve until Ctrl-C or SIGTERM; return 0."""
     from tensorfleet.dashboard.server import Dashboard
     cluster = cluster_of(args, dict(os.environ) if environ is None else environ)
-    monitor = FleetMonitor(cluster, job_name=args.name).start()
-    dashboard = Dashboard(monitor.snapshot, host=args.host, port=args.port).start()
+    monitor = FleetMonitor(cluster, job_name=args.name)
+    try:
+        dashboard = Dashboard(monitor.snapshot, host=args.host, port=args.port).start()
+    except OSError as exc:
+        raise ConfigError(f"cannot serve the dashboard on {args.host}:{args.port}: {exc.strerror}; choose "
+                          "another --port (0: a free one)") from None
+    monitor.start()
     print(f"tensorfleet dashboard: {dashboard.url} (metrics at {dashboard.url}metrics); Ctrl-C stops it", flush=True)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
