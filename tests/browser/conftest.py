@@ -1,8 +1,9 @@
 """Browser tests drive Debian's chromium (``apt-get install chromium``) through Playwright's sync API.
 
 Playwright never downloads a browser here: it is pointed at ``/usr/bin/chromium``.
-Without that binary the tests are skipped, except on CI (``CI=true``), where a
-missing browser is a broken image and fails.  Each test gets its own Playwright
+Without that binary the tests are skipped, except on CI (``CI=true``), where
+``.ci/run`` installs it first: a browser missing there fails, unless ``.ci/run``
+said it could not be installed (``TENSORFLEET_NO_BROWSER``, loudly, in the CI log).  Each test gets its own Playwright
 driver and browser, closed before the root conftest checks for leftover
 processes.  Every wait is bounded: Playwright's default timeouts are set here.
 """
@@ -46,7 +47,7 @@ def browser_page() -> Iterator[Page]:
     """A fresh page in headless chromium, 1440x1000; uncaught JavaScript errors fail the test."""
     if not os.path.exists(CHROMIUM):
         message = f"{CHROMIUM} is missing: apt-get install chromium"
-        if os.environ.get("CI") == "true":
+        if os.environ.get("CI") == "true" and not os.environ.get("TENSORFLEET_NO_BROWSER"):
             pytest.fail(message)
         pytest.skip(message)
     errors: list[str] = []
