@@ -132,7 +132,6 @@ class TrainingSession:
                 if attempt == MAX_STEP_ATTEMPTS - 1:
                     raise
                 log.warning("%s: step failed (%s); recovering", self.replica.task.name, exc)
-                self._clear_gradients()  # the step runs again: its backward must not add to these
                 self._recover()
         self.local_step += 1
         self.replica.report(loss=value, examples=batch_size or 0)
@@ -170,12 +169,9 @@ class TrainingSession:
         log.warning("%s: recovered in %.2f s (recovery %d), at global step %d", self.replica.task.name,
                     time.monotonic() - started, self.recoveries, self.global_step)
 
-    def _clear_gradients(self) -> None:
+    def _on_nonfinite(self, value: float) -> None:
         for param in self.replica.module.parameters():
             param.grad = None
-
-    def _on_nonfinite(self, value: float) -> None:
-        self._clear_gradients()
         where = f"{self.replica.task.name}, local step {self.local_step + 1}, global step {self.global_step}"
         if self._nan_hook.mode == "stop":
             raise NanLossError(f"the loss is {value} at {where}; nothing was pushed. Lower the learning rate, "

@@ -158,11 +158,14 @@ class Replica:
         The chief, finding a shard empty (a restarted ps), rolls *every* shard back to ``restore``
         (the latest checkpoint, split for this placement) so that they agree; without a checkpoint it
         uses the values it last pulled (the lost shard's optimizer state is gone then). Other workers
-        wait until every shard is initialized again. Then everyone pulls.
+        wait until every shard is initialized again. Then everyone pulls. Gradients left by the failed
+        step are dropped first, so the step can simply run again.
 
         Raises:
             DeadlineExceededError: a ps did not come back within ``timeout_s`` (named in the message).
         """
+        for param in self._params.values():  # the failed step's: a step run again must not add to them
+            param.grad = None
         log.warning("%s: lost contact with the ps; waiting up to %.0f s for every ps to answer",
                     self.task.name, timeout_s)
         statuses = self.client.wait_for_shards(timeout_s)
