@@ -17,7 +17,7 @@ from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError
 from tensorfleet.ps.aggregate import SyncOptions
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
-from tensorfleet.testing.models import seeded_mlp
+from tensorfleet.testing.models import seeded_mlp, sgd_on_union_batches
 from tensorfleet.worker.replica import Replica
 
 STEPS, BATCH, LR = 20, 8, 0.1
@@ -64,14 +64,7 @@ def run_workers(num_workers: int, body, *, timeout_s: float = 60.0) -> list:
     (2, GreedyByBytes(), RowPartitioner(num_parts=3)),  # the partitioned variables' round trip, trained
 ])
 def test_sync_equals_one_process_with_the_union_batch(num_workers, strategy, partitioner, overlap):
-    reference = make_model()
-    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
-    for step in range(STEPS):
-        batches = [batch_for(step, w) for w in range(num_workers)]
-        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(reference(x), y).backward()
-        optimizer.step()
+    reference = sgd_on_union_batches(make_model(), batch_for, num_workers=num_workers, steps=STEPS, lr=LR)
 
     with ps_servers(num_ps=2, num_workers=num_workers) as (cluster, servers):
         def worker(index):

@@ -14,10 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from torch import nn
 
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.testing.local_cluster import REPO, ps_servers, run_launcher
+from tensorfleet.testing.models import sgd_on_union_batches
 
 sys.path.insert(0, str(Path(__file__).parent))
 from towers_job import LR, batch_for, make_model  # noqa: E402
@@ -41,14 +41,7 @@ def start_job(*args: str, env: dict | None = None) -> subprocess.Popen:
 
 def one_process(num_workers: int) -> dict[str, torch.Tensor]:
     """SGD on the union of every worker's batch, step by step: what the towers and workers must end at."""
-    model = make_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        batches = [batch_for(step, w) for w in range(num_workers)]
-        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
+    model = sgd_on_union_batches(make_model(), batch_for, num_workers=num_workers, steps=STEPS, lr=LR)
     return {name: p.detach() for name, p in model.named_parameters()}
 
 

@@ -15,15 +15,6 @@ from tensorfleet.parallel.towers import Towers
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def gpus(monkeypatch):
-    def set_count(n: int) -> None:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
-    set_count(0)
-    return set_count
-
-
 @pytest.mark.parametrize("kwargs, match", [
     ({"num_towers": 0}, "num_towers=0"), ({"num_towers": 1.5}, "num_towers=1.5"),
     ({"device_type": "tpu"}, "device_type='tpu'"), ({"timeout_s": 0}, "timeout_s=0"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -16,4 +18,18 @@ def seeded_mlp(*sizes: int, activation: type[nn.Module] = nn.Tanh, seed: int = 0
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    return model
+
+
+def sgd_on_union_batches(model: nn.Module, batch_for: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], *,
+                         num_workers: int, steps: int, lr: float) -> nn.Module:
+    """What ``num_workers`` synchronous workers must end at: one process doing SGD (cross entropy) on the
+    union of their batches, ``batch_for(step, worker)``, each step. Trains and returns ``model``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        batches = [batch_for(step, worker) for worker in range(num_workers)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
     return model
