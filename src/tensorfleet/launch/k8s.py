@@ -90,20 +90,20 @@ class K8sJob:
             raise ConfigError("token must be a string of at least 16 characters without spaces (an empty one "
                               "would turn authentication off); leave it out to get a new random one")
         object.__setattr__(self, "script_args", tuple(self.script_args))
-        for field, low in (("num_ps", 1), ("num_workers", 1), ("gpus_per_worker", 0), ("max_restarts", 0)):
-            _check_int(field, getattr(self, field), low)
+        for name, low in (("num_ps", 1), ("num_workers", 1), ("gpus_per_worker", 0), ("max_restarts", 0)):
+            _check_int(name, getattr(self, name), low)
         _check_int("port", self.port, 1, 65535)
         self._check_names()
         if self.restart not in RESTART_POLICIES:
             raise ConfigError(f"restart {self.restart!r} is not valid: use one of {', '.join(RESTART_POLICIES)}")
-        for field in ("image", "script"):
-            value = getattr(self, field)
+        for name in ("image", "script"):
+            value = getattr(self, name)
             if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-                raise ConfigError(f"{field} {value!r} must be a non-empty string without spaces")
-        for field in ("cpu", "memory"):
-            value = getattr(self, field)
+                raise ConfigError(f"{name} {value!r} must be a non-empty string without spaces")
+        for name in ("cpu", "memory"):
+            value = getattr(self, name)
             if not isinstance(value, str) or not _QUANTITY.fullmatch(value):
-                raise ConfigError(f"{field} {value!r} is not a Kubernetes quantity: use e.g. '500m', '2', "
+                raise ConfigError(f"{name} {value!r} is not a Kubernetes quantity: use e.g. '500m', '2', "
                                        "'512Mi' or '4Gi'")
 
     def _check_names(self) -> None:
