@@ -7,17 +7,23 @@ import torch
 from torch import nn
 
 from tensorfleet.errors import InvalidArgumentError, NotInitializedError
-from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.ps.apply import ExponentialDecay, OptimizerSpec
 from tensorfleet.ps.store import VariableStore
 
 SPECS = [
-    (OptimizerSpec.sgd(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
-    (OptimizerSpec.sgd(lr=0.05, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+    (OptimizerSpec.sgd(lr=0.1), lambda p, **kw: torch.optim.SGD(p, lr=0.1, **kw)),
+    (OptimizerSpec.sgd(lr=0.05, momentum=0.9), lambda p, **kw: torch.optim.SGD(p, lr=0.05, momentum=0.9, **kw)),
     (OptimizerSpec.sgd(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
-     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)),
-    (OptimizerSpec.adam(lr=0.01), lambda p: torch.optim.Adam(p, lr=0.01)),
+     lambda p, **kw: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, **kw)),
+    (OptimizerSpec.adam(lr=0.01), lambda p, **kw: torch.optim.Adam(p, lr=0.01, **kw)),
     (OptimizerSpec.adam(lr=0.003, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01),
-     lambda p: torch.optim.Adam(p, lr=0.003, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)),
+     lambda p, **kw: torch.optim.Adam(p, lr=0.003, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01, **kw)),
+    (OptimizerSpec("adam", {"lr": 0.01, "amsgrad": True, "maximize": True}),
+     lambda p, **kw: torch.optim.Adam(p, lr=0.01, amsgrad=True, maximize=True, **kw)),
+    (OptimizerSpec("adamw", {"lr": 0.01, "weight_decay": 0.1}),
+     lambda p, **kw: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, **kw)),
+    (OptimizerSpec("sgd", {"lr": 0.05, "momentum": 0.5, "dampening": 0.2, "maximize": True}),
+     lambda p, **kw: torch.optim.SGD(p, lr=0.05, momentum=0.5, dampening=0.2, maximize=True, **kw)),
 ]
 
 
@@ -33,9 +39,7 @@ def test_store_apply_matches_torch_optim(spec, make_local, fused):
     local = model()
     store = VariableStore(task="/job:ps/task:0")
     assert store.initialize({n: p.detach() for n, p in local.named_parameters()}, spec)
-    optimizer = make_local(local.parameters())
-    if fused:
-        optimizer = type(optimizer)(local.parameters(), **{**optimizer.defaults, "fused": True})
+    optimizer = make_local(local.parameters(), **({"fused": True} if fused else {}))
     generator = torch.Generator().manual_seed(1)
     for _ in range(15):
         x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)
@@ -51,6 +55,37 @@ def test_store_apply_matches_torch_optim(spec, make_local, fused):
             assert torch.equal(remote[name], param.detach()), name
         else:
             torch.testing.assert_close(remote[name], param.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec, make_local", SPECS[1:], ids=lambda s: getattr(s, "name", ""))
+def test_partial_pushes_and_schedule_match_torch_optim(spec, make_local):
+    """Pushes naming some of the variables, under a decaying learning rate, and the optimizer state a
+    checkpoint takes: all as a local fused optimizer whose other parameters got no gradient."""
+    schedule = ExponentialDecay(decay_steps=3, decay_rate=0.5)
+    local = model()
+    store = VariableStore(task="/job:ps/task:0")
+    store.initialize({n: p.detach() for n, p in local.named_parameters()}, spec.with_schedule(schedule))
+    optimizer = make_local(local.parameters(), fused=True)
+    base_lr = optimizer.param_groups[0]["lr"]
+    names = [name for name, _ in local.named_parameters()]
+    generator = torch.Generator().manual_seed(2)
+    for update in range(12):
+        subset = names if update % 3 == 0 else names[update % len(names):][:2]
+        x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(local(x), y).backward()
+        for name, param in local.named_parameters():
+            if name not in subset:
+                param.grad = None
+        optimizer.param_groups[0]["lr"] = base_lr * schedule.factor(update)
+        optimizer.step()
+        store.apply({n: p.grad.clone() for n, p in local.named_parameters() if n in subset}, advance_step=True)
+    remote = store.snapshot()
+    local_state = optimizer.state_dict()["state"]
+    for index, (name, param) in enumerate(local.named_parameters()):
+        assert torch.equal(remote.values[name], param.detach()), name
+        for slot, value in local_state.get(index, {}).items():
+            assert torch.equal(remote.slots[name][slot], value), (name, slot)
 
 
 def _store() -> VariableStore:

@@ -183,12 +183,22 @@ def _decode_tensor(view: memoryview, entry: Any, body_start: int) -> tuple[str, 
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor as a writable memoryview (no copy), for sockets."""
+    """The bytes of a contiguous CPU tensor as a writable memoryview (no copy), for sockets.
+
+    On every push and pull, for every tensor: the common case (a dtype numpy knows) takes
+    one conversion; bfloat16 and other dtypes numpy lacks go through a uint8 view.
+    """
     tensor = tensor.detach()
+    if tensor.dtype in _NUMPY_DTYPES and tensor.is_contiguous() and tensor.numel():
+        return memoryview(tensor.numpy()).cast("B")
     flat = tensor.reshape(-1)
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         raise WireError("byte_view needs a contiguous tensor")
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
 
 
 def _is_count(value: Any) -> bool:
