@@ -15,6 +15,7 @@ decoded tensor is read-only in spirit: clone it before writing into it.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -135,15 +136,32 @@ class TensorEntry:
     def of(cls, name: str, tensor: torch.Tensor) -> "TensorEntry":
         if not isinstance(tensor, torch.Tensor):
             raise WireError(f"value of {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        dtype_name(tensor.dtype)  # raises for a dtype that cannot travel
-        return cls(name, tensor.dtype, tuple(tensor.shape))
+        return _entry_of(name, tensor.dtype, tensor.shape)
 
     def matches(self, tensor: torch.Tensor) -> bool:
         return tensor.dtype == self.dtype and tuple(tensor.shape) == self.shape
 
 
+@functools.lru_cache(maxsize=4096)
+def _entry_of(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorEntry:
+    """Entries repeat every step (same model, same messages): made once each."""
+    dtype_name(dtype)  # raises for a dtype that cannot travel
+    return TensorEntry(name, dtype, tuple(shape))
+
+
 def check_entry(entry: Any) -> TensorEntry:
     """Validate one header entry (name, known dtype, shape of non-negative ints), or raise WireError."""
+    if type(entry) is dict:  # the common case, checked with exact types (a bool is not an int here)
+        name, dtype_text, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
+        if type(name) is str and name and type(dtype_text) is str and dtype_text in DTYPES \
+                and type(shape) is list and len(shape) <= MAX_DIMS and all(type(d) is int and d >= 0 for d in shape) \
+                and 0 < math.prod(shape) < MAX_EXTENT:  # zero-size tensors take the slow path's extent rule
+            return _entry_of(name, DTYPES[dtype_text], tuple(shape))
+    return _check_entry_slowly(entry)
+
+
+def _check_entry_slowly(entry: Any) -> TensorEntry:
+    """``check_entry`` for anything unusual: the same checks, each with its own message."""
     if not isinstance(entry, dict):
         raise WireError(f"tensor entry must be an object, got {entry!r:.80}")
     name, dtype_text, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")

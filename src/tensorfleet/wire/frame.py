@@ -19,6 +19,7 @@ can be refused (and its body skipped) without touching any tensor.  No pickle.
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import struct
@@ -35,7 +36,9 @@ VERSION = 1
 PREFIX = struct.Struct("<4sB3xIQ")
 MAX_HEADER_BYTES = 4 * 1024 * 1024
 IOV_MAX = 512  # buffers per sendmsg call, well under the kernel's 1024
-READ_BUFFER_BYTES = 256 * 1024  # small messages arrive in one recv; larger bodies bypass the buffer
+# Small messages arrive in one recv; larger bodies bypass the buffer.  Kept small: a head is read with
+# whatever of the body follows it, and that part is then copied out of the buffer.
+READ_BUFFER_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -48,11 +51,20 @@ class Head:
     body_bytes: int
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"))  # one instance: json.dumps with options builds one per call
+
+
 def encode_head(kind: str, meta: Mapping[str, Any] | None, entries: list[TensorEntry]) -> bytes:
     """Prefix + header of a message whose body is the bytes of ``entries``' tensors, in order."""
-    header = json.dumps({"kind": kind, "meta": dict(meta or {}), "tensors": [e.to_json() for e in entries]},
-                        separators=(",", ":")).encode()
-    return PREFIX.pack(MAGIC, VERSION, len(header), sum(e.nbytes for e in entries)) + header
+    layout, body_bytes = _encode_layout(tuple(entries))
+    header = f'{{"kind":{_JSON.encode(kind)},"meta":{_JSON.encode(dict(meta or {}))},"tensors":{layout}}}'.encode()
+    return PREFIX.pack(MAGIC, VERSION, len(header), body_bytes) + header
+
+
+@functools.lru_cache(maxsize=1024)
+def _encode_layout(entries: tuple[TensorEntry, ...]) -> tuple[str, int]:
+    """The header's tensor list and the body's size: the same every step for a given model, so cached."""
+    return _JSON.encode([entry.to_json() for entry in entries]), sum(entry.nbytes for entry in entries)
 
 
 def send_message(sock: socket.socket, kind: str, meta: Mapping[str, Any] | None = None,
@@ -67,9 +79,9 @@ def send_message(sock: socket.socket, kind: str, meta: Mapping[str, Any] | None 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor as they travel (a contiguous copy only if the tensor is not contiguous)."""
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         tensor = tensor.cpu()
-    return byte_view(tensor.detach().contiguous())
+    return byte_view(tensor if tensor.is_contiguous() else tensor.contiguous())
 
 
 def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:

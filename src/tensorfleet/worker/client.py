@@ -51,9 +51,10 @@ class Gathered:
         self._futures, self._combine = futures, combine
 
     def result(self) -> Any:
-        done, _ = wait(self._futures, return_when=FIRST_EXCEPTION)
+        if not all(future.done() for future in self._futures):  # a single shard's call ran inline: done
+            wait(self._futures, return_when=FIRST_EXCEPTION)
         for future in self._futures:
-            if future in done and future.exception() is not None:
+            if future.done() and future.exception() is not None:
                 raise future.exception()
         return self._combine([future.result() for future in self._futures])
 
@@ -258,7 +259,8 @@ class PsClient:
             if not part and shard != 0:
                 continue
             meta = self._push_meta(shard, sync_steps, replica, into is not None)
-            part = {name: self.narrow(tensor) for name, tensor in part.items()}
+            if self.wire_dtype is not None:
+                part = {name: self.narrow(tensor) for name, tensor in part.items()}
             shards.append(shard)
             calls.append((shard, lambda s=shard, m=meta, t=part: self._send_push(s, m, t, into, timeout_s)))
         return Gathered(self._fan_out(calls, inline=inline),
