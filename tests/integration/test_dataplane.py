@@ -1,17 +1,20 @@
 """The data plane end to end on 127.0.0.1: sizes around its buffers, concurrent pushes, consistent pulls, overlap."""
 
+import socket
 import threading
+import time
 
 import pytest
 import torch
 from torch import nn
 
 from tensorfleet.cluster.spec import TaskSpec
-from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply
-from tensorfleet.wire.frame import READ_BUFFER_BYTES
+from tensorfleet.wire.frame import READ_BUFFER_BYTES, send_message
+from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import PsClient
 from tensorfleet.worker.replica import Replica
 
@@ -221,3 +224,45 @@ def test_a_push_in_the_wrong_dtype_for_the_declared_wire_dtype_is_refused():
             channel.call("Pull", {"wire_dtype": "int3"})
         assert servers[0].store.status().global_step == 0
         client.close()
+
+
+def test_a_silent_server_is_a_deadline_and_the_channel_recovers():
+    """No reply within the call's timeout: DEADLINE_EXCEEDED, bounded in time; the next call reconnects."""
+    answer = threading.Event()
+
+    def slow(request):
+        request.receive()
+        answer.wait(10)  # silent until released
+        return Reply({"late": True})
+
+    server = DataServer("127.0.0.1", {"Slow": slow, "Echo": lambda r: Reply(r.meta, r.receive())}, task="slow")
+    channel = DataChannel(task="slow")
+    channel.set_address("127.0.0.1", server.port)
+    try:
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError, match="no progress on the data connection for 0.3 s"):
+            channel.call("Slow", {}, {"x": torch.ones(3)}, timeout=0.3)
+        assert time.monotonic() - started < 5
+        answer.set()
+        assert channel.call("Echo", {"again": 1})[0] == {"again": 1}  # a fresh connection, in step
+    finally:
+        channel.close()
+        server.stop()
+
+
+def test_a_client_that_stops_reading_cannot_hold_the_servers_reply_forever():
+    """The reply's send is bounded by the deadline: the connection is dropped and the hold released."""
+    released = threading.Event()
+    big = torch.zeros(16 * 1024 * 1024)  # 64 MiB: far more than the socket buffers hold
+
+    def hold(request):
+        return Reply({}, {"big": big}, release=released.set)
+
+    server = DataServer("127.0.0.1", {"Hold": hold}, task="hold", options=WireOptions(deadline_s=0.5))
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        send_message(sock, "Hold", {})  # and never read the reply
+        assert released.wait(10), "the server still holds the reply's tensors"
+    finally:
+        sock.close()
+        server.stop()

@@ -147,6 +147,9 @@ class DataServer:
     def _serve(self, sock: socket.socket) -> None:
         reader, pool = frame.Reader(sock), BufferPool()
         try:
+            # Waiting for the next request, idle, is not bounded; a reply is: a client that stops reading
+            # must not hold the ps's live tensors (reply.release) forever.
+            frame.set_io_timeouts(sock, receive=None, send=self.options.deadline_s)
             if not self.gate.required or self._hello(sock, reader):
                 while self._serve_one(sock, reader, pool):
                     pass
@@ -172,7 +175,6 @@ class DataServer:
             return False
         if head.kind == HELLO and not head.body_bytes and self.gate.admits(head.meta.get("token")):
             frame.send_message(sock, OK, {})
-            sock.settimeout(None)
             return True
         if head.kind != HELLO or head.body_bytes:
             self.gate.admits(None)  # counted as a refusal
@@ -210,10 +212,7 @@ class DataServer:
             return True
         try:
             request.skip_body()  # a method that ignored the tensors still leaves the stream in step
-            # Bounded: a client that stops reading must not hold the ps's live tensors (reply.release) forever.
-            sock.settimeout(self.options.deadline_s)
             frame.send_message(sock, OK, reply.meta, reply.tensors)
-            sock.settimeout(None)  # waiting for the next request, idle, is not bounded
         finally:
             if reply.release is not None:
                 reply.release()
@@ -252,6 +251,7 @@ class DataChannel:
         self._sock: socket.socket | None = None
         self._sock_address: tuple[str, int] | None = None  # where _sock leads
         self._reader: frame.Reader | None = None
+        self._io_timeout: float | None = None  # the kernel's bound on _sock's sends and receives
         self._lock = threading.Lock()
 
     def set_address(self, host: str, port: int) -> None:
@@ -306,11 +306,19 @@ class DataChannel:
                 raise errors.UnavailableError(f"cannot connect to the data port {self.address[0]}:{self.address[1]}: "
                                               f"{exc}", task=self.task) from None
             self._sock, self._reader, self._sock_address = frame.configure(sock), frame.Reader(sock), self.address
-            self._sock.settimeout(timeout or self.options.deadline_s)
+            self._io_timeout = None
+            self._bound(timeout)
             if self.options.token:
                 self._say_hello()
-        self._sock.settimeout(timeout or self.options.deadline_s)
+        self._bound(timeout)
         return self._sock
+
+    def _bound(self, timeout: float | None) -> None:
+        """Each send and receive of this call gives up after ``timeout`` s without progress (set only on change)."""
+        seconds = timeout or self.options.deadline_s
+        if seconds != self._io_timeout:
+            frame.set_io_timeouts(self._sock, receive=seconds, send=seconds)
+            self._io_timeout = seconds
 
     def _say_hello(self) -> None:
         """Open the connection with the job's token; the task refuses anything else."""
@@ -365,7 +373,7 @@ class _ConnectionGuard:
             return False
         self.channel._close()  # whatever failed, the stream is no longer in step
         task = self.channel.task
-        if isinstance(exc, TimeoutError):
+        if isinstance(exc, (TimeoutError, BlockingIOError)):  # BlockingIOError: the kernel's bound (EAGAIN)
             raise errors.DeadlineExceededError(f"no progress on the data connection for {self.timeout:g} s",
                                                task=task) from None
         if isinstance(exc, OSError):

@@ -218,6 +218,22 @@ def _parse_header(raw: bytes, body_bytes: int) -> Head:
     return Head(header["kind"], header["meta"], entries, body_bytes)
 
 
+def set_io_timeouts(sock: socket.socket, *, receive: float | None, send: float | None) -> None:
+    """Bound each receive and each send on ``sock`` to that many seconds without progress (None: unbounded).
+
+    The kernel keeps the bound (SO_RCVTIMEO, SO_SNDTIMEO) and the socket stays in blocking mode:
+    Python's own ``settimeout`` costs an ioctl to set and a poll() before every call, on every
+    message of every step.  A call that times out raises BlockingIOError (EAGAIN).
+    """
+    sock.settimeout(None)
+    for option, seconds in ((socket.SO_RCVTIMEO, receive), (socket.SO_SNDTIMEO, send)):
+        micros = 0 if seconds is None else max(1, round(seconds * 1e6))  # 0 means no bound to the kernel
+        sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(micros // 1_000_000, micros % 1_000_000))
+
+
+_TIMEVAL = struct.Struct("@ll")  # struct timeval {time_t tv_sec; suseconds_t tv_usec}
+
+
 def configure(sock: socket.socket) -> socket.socket:
     """Small messages leave at once (no Nagle delay): a step is a few small round trips."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
