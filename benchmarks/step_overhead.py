@@ -4,7 +4,9 @@ The reference is measured in the same run: a single process doing forward,
 backward and a torch.optim Adam step on the MNIST MLP, with the default Adam
 (what a local script runs) and with ``fused=True`` (the kernel the ps runs).
 The distributed step is pull + forward + backward + push against a ps in
-another process, with and without overlap (gradients sent during backward).
+another process: with the data connections polling before they sleep, as
+`tensorfleet launch` sets them up when every task has a core of its own (and
+with overlap: gradients sent during backward), and without polling.
 All use one intra-op thread.  Figures are medians over interleaved repeats;
 the ratios are what matter.
 
@@ -30,7 +32,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import tensorfleet as tfl  # noqa: E402
 from tensorfleet.cluster.spec import TaskSpec  # noqa: E402
-from tensorfleet.launch.local import local_cluster  # noqa: E402
+from tensorfleet.launch.local import BUSY_POLL_US, local_cluster, usable_cores  # noqa: E402
+from tensorfleet.wire.rpc import BUSY_POLL_ENV, WireOptions  # noqa: E402
 from mnist_mlp import build_model  # noqa: E402
 
 
@@ -67,59 +70,76 @@ def main() -> int:
             local_opt.step()
         return local_step
 
-    cluster = local_cluster(1, 2)  # two replicas (overlap off/on) under their own worker ids: exactly-once
-    # bookkeeping refuses two live processes claiming one id
-    env = {**os.environ, "TF_CONFIG": cluster.to_tf_config(TaskSpec("ps", 0)), "OMP_NUM_THREADS": "1"}
-    ps = subprocess.Popen([sys.executable, "-m", "tensorfleet.ps"], env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Two ps processes: one polls its data connections before sleeping, as `tensorfleet launch` sets it up
+    # when every task has a core of its own (1 ps + 1 worker on 2 cores), one never polls.
+    poll_us = BUSY_POLL_US if usable_cores() >= 2 else 0
+    setups = {"polling": (local_cluster(1, 2), poll_us), "no_polling": (local_cluster(1, 1), 0)}
+    servers = []
     try:
+        for cluster, busy_poll in setups.values():
+            env = {**os.environ, "TF_CONFIG": cluster.to_tf_config(TaskSpec("ps", 0)), "OMP_NUM_THREADS": "1",
+                   BUSY_POLL_ENV: str(busy_poll)}
+            servers.append(subprocess.Popen([sys.executable, "-m", "tensorfleet.ps"], env=env,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         steps = {"local": make_local_step(False), "local_fused": make_local_step(True)}
-        replicas = []
-        for overlap in (False, True):
+        replicas = {}
+        # (name, setup, worker index, overlap): replicas of one ps use their own worker ids (exactly-once
+        # bookkeeping refuses two live processes claiming one id)
+        for name, setup, index, overlap in (("distributed", "polling", 0, False), ("overlap", "polling", 1, True),
+                                            ("no_polling", "no_polling", 0, False)):
+            cluster, busy_poll = setups[setup]
             model = build_model(100)
-            replica = tfl.Replica(model, cluster, TaskSpec("worker", int(overlap)),
-                                  optimizer=tfl.OptimizerSpec.adam(lr=0.01), overlap=overlap)
+            replica = tfl.Replica(model, cluster, TaskSpec("worker", index), optimizer=tfl.OptimizerSpec.adam(lr=0.01),
+                                  overlap=overlap, options=WireOptions(busy_poll_us=busy_poll))
             replica.start()
-            replicas.append(replica)
+            replicas[name] = replica
 
             def distributed_step(replica=replica, model=model) -> None:
                 replica.pull()
                 nn.functional.cross_entropy(model(images), labels).backward()
                 replica.push()
-            steps["overlap" if overlap else "distributed"] = distributed_step
+            steps[name] = distributed_step
 
         # Interleave them all so drift in machine load hits each alike.
         figures: dict[str, list[float]] = {name: [] for name in steps}
         for _ in range(args.repeats):
             for name, step in steps.items():
                 figures[name] += time_steps(step, args.steps, 1)
-        pull = time_steps(lambda: replicas[0].client.pull(into=replicas[0]._param_views), args.steps, args.repeats)
-        for replica in replicas:
+        first = replicas["distributed"]
+        pull = time_steps(lambda: first.client.pull(into=first._param_views), args.steps, args.repeats)
+        for replica in replicas.values():
             replica.finish()
-        ps.wait(timeout=30)
+        for server in servers:
+            server.wait(timeout=30)
     finally:
-        if ps.poll() is None:
-            ps.kill()
-            ps.wait()
+        for server in servers:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
 
     ms = {name: statistics.median(values) * 1e3 for name, values in figures.items()}
     result = {
         "model": "MNIST MLP 784-100-10", "batch_size": args.batch_size, "steps_per_repeat": args.steps,
         "repeats": args.repeats, "local_step_ms": ms["local"], "local_fused_step_ms": ms["local_fused"],
+        "busy_poll_us": poll_us,
         "distributed_step_ms": ms["distributed"], "distributed_overlap_step_ms": ms["overlap"],
+        "distributed_no_polling_step_ms": ms["no_polling"],
         "pull_only_ms": statistics.median(pull) * 1e3,
         "ratio_distributed_to_local": ms["distributed"] / ms["local"],
         "ratio_distributed_to_local_fused": ms["distributed"] / ms["local_fused"],
+        "ratio_no_polling_to_local": ms["no_polling"] / ms["local"],
         "ratio_overlap_to_local": ms["overlap"] / ms["local"],
     }
     rows = [("local step (fwd+bwd+Adam)", ms["local"]), ("local step, fused Adam", ms["local_fused"]),
-            ("distributed step (pull+fwd+bwd+push)", ms["distributed"]),
-            ("distributed step, overlap on", ms["overlap"]), ("  one pull on its own", result["pull_only_ms"])]
+            (f"distributed step (polling {poll_us} us)", ms["distributed"]),
+            ("distributed step, overlap on", ms["overlap"]),
+            ("distributed step, no polling", ms["no_polling"]), ("  one pull on its own", result["pull_only_ms"])]
     print(f"{'what':<40}{'median':>12}")
     for label, value in rows:
         print(f"{label:<40}{value:>9.3f} ms")
     print(f"{'GOAL 2: distributed / local':<40}{result['ratio_distributed_to_local']:>10.2f}x  (target <= 1.5x)")
     print(f"{'distributed / local with fused Adam':<40}{result['ratio_distributed_to_local_fused']:>10.2f}x")
+    print(f"{'no polling / local':<40}{result['ratio_no_polling_to_local']:>10.2f}x")
     print(f"{'overlap on / local':<40}{result['ratio_overlap_to_local']:>10.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

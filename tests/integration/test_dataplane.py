@@ -12,8 +12,8 @@ from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
-from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply
-from tensorfleet.wire.frame import READ_BUFFER_BYTES, send_message
+from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply, read_tensors
+from tensorfleet.wire.frame import READ_BUFFER_BYTES, Reader, send_message
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import PsClient
 from tensorfleet.worker.replica import Replica
@@ -31,6 +31,39 @@ def echo_server():
     yield channel
     channel.close()
     server.stop()
+
+
+class CountingSocket:
+    """A socket's receiving end that counts the calls that did not sleep (MSG_DONTWAIT)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.polls = sock, 0
+
+    def recv_into(self, buffer, nbytes=0, flags=0):
+        self.polls += bool(flags & socket.MSG_DONTWAIT)
+        return self.sock.recv_into(buffer, nbytes, flags)
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.01, 0.3], ids=["at-once", "within-budget", "after-budget"])
+def test_a_polling_reader_gets_every_message_whole(delay_s):
+    """Polling (busy_poll_s) reads the same bytes: messages arriving at once, while it polls, and after
+    its budget (0.1 s) is spent, when it sleeps in recv() instead."""
+    receiving, sending = socket.socketpair()
+    counting = CountingSocket(receiving)
+    reader = Reader(counting, busy_poll_s=0.1)
+    try:
+        for i in range(3):
+            sent = {"t": torch.arange(50_000 * (i + 1), dtype=torch.float32), "s": torch.tensor([i])}
+            timer = threading.Timer(delay_s, send_message, (sending, "Msg", {"i": i}, sent))
+            timer.start()
+            head = reader.read_head(max_body_bytes=1 << 30)
+            got = read_tensors(reader, head.entries, None, lambda e: torch.empty(e.shape, dtype=e.dtype))
+            timer.join()
+            assert head.meta == {"i": i} and all(torch.equal(got[k], v) for k, v in sent.items())
+        assert counting.polls >= 1  # the first wait sleeps; later ones on the same connection poll
+    finally:
+        receiving.close()
+        sending.close()
 
 
 @pytest.mark.parametrize("numel", SIZES)

@@ -94,6 +94,25 @@ def test_dry_run_lists_gpus_per_worker(script, capsys):
     assert "CUDA_VISIBLE_DEVICES=''" in text  # the ps sees no GPU
 
 
+@pytest.mark.parametrize("cores, expected", [(2, "2000"), (3, "2000"), (1, "0")])
+def test_data_connections_poll_only_when_every_task_has_a_core(script, monkeypatch, cores, expected):
+    from tensorfleet.launch import local
+    monkeypatch.delenv("TENSORFLEET_BUSY_POLL_US", raising=False)
+    monkeypatch.setattr(local, "usable_cores", lambda: cores)
+    launcher = local.LocalLauncher(JobConfig("train.py", ps=1, workers=1).validate())
+    assert {launcher.task_env(task)["TENSORFLEET_BUSY_POLL_US"] for task in launcher.tasks} == {expected}
+    monkeypatch.setenv("TENSORFLEET_BUSY_POLL_US", "50")  # the user's own choice is left alone
+    assert all("TENSORFLEET_BUSY_POLL_US" not in launcher.task_env(task) for task in launcher.tasks)
+
+
+@pytest.mark.parametrize("text", ["-1", "fast", "1e9"])
+def test_a_bad_busy_poll_setting_says_what_to_give(monkeypatch, text):
+    from tensorfleet.wire.rpc import WireOptions
+    monkeypatch.setenv("TENSORFLEET_BUSY_POLL_US", text)
+    with pytest.raises(ConfigError, match=r"TENSORFLEET_BUSY_POLL_US=.*: give microseconds in 0\.\.100000"):
+        WireOptions()
+
+
 def snapshot(**job):
     base = {"global_step": 4200, "target_step": 10000, "steps_per_sec": 513.0, "examples_per_sec": 51300.0,
             "eta_s": 11.3, "restarts": 1, "mode": "async", "dropped_stale": 0}

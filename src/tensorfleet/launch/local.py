@@ -36,7 +36,7 @@ from tensorfleet.launch.console import Console
 from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks, progress_line, task_role
 from tensorfleet.launch.supervisor import Supervisor, TaskRecord, describe_exit
 from tensorfleet.wire import auth
-from tensorfleet.wire.rpc import WireOptions
+from tensorfleet.wire.rpc import BUSY_POLL_ENV, WireOptions
 from tensorfleet.worker.status import STATUS_DIR_ENV
 
 PS_EXIT_GRACE_S = 10.0
@@ -44,6 +44,12 @@ KILL_GRACE_S = 5.0
 LOOP_S = 0.1
 FAILED_LOG_LINES = 12  # the tail of a failed task's log shown in the summary
 SECRET_SHOWN = "<the job's secret token>"  # what --dry-run prints instead of the token
+BUSY_POLL_US = 2000  # the polling budget of each data connection when every task has a core of its own
+
+
+def usable_cores() -> int:
+    """The cores this process (and so the tasks it starts) may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -131,6 +137,8 @@ class LocalLauncher:
             env[STATUS_DIR_ENV] = str(self.logdir)  # where a task leaves its final status as it exits
         if self.config.mode is not None:
             env["TENSORFLEET_MODE"] = self.config.mode  # the default of --sync/--async in add_training_flags
+        if BUSY_POLL_ENV not in os.environ and BUSY_POLL_ENV not in self.config.env:
+            env[BUSY_POLL_ENV] = str(self.busy_poll_us)
         if self._gpus is not None:
             if task.job_name == "ps":
                 env["CUDA_VISIBLE_DEVICES"] = ""  # a ps holds variables on the CPU
@@ -138,6 +146,12 @@ class LocalLauncher:
                 env["CUDA_VISIBLE_DEVICES"] = self._gpus[self.cluster.replica_id(task)]
                 env["TENSORFLEET_GPUS_PER_WORKER"] = str(self.config.gpus_per_worker)
         return env
+
+    @property
+    def busy_poll_us(self) -> int:
+        """Data connections poll before sleeping only if every task of the job has a core of its own:
+        polling keeps a core busy while it waits (see ``tensorfleet.wire.frame.Reader``)."""
+        return BUSY_POLL_US if len(self.tasks) <= usable_cores() else 0
 
     def log_path(self, task: TaskSpec) -> Path:
         assert self.logdir is not None

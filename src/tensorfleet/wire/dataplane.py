@@ -145,7 +145,7 @@ class DataServer:
                              name=f"data-{self.task}").start()
 
     def _serve(self, sock: socket.socket) -> None:
-        reader, pool = frame.Reader(sock), BufferPool()
+        reader, pool = frame.Reader(sock, busy_poll_s=self.options.busy_poll_us * 1e-6), BufferPool()
         try:
             # Waiting for the next request, idle, is not bounded; a reply is: a client that stops reading
             # must not hold the ps's live tensors (reply.release) forever.
@@ -305,7 +305,8 @@ class DataChannel:
             except OSError as exc:
                 raise errors.UnavailableError(f"cannot connect to the data port {self.address[0]}:{self.address[1]}: "
                                               f"{exc}", task=self.task) from None
-            self._sock, self._reader, self._sock_address = frame.configure(sock), frame.Reader(sock), self.address
+            self._sock, self._sock_address = frame.configure(sock), self.address
+            self._reader = frame.Reader(sock, busy_poll_s=self.options.busy_poll_us * 1e-6)
             self._io_timeout = None
             self._bound(timeout)
             if self.options.token:

@@ -23,6 +23,7 @@ import functools
 import json
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -100,12 +101,16 @@ def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
                 sent = 0
 
 
+_last_reader: "Reader | None" = None  # in this process, the connection that waited for a message last
+
+
 class Reader:
     """Reads messages from a socket: heads through a small buffer (one ``recv`` for a small message),
     bodies straight into their tensors (``recv_into`` the tensor's memory once the buffered bytes are used)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, *, busy_poll_s: float = 0.0) -> None:
         self._sock = sock
+        self._busy_poll_s = busy_poll_s
         self._buffer = bytearray(READ_BUFFER_BYTES)
         self._view = memoryview(self._buffer)
         self._start = self._end = 0  # unread bytes are _buffer[_start:_end]
@@ -116,9 +121,34 @@ class Reader:
             # bytes(): the source and destination overlap, and a slice assignment may memcpy
             self._buffer[:self._end - self._start] = bytes(self._view[self._start:self._end])
             self._start, self._end = 0, self._end - self._start
-        count = self._sock.recv_into(self._view[self._end:])
+        target = self._view[self._end:]
+        count = self._busy_poll(target) if self._busy_poll_s else None
+        if count is None:
+            count = self._sock.recv_into(target)
         self._end += count
         return count
+
+    def _busy_poll(self, target: memoryview) -> int | None:
+        """Ask for bytes without sleeping, for up to ``busy_poll_s``; None if none came (then block).
+
+        A thread that sleeps in recv() is woken by the kernel when bytes arrive, and on a
+        virtual machine an idle vCPU is halted: the wake-up and the cold caches after it cost
+        a few hundred microseconds per message, more than the work of a small model's step.
+        Polling keeps the core awake, so it only pays where every task has a core of its own
+        (``tensorfleet launch`` turns it on only then).  Only the connection that last waited
+        polls; when two alternate (several workers on one ps) neither does.
+        """
+        global _last_reader
+        if _last_reader is not self:
+            _last_reader = self
+            return None
+        deadline = time.perf_counter() + self._busy_poll_s
+        while True:
+            try:
+                return self._sock.recv_into(target, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() > deadline:
+                    return None
 
     def _read_small(self, size: int) -> bytes:
         """``size`` bytes (less only at end of stream) through the buffer; ``size`` may exceed it (a header)."""

@@ -80,6 +80,23 @@ class TlsFiles:
         return grpc.ssl_channel_credentials(root_certificates=self.read("ca"))
 
 
+BUSY_POLL_ENV = "TENSORFLEET_BUSY_POLL_US"
+MAX_BUSY_POLL_US = 100_000
+
+
+def busy_poll_from_env() -> float:
+    """``TENSORFLEET_BUSY_POLL_US`` as microseconds (0 when unset)."""
+    text = os.environ.get(BUSY_POLL_ENV, "").strip()
+    try:
+        value = float(text) if text else 0.0
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_BUSY_POLL_US:
+        raise ConfigError(f"{BUSY_POLL_ENV}={text!r}: give microseconds in 0..{MAX_BUSY_POLL_US} (0 or unset: "
+                          "never poll)")
+    return value
+
+
 @dataclass(frozen=True)
 class WireOptions:
     """Limits every channel and server obeys.
@@ -91,18 +108,24 @@ class WireOptions:
             authentication). By default from ``TENSORFLEET_TOKEN`` / ``TENSORFLEET_TOKEN_FILE`` when the
             options are created (see ``tensorfleet.wire.auth``).
         tls: certificate files for TLS on gRPC (None: plaintext); by default from ``TENSORFLEET_TLS_*``.
+        busy_poll_us: how long a data connection waiting for a message polls before it sleeps (0: never;
+            see ``tensorfleet.wire.frame.Reader``). By default from ``TENSORFLEET_BUSY_POLL_US``, which
+            ``tensorfleet launch`` sets when every task has a core of its own.
     """
 
     max_message_bytes: int = 1024 * 1024 * 1024
     deadline_s: float = 60.0
     token: str | None = field(default_factory=auth.job_token, repr=False)
     tls: TlsFiles | None = field(default_factory=TlsFiles.from_env)
+    busy_poll_us: float = field(default_factory=busy_poll_from_env)
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes={self.max_message_bytes} is too small; use at least 1024")
         if self.deadline_s <= 0:
             raise ValueError(f"deadline_s={self.deadline_s} must be positive")
+        if not 0 <= self.busy_poll_us <= MAX_BUSY_POLL_US:
+            raise ValueError(f"busy_poll_us={self.busy_poll_us} must be in 0..{MAX_BUSY_POLL_US}")
 
     def grpc_options(self) -> list[tuple[str, int]]:
         return [("grpc.max_send_message_length", self.max_message_bytes),
