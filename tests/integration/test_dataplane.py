@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tensorfleet.cluster.spec import TaskSpec
-from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError
+from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply, read_tensors
@@ -299,3 +299,33 @@ def test_a_client_that_stops_reading_cannot_hold_the_servers_reply_forever():
     finally:
         sock.close()
         server.stop()
+
+
+def test_stop_waits_for_the_serving_threads():
+    """No serving thread outlives stop(): one still running at interpreter exit aborted the ps (SIGABRT)."""
+    entered = threading.Event()
+
+    def busy(request):
+        entered.set()
+        time.sleep(0.3)  # still serving when stop() is called
+        return Reply({}, {"t": torch.ones(1000)})
+
+    server = DataServer("127.0.0.1", {"Busy": busy, "Echo": lambda r: Reply(r.meta, r.receive())}, task="stopping")
+    idle, busy_channel = DataChannel(task="stopping"), DataChannel(task="stopping")
+    for channel in (idle, busy_channel):
+        channel.set_address("127.0.0.1", server.port)
+    idle.call("Echo", {})  # a connection waiting for its next request
+    def call_busy():
+        try:
+            busy_channel.call("Busy", {})
+        except UnavailableError:
+            pass  # the server closed the connection before its reply: what stop() does
+
+    caller = threading.Thread(target=call_busy)
+    caller.start()
+    assert entered.wait(5)
+    server.stop()
+    assert not [t for t in threading.enumerate() if t.name == "data-stopping" and t.is_alive()]
+    caller.join(5)
+    idle.close()
+    busy_channel.close()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -125,6 +126,7 @@ class DataServer:
             raise errors.UnavailableError(f"cannot listen for data on {host}:{port}: {exc}", task=task) from None
         self.host, self.port = host, self._listener.getsockname()[1]
         self._connections: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._stopped = False
         self._accepter = threading.Thread(target=self._accept_loop, name=f"data-accept-{task}", daemon=True)
@@ -141,8 +143,10 @@ class DataServer:
                     sock.close()
                     return
                 self._connections.add(sock)
-            threading.Thread(target=self._serve, args=(frame.configure(sock),), daemon=True,
-                             name=f"data-{self.task}").start()
+                thread = threading.Thread(target=self._serve, args=(frame.configure(sock),), daemon=True,
+                                          name=f"data-{self.task}")
+                self._threads.add(thread)
+            thread.start()
 
     def _serve(self, sock: socket.socket) -> None:
         reader, pool = frame.Reader(sock, busy_poll_s=self.options.busy_poll_us * 1e-6), BufferPool()
@@ -162,6 +166,7 @@ class DataServer:
             sock.close()
             with self._lock:
                 self._connections.discard(sock)
+                self._threads.discard(threading.current_thread())
 
     def _hello(self, sock: socket.socket, reader: frame.Reader) -> bool:
         """A connection must open with ``Hello`` carrying the job's token; anything else is refused and closed."""
@@ -218,11 +223,16 @@ class DataServer:
                 reply.release()
         return True
 
-    def stop(self) -> None:
-        """Close the listener and every connection; serving threads end on their next read."""
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Close the listener and every connection, and wait (up to ``timeout_s``) for the serving threads.
+
+        Waiting matters at exit: a daemon thread still freeing its buffers while the interpreter
+        finalizes is killed inside torch's tensor deallocation, which aborts the process (SIGABRT).
+        """
         with self._lock:
             self._stopped = True
             connections = list(self._connections)
+            threads = list(self._threads)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept(); close() alone does not
         except OSError:
@@ -233,7 +243,10 @@ class DataServer:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._accepter.join(timeout=5)
+        deadline = time.monotonic() + timeout_s
+        for thread in [self._accepter, *threads]:
+            if thread is not threading.current_thread():
+                thread.join(max(deadline - time.monotonic(), 0.0))
 
 
 class DataChannel:
