@@ -329,3 +329,33 @@ def test_stop_waits_for_the_serving_threads():
     caller.join(5)
     idle.close()
     busy_channel.close()
+
+
+def test_a_body_of_one_dtype_is_received_as_one_tensor():
+    """Tensors of one dtype arrive in one pooled buffer (``Request.body``) that they are views of, the
+    same buffer request after request; mixed dtypes arrive tensor by tensor (no body)."""
+    seen = []
+
+    def keep(request):
+        tensors = request.receive()
+        seen.append((request.body, tensors))
+        return Reply({}, {name: tensor.clone() for name, tensor in tensors.items()})
+
+    server = DataServer("127.0.0.1", {"Keep": keep}, task="flat")
+    channel = DataChannel(task="flat")
+    channel.set_address("127.0.0.1", server.port)
+    try:
+        same = {"a": torch.randn(3, 4), "b": torch.randn(0), "c": torch.randn(5)}
+        for _ in range(2):
+            _, back = channel.call("Keep", {}, same)
+            assert all(torch.equal(back[n], t) for n, t in same.items())
+        mixed = {"a": torch.randn(3, 4), "d": torch.arange(5)}
+        _, back = channel.call("Keep", {}, mixed)
+        assert all(torch.equal(back[n], t) for n, t in mixed.items())
+    finally:
+        channel.close()
+        server.stop()
+    (body, tensors), (again, _), (none, _) = seen
+    assert body is again and body.numel() == 17 and none is None
+    assert torch.equal(body, torch.cat([same["a"].flatten(), same["c"]]))
+    assert tensors["c"].untyped_storage().data_ptr() == body.untyped_storage().data_ptr()

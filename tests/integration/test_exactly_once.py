@@ -160,3 +160,25 @@ def test_nonfinite_gradients_are_applied_when_the_job_says_so(shard):
         assert torch.isnan(server.store.read()[0]["w"]).all()
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("dtype_c", [torch.float32, torch.float64], ids=["one-body", "mixed-dtypes"])
+def test_a_push_of_several_gradients_is_checked_whole(shard, dtype_c):
+    """NaN in the last of several gradients rejects the whole push; finite gradients whose sum overflows
+    float32 (3e38 + 3e38) are applied. One dtype: the body is checked as one tensor; mixed: one by one."""
+    cluster, server = shard
+    values = {"a": torch.zeros(4, 5), "b": torch.zeros(7), "c": torch.zeros(3, dtype=dtype_c)}
+    client = PsClient(cluster, {name: 0 for name in values})
+    client.wait_for_shards(10)
+    client.initialize(values, OptimizerSpec.sgd(lr=1e-38))
+    try:
+        bad = {"a": torch.ones(4, 5), "b": torch.ones(7), "c": torch.tensor([1.0, 2.0, float("nan")], dtype=dtype_c)}
+        assert client.push(bad).outcomes == {0: "rejected"}
+        assert all(torch.equal(server.store.read()[0][n], v) for n, v in values.items())
+        huge = {"a": torch.full((4, 5), 3e38), "b": torch.full((7,), 3e38), "c": torch.ones(3, dtype=dtype_c)}
+        assert client.push(huge).outcomes == {0: "applied"}
+        after = server.store.read()[0]
+        assert torch.allclose(after["a"], torch.full((4, 5), -3.0)) and torch.isfinite(after["b"]).all()
+        assert server.store.status().rejected_nonfinite == 1
+    finally:
+        client.close()

@@ -135,7 +135,7 @@ class PsService:
         gradients = request.receive()
         if wire_dtype is not None:
             gradients = self.store.upcast(gradients)
-        nonfinite = self.store.nonfinite == "reject" and nonfinite_names(gradients)
+        nonfinite = self.store.nonfinite == "reject" and nonfinite_names(gradients, body=request.body)
         if nonfinite:
             self.store.reject_nonfinite(nonfinite, origin)
             reply = {"step": self.store.status().global_step, "outcome": "rejected"}
@@ -209,12 +209,17 @@ def _origin(meta: dict[str, Any]) -> Origin | None:
     return Origin(*value)
 
 
-def nonfinite_names(gradients: dict[str, torch.Tensor]) -> list[str]:
+def nonfinite_names(gradients: dict[str, torch.Tensor], *, body: torch.Tensor | None = None) -> list[str]:
     """Names of floating-point gradients holding NaN or Inf.
 
-    One summing pass per gradient (no temporary the size of the gradient); a sum that is not
+    One summing pass (no temporary the size of the gradients): over ``body``, all the gradients
+    as one tensor, when the push arrived as one; else over each gradient.  A sum that is not
     finite is confirmed element-wise, since finite values can also overflow when summed.
     """
+    if body is not None and body.is_floating_point():
+        total = body.sum(dtype=torch.float32) if body.element_size() < 4 else body.sum()  # fp16 sums overflow
+        if math.isfinite(float(total)):
+            return []
     suspects = [name for name, grad in gradients.items()
                 if grad.is_floating_point() and grad.numel() and not math.isfinite(float(grad.sum()))]
     return [name for name in suspects if not bool(torch.isfinite(gradients[name]).all())]

@@ -29,6 +29,7 @@ one by one as they become ready (gradients during backward).
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -58,10 +59,17 @@ class Reply:
 
 
 class BufferPool:
-    """Per-connection receive buffers, reused request after request (no allocation in the steady state)."""
+    """Per-connection receive buffers, reused request after request (no allocation in the steady state).
+
+    A body whose tensors share one dtype lands in one flat buffer (``body``), the tensors being
+    views of it: one receive for the whole body, and one pass can check all of it (NaN/Inf).
+    """
+
+    MAX_LAYOUTS = 4  # flat buffers kept per connection (a client pushing subsets varies its layout)
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._layouts: dict[tuple[TensorEntry, ...], tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
 
     def get(self, entry: TensorEntry) -> torch.Tensor:
         buffer = self._buffers.get(entry.name)
@@ -69,17 +77,38 @@ class BufferPool:
             buffer = self._buffers[entry.name] = torch.empty(entry.shape, dtype=entry.dtype)
         return buffer
 
+    def flat(self, entries: list[TensorEntry]) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """One buffer for a whole body of one dtype, and each tensor as a view of it; None for mixed dtypes."""
+        key = tuple(entries)
+        found = self._layouts.get(key)
+        if found is None:
+            if not entries or any(entry.dtype != entries[0].dtype for entry in entries):
+                return None
+            sizes = [math.prod(entry.shape) for entry in entries]
+            body = torch.empty(sum(sizes), dtype=entries[0].dtype)
+            views = {entry.name: part.view(entry.shape) for entry, part in zip(entries, body.split(sizes))}
+            if len(self._layouts) >= self.MAX_LAYOUTS:
+                self._layouts.pop(next(iter(self._layouts)))
+            found = self._layouts[key] = (body, views)
+        return found
+
 
 class Request:
     """One request being served: its meta and tensor entries; ``receive`` reads its body."""
 
     def __init__(self, head: frame.Head, reader: frame.Reader, pool: BufferPool) -> None:
         self.meta, self.entries = head.meta, head.entries
+        self.body: torch.Tensor | None = None  # after receive(): the whole body as one tensor, when it is one
         self._reader, self._pool, self._body_left = reader, pool, head.body_bytes
 
     def receive(self, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Read the body: each tensor into ``into[name]`` if given (same shape and dtype), else a pooled buffer."""
-        tensors = read_tensors(self._reader, self.entries, into, self._pool.get)
+        flat = self._pool.flat(self.entries) if into is None else None
+        if flat is not None:
+            self.body, tensors = flat
+            self._reader.read_into(self.body)
+        else:
+            tensors = read_tensors(self._reader, self.entries, into, self._pool.get)
         self._body_left = 0
         return tensors
 
