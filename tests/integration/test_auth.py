@@ -1,6 +1,7 @@
 """The job token: every gRPC call and every data connection without it is refused, counted, and changes nothing."""
 
 import socket
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from tensorfleet.errors import ConfigError, UnauthenticatedError
 from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire import auth, frame
-from tensorfleet.wire.dataplane import DataChannel
+from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply
 from tensorfleet.wire.rpc import Channel, WireOptions
 from tensorfleet.worker.client import PsClient
 
@@ -91,3 +92,19 @@ def test_the_token_comes_from_the_environment_or_a_file(tmp_path):
     with pytest.raises(ConfigError, match="is empty"):
         auth.job_token({auth.TOKEN_FILE_ENV: str(tmp_path / "empty")})
     assert "token" not in repr(WireOptions(token=TOKEN)) and TOKEN not in repr(WireOptions(token=TOKEN))
+
+
+def test_an_admitted_data_connection_may_stay_idle_past_the_deadline():
+    """The Hello is bounded by the deadline; once admitted, a connection waits for requests without bound
+    (a worker evaluating for minutes between steps keeps its connection)."""
+    options = WireOptions(token=TOKEN, deadline_s=0.3)
+    server = DataServer("127.0.0.1", {"Echo": lambda r: Reply(r.meta, r.receive())}, task="idle", options=options)
+    channel = DataChannel(task="idle", options=options)
+    channel.set_address("127.0.0.1", server.port)
+    try:
+        assert channel.call("Echo", {"n": 1})[0] == {"n": 1}
+        time.sleep(0.8)  # idle, well past the deadline
+        assert channel.call("Echo", {"n": 2})[0] == {"n": 2}  # the same connection: no reconnection here
+    finally:
+        channel.close()
+        server.stop()

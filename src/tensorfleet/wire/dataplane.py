@@ -199,7 +199,8 @@ class DataServer:
 
     def _hello(self, sock: socket.socket, reader: frame.Reader) -> bool:
         """A connection must open with ``Hello`` carrying the job's token; anything else is refused and closed."""
-        sock.settimeout(self.options.deadline_s)  # a silent peer must not hold a thread forever
+        # A silent peer must not hold a thread forever: the Hello is bounded, the requests after it are not.
+        frame.set_io_timeouts(sock, receive=self.options.deadline_s, send=self.options.deadline_s)
         try:
             head = reader.read_head(max_body_bytes=self.options.max_message_bytes)  # its body is never read
         except errors.WireError as exc:
@@ -209,6 +210,7 @@ class DataServer:
             return False
         if head.kind == HELLO and not head.body_bytes and self.gate.admits(head.meta.get("token")):
             frame.send_message(sock, OK, {})
+            frame.set_io_timeouts(sock, receive=None, send=self.options.deadline_s)
             return True
         if head.kind != HELLO or head.body_bytes:
             self.gate.admits(None)  # counted as a refusal
