@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import select
 import socket
 import struct
 import time
@@ -86,11 +87,20 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
-    """``sendall`` for a list of buffers: as few ``sendmsg`` calls as the kernel allows."""
+    """``sendall`` for a list of buffers: as few ``sendmsg`` calls as the kernel allows.
+
+    Each call takes what the socket buffer holds and returns (MSG_DONTWAIT); then we wait
+    for room in poll().  A blocking sendmsg of a large body keeps the socket locked while it
+    waits for room, and moved 64 MiB about a third slower on loopback.
+    """
     pending = [b for b in buffers if len(b)]
     first = 0
     while first < len(pending):
-        sent = sock.sendmsg(pending[first:first + IOV_MAX])
+        try:
+            sent = sock.sendmsg(pending[first:first + IOV_MAX], [], socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            _wait_for_room(sock)
+            continue
         while sent:
             size = len(pending[first])
             if sent >= size:
@@ -99,6 +109,16 @@ def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
             else:
                 pending[first] = pending[first][sent:]
                 sent = 0
+
+
+def _wait_for_room(sock: socket.socket) -> None:
+    """Sleep until ``sock`` takes more bytes, within its send bound (``set_io_timeouts``; none if unset)."""
+    seconds, micros = _TIMEVAL.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _TIMEVAL.size))
+    bound_ms = seconds * 1000 + micros / 1000 if seconds or micros else None
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    if not poller.poll(bound_ms):
+        raise TimeoutError(f"the peer took no bytes for {bound_ms / 1000:g} s")
 
 
 _last_reader: "Reader | None" = None  # in this process, the connection that waited for a message last
