@@ -3,6 +3,7 @@
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -120,3 +121,24 @@ def test_cnn_example_runs_sync_with_greedy_placement_and_partitions():
     assert "fc1.weight/part_1: /job:ps/replica:0/task:1/device:CPU:0" in result.output
     assert len(re.findall(r"done after 8 local step\(s\) \(global step: 8\)", result.output)) == 2
     assert "examples/sec" in result.output and "sec/batch" in result.output
+
+
+def test_ps_servers_pick_other_ports_when_one_was_taken_meanwhile(monkeypatch):
+    """A free port taken by another process before the ps binds it: the helper picks a new cluster."""
+    from tensorfleet.launch.local import local_cluster as pick_cluster
+    from tensorfleet.testing import local_cluster as helper
+    taken = socket.create_server(("127.0.0.1", 0))
+    picks = []
+
+    def first_pick_collides(num_ps, num_workers):
+        picks.append(num_ps)
+        first_port = taken.getsockname()[1] if len(picks) == 1 else None
+        return pick_cluster(num_ps, num_workers, first_port=first_port)
+
+    monkeypatch.setattr(helper, "local_cluster", first_pick_collides)
+    try:
+        with helper.ps_servers(num_ps=2) as (cluster, servers):
+            assert len(picks) == 2 and len(servers) == 2
+            assert taken.getsockname()[1] not in [int(a.rsplit(":", 1)[1]) for a in cluster.ps_addresses]
+    finally:
+        taken.close()

@@ -12,20 +12,35 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from tensorfleet.cluster.spec import ClusterSpec
+from tensorfleet.errors import UnavailableError
 from tensorfleet.launch.local import local_cluster
 from tensorfleet.ps.server import Server
 from tensorfleet.wire.rpc import WireOptions
 
 REPO = Path(__file__).resolve().parents[3]
+BIND_ATTEMPTS = 3
 
 
 @contextlib.contextmanager
 def ps_servers(num_ps: int = 1, num_workers: int = 1, *,
                options: WireOptions | None = None) -> Iterator[tuple[ClusterSpec, list[Server]]]:
-    """Start ``num_ps`` ps servers in this process on free ports; stop them on exit."""
-    cluster = local_cluster(num_ps, num_workers)
-    servers = [Server(cluster, job_name="ps", task_index=i, options=options or WireOptions())
-               for i in range(num_ps)]
+    """Start ``num_ps`` ps servers in this process on free ports; stop them on exit.
+
+    A port found free can be taken by another process before the server binds it (the suite
+    starts many): then the whole cluster is picked again, a few times.
+    """
+    for attempt in range(BIND_ATTEMPTS):
+        cluster = local_cluster(num_ps, num_workers)
+        servers: list[Server] = []
+        try:
+            for i in range(num_ps):
+                servers.append(Server(cluster, job_name="ps", task_index=i, options=options or WireOptions()))
+            break
+        except UnavailableError:
+            for server in servers:
+                server.stop(grace_s=0)
+            if attempt == BIND_ATTEMPTS - 1:
+                raise
     try:
         yield cluster, servers
     finally:
