@@ -273,7 +273,8 @@ def set_io_timeouts(sock: socket.socket, *, receive: float | None, send: float |
 
     The kernel keeps the bound (SO_RCVTIMEO, SO_SNDTIMEO) and the socket stays in blocking mode:
     Python's own ``settimeout`` costs an ioctl to set and a poll() before every call, on every
-    message of every step.  A call that times out raises BlockingIOError (EAGAIN).
+    message of every step.  A receive that times out raises BlockingIOError (EAGAIN); a send
+    (``send_buffers``, which waits for room in poll() within SO_SNDTIMEO) raises TimeoutError.
     """
     sock.settimeout(None)
     for option, seconds in ((socket.SO_RCVTIMEO, receive), (socket.SO_SNDTIMEO, send)):
