@@ -71,5 +71,8 @@ class Server:
 
     def stop(self, grace_s: float = 1.0) -> None:
         # Let in-flight replies (the last Done) reach their callers before the sockets close.
-        self._data.stop()
+        self._data.close()
         self._grpc.stop(grace_s).wait()
+        # Only then wait for the data threads: until gRPC is down, Status would still send workers
+        # to a data port that no longer listens.
+        self._data.join(timeout_s=5.0)

@@ -255,15 +255,15 @@ class DataServer:
         return True
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Close the listener and every connection, and wait (up to ``timeout_s``) for the serving threads.
+        """``close()``, then ``join(timeout_s)``."""
+        self.close()
+        self.join(timeout_s)
 
-        Waiting matters at exit: a daemon thread still freeing its buffers while the interpreter
-        finalizes is killed inside torch's tensor deallocation, which aborts the process (SIGABRT).
-        """
+    def close(self) -> None:
+        """Close the listener and every connection; serving threads end on their next read."""
         with self._lock:
             self._stopped = True
             connections = list(self._connections)
-            threads = list(self._threads)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept(); close() alone does not
         except OSError:
@@ -274,8 +274,18 @@ class DataServer:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def join(self, timeout_s: float) -> None:
+        """Wait, up to ``timeout_s`` in all, for the accepting and serving threads to end (after ``close``).
+
+        Waiting matters at exit: a daemon thread still freeing its buffers while the interpreter
+        finalizes is killed inside torch's tensor deallocation, which aborts the process (SIGABRT).
+        A thread inside a method (a sync push waiting for its step) ends only when that returns.
+        """
+        with self._lock:
+            threads = [self._accepter, *self._threads]
         deadline = time.monotonic() + timeout_s
-        for thread in [self._accepter, *threads]:
+        for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(max(deadline - time.monotonic(), 0.0))
 
