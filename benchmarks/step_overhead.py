@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import tensorfleet as tfl  # noqa: E402
 from tensorfleet.cluster.spec import TaskSpec  # noqa: E402
-from tensorfleet.launch.local import BUSY_POLL_US, local_cluster, usable_cores  # noqa: E402
+from tensorfleet.launch.local import busy_poll_for, local_cluster  # noqa: E402
 from tensorfleet.wire.rpc import BUSY_POLL_ENV, WireOptions  # noqa: E402
 from mnist_mlp import build_model  # noqa: E402
 
@@ -70,9 +70,9 @@ def main() -> int:
             local_opt.step()
         return local_step
 
-    # Two ps processes: one polls its data connections before sleeping, as `tensorfleet launch` sets it up
-    # when every task has a core of its own (1 ps + 1 worker on 2 cores), one never polls.
-    poll_us = BUSY_POLL_US if usable_cores() >= 2 else 0
+    # Two ps processes: one polls its data connections before sleeping as `tensorfleet launch` would set it up
+    # for these 2 tasks (1 ps + 1 worker: polling when they have a core each), one never polls.
+    poll_us = busy_poll_for(2)
     setups = {"polling": (local_cluster(1, 2), poll_us), "no_polling": (local_cluster(1, 1), 0)}
     servers = []
     try:

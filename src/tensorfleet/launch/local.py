@@ -52,6 +52,13 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def busy_poll_for(num_tasks: int) -> int:
+    """The polling budget of the data connections of a job of ``num_tasks`` tasks on this machine: only if
+    every task has a core of its own, since polling keeps a core busy while it waits
+    (see ``tensorfleet.wire.frame.Reader``)."""
+    return BUSY_POLL_US if num_tasks <= usable_cores() else 0
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct ports that were free a moment ago (bound to port 0, then released)."""
     sockets = []
@@ -138,7 +145,7 @@ class LocalLauncher:
         if self.config.mode is not None:
             env["TENSORFLEET_MODE"] = self.config.mode  # the default of --sync/--async in add_training_flags
         if BUSY_POLL_ENV not in os.environ and BUSY_POLL_ENV not in self.config.env:
-            env[BUSY_POLL_ENV] = str(self.busy_poll_us)
+            env[BUSY_POLL_ENV] = str(busy_poll_for(len(self.tasks)))
         if self._gpus is not None:
             if task.job_name == "ps":
                 env["CUDA_VISIBLE_DEVICES"] = ""  # a ps holds variables on the CPU
@@ -146,12 +153,6 @@ class LocalLauncher:
                 env["CUDA_VISIBLE_DEVICES"] = self._gpus[self.cluster.replica_id(task)]
                 env["TENSORFLEET_GPUS_PER_WORKER"] = str(self.config.gpus_per_worker)
         return env
-
-    @property
-    def busy_poll_us(self) -> int:
-        """Data connections poll before sleeping only if every task of the job has a core of its own:
-        polling keeps a core busy while it waits (see ``tensorfleet.wire.frame.Reader``)."""
-        return BUSY_POLL_US if len(self.tasks) <= usable_cores() else 0
 
     def log_path(self, task: TaskSpec) -> Path:
         assert self.logdir is not None
