@@ -14,12 +14,19 @@ from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply, read_tensors
 from tensorfleet.wire.frame import READ_BUFFER_BYTES, Reader, send_message
-from tensorfleet.wire.rpc import WireOptions
+from tensorfleet.wire.rpc import SHARED_MEMORY_ENV, WireOptions
 from tensorfleet.worker.client import PsClient
 from tensorfleet.worker.replica import Replica
 
 # Around the reader's buffer: smaller, exactly, one byte over (as float32/uint8), much larger; and empty.
 SIZES = [0, 1, READ_BUFFER_BYTES // 4 - 1, READ_BUFFER_BYTES // 4, READ_BUFFER_BYTES // 4 + 1, 3_000_001]
+
+
+@pytest.fixture(autouse=True, params=["shared-memory", "tcp"])
+def transport(request, monkeypatch):
+    """Every test here runs over both transports of bodies between tasks on one host."""
+    monkeypatch.setenv(SHARED_MEMORY_ENV, "1" if request.param == "shared-memory" else "0")
+    return request.param
 
 
 @pytest.fixture

@@ -447,7 +447,7 @@ def test_pulls_and_unknown_methods_answer_or_refuse_and_change_nothing(target, r
 
 def _frame(header: dict, body_bytes: int) -> bytes:
     raw = json.dumps(header).encode()
-    return frame.PREFIX.pack(frame.MAGIC, frame.VERSION, len(raw), body_bytes) + raw
+    return frame.PREFIX.pack(frame.MAGIC, frame.VERSION, 0, len(raw), body_bytes) + raw
 
 
 @st.composite
@@ -460,6 +460,7 @@ def raw_data_requests(draw) -> bytes:
     if kind == "prefix":
         return frame.PREFIX.pack(draw(st.sampled_from([frame.MAGIC, b"TFLW", b"\0\0\0\0"])),
                                  draw(st.sampled_from([frame.VERSION, 0, 2])),
+                                 draw(st.sampled_from([0, frame.SHARED, 0x80]) | st.integers(0, 255)),
                                  draw(st.integers(0, 2**32 - 1) | st.sampled_from([0, 2, frame.MAX_HEADER_BYTES])),
                                  draw(st.integers(0, 2**64 - 1) | st.sampled_from([0, 4, 2**40]))) \
             + draw(st.binary(max_size=100))
@@ -578,7 +579,7 @@ def test_a_data_connection_without_the_token_is_refused_and_counted(gated, token
 ], ids=["deep-nesting", "5000-digit-int", "unhashable-dtype"])
 def test_unparseable_data_header_gets_an_invalid_argument_reply(target, header):
     with untouched(target):  # no traceback: the connection's thread did not die
-        status = _exchange(target.data_address, frame.PREFIX.pack(frame.MAGIC, frame.VERSION, len(header), 0)
+        status = _exchange(target.data_address, frame.PREFIX.pack(frame.MAGIC, frame.VERSION, 0, len(header), 0)
                            + header)
         assert status == "INVALID_ARGUMENT", status
 

@@ -67,7 +67,7 @@ def _data_channel(servers, index=0, **options):
 
 def _head(header: dict, body_bytes: int = 0) -> bytes:
     raw = json.dumps(header).encode()
-    return frame.PREFIX.pack(frame.MAGIC, 1, len(raw), body_bytes) + raw
+    return frame.PREFIX.pack(frame.MAGIC, 1, 0, len(raw), body_bytes) + raw
 
 
 def _raw_exchange(servers, request: bytes) -> tuple[str, str]:
@@ -81,9 +81,10 @@ def _raw_exchange(servers, request: bytes) -> tuple[str, str]:
 @pytest.mark.parametrize("request_bytes, message", [
     (b"garbage" + b"\0" * 13, "bad magic"),
     (b"\x00" * 64, "bad magic"),
-    (frame.PREFIX.pack(frame.MAGIC, 7, 2, 0) + b"{}", "version 7"),
-    (frame.PREFIX.pack(frame.MAGIC, 1, 5, 0) + b"{nope", "not valid JSON"),
-    (frame.PREFIX.pack(frame.MAGIC, 1, 2, 1 << 40) + b"{}", "exceeds the limit"),
+    (frame.PREFIX.pack(frame.MAGIC, 7, 0, 2, 0) + b"{}", "version 7"),
+    (frame.PREFIX.pack(frame.MAGIC, 1, 0x80, 2, 0) + b"{}", "unknown message flags"),
+    (frame.PREFIX.pack(frame.MAGIC, 1, 0, 5, 0) + b"{nope", "not valid JSON"),
+    (frame.PREFIX.pack(frame.MAGIC, 1, 0, 2, 1 << 40) + b"{}", "exceeds the limit"),
     (_head({"kind": "Push", "meta": {}, "tensors": [{"name": "w", "dtype": "float99", "shape": [2]}]}),
      "unknown dtype 'float99'"),
     (_head({"kind": "Push", "meta": {}, "tensors": [{"name": "w", "dtype": "float32", "shape": [-2]}]}),
@@ -105,7 +106,7 @@ def test_header_and_body_that_disagree_are_refused(cluster_two_ps):
     _, servers, client = cluster_two_ps
     client.initialize(VALUES, OptimizerSpec.sgd(lr=1.0))
     header = json.dumps({"kind": "Push", "meta": {}, "tensors": [{"name": "w", "dtype": "float32", "shape": [2, 3]}]})
-    request = frame.PREFIX.pack(frame.MAGIC, 1, len(header), 4) + header.encode() + b"\0" * 4  # 24 bytes declared
+    request = frame.PREFIX.pack(frame.MAGIC, 1, 0, len(header), 4) + header.encode() + b"\0" * 4  # 24 bytes declared
     status, detail = _raw_exchange(servers, request)
     assert status == "INVALID_ARGUMENT" and "take 24 bytes but the prefix announces 4" in detail
     assert client.pull().global_step == 0

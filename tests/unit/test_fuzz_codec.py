@@ -405,8 +405,9 @@ def read_head_or_refuse(data: bytes, chunks: list[int], max_body_bytes: int) -> 
     return head
 
 
-def frame_prefix(header_len: int, body_len: int, *, magic: bytes = frame.MAGIC, version: int = frame.VERSION) -> bytes:
-    return frame.PREFIX.pack(magic, version, header_len, body_len)
+def frame_prefix(header_len: int, body_len: int, *, magic: bytes = frame.MAGIC, version: int = frame.VERSION,
+                 flags: int = 0) -> bytes:
+    return frame.PREFIX.pack(magic, version, flags, header_len, body_len)
 
 
 def frame_message(header: object, body_len: int | None = None, body: bytes = b"") -> bytes:
@@ -475,7 +476,7 @@ def test_frame_reads_or_refuses_arbitrary_bytes(data, chunks, max_body_bytes):
 
 
 FRAME_FIELDS = {"magic": (0, "<I", [0, 0x444C4654 ^ 1]), "version": (4, "<B", [0, 2, 255]),
-                "reserved": (5, "<H", [1, 0xFFFF]),
+                "flags": (5, "<B", [frame.SHARED, 0x80, 0xFF]), "reserved": (6, "<H", [1, 0xFFFF]),
                 "header_len": (8, "<I", [0, 1, frame.MAX_HEADER_BYTES, frame.MAX_HEADER_BYTES + 1, 2**32 - 1]),
                 "body_len": (12, "<Q", [0, 1, 2**31, 2**62, 2**64 - 1])}
 

@@ -24,10 +24,17 @@ first use and again after a failure; a broken connection is UNAVAILABLE
 (recoverable: the ps may be restarting), silence past the deadline is
 DEADLINE_EXCEEDED.  ``Stream`` sends one request whose tensors are handed over
 one by one as they become ready (gradients during backward).
+
+Between tasks on one host the bodies go through shared memory (``tensorfleet.wire.shm``):
+a client whose bodies reach ``SHARED_MIN_BYTES`` attaches a segment to its connection
+(``Attach``), sized to the largest request it sends and the largest reply it has seen;
+bodies that fit go there, heads stay on the socket.  A task that cannot map the segment
+(another host, another user, shared memory off) refuses, and the connection stays on TCP.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import socket
@@ -39,14 +46,16 @@ from typing import Any, Callable, Mapping
 import torch
 
 from tensorfleet import errors
-from tensorfleet.wire import auth, frame
+from tensorfleet.wire import auth, frame, shm
 from tensorfleet.wire.codec import TensorEntry
-from tensorfleet.wire.rpc import WireOptions
+from tensorfleet.wire.rpc import SHARED_MEMORY_ENV, WireOptions
 
 log = logging.getLogger(__name__)
 
 OK = "OK"
 HELLO = "Hello"  # the first message of a connection when the job has a token (see tensorfleet.wire.auth)
+ATTACH = "Attach"  # a client's shared segment for this connection's bodies (see tensorfleet.wire.shm)
+SHARED_MIN_BYTES = 64 * 1024  # smaller bodies stay on the socket: a segment is not worth its setup for them
 
 
 @dataclass
@@ -99,10 +108,23 @@ class Request:
     def __init__(self, head: frame.Head, reader: frame.Reader, pool: BufferPool) -> None:
         self.meta, self.entries = head.meta, head.entries
         self.body: torch.Tensor | None = None  # after receive(): the whole body as one tensor, when it is one
-        self._reader, self._pool, self._body_left = reader, pool, head.body_bytes
+        self._reader, self._pool = reader, pool
+        self._shared = head.shared
+        self._body_left = 0 if head.shared else head.body_bytes  # bytes of body still on the stream
 
     def receive(self, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Read the body: each tensor into ``into[name]`` if given (same shape and dtype), else a pooled buffer."""
+        """Read the body: each tensor into ``into[name]`` if given (same shape and dtype), else a pooled buffer.
+
+        Without ``into``, tensors are only valid until the reply is sent: a body in shared memory
+        is returned as views of it, without a copy.
+        """
+        if self._shared:
+            area = self._reader.shared_area
+            found = frame.area_views(area, self.entries) if into is None else None
+            if found is not None:
+                self.body, tensors = found
+                return tensors
+            return frame.read_area(area, self.entries, into, self._pool.get)
         flat = self._pool.flat(self.entries) if into is None else None
         if flat is not None:
             self.body, tensors = flat
@@ -174,17 +196,19 @@ class DataServer:
                 self._connections.add(sock)
                 thread = threading.Thread(target=self._serve, args=(frame.configure(sock),), daemon=True,
                                           name=f"data-{self.task}")
-                self._threads.add(thread)
+                # A thread stays here until it has ended, its locals freed included (join() waits for that).
+                self._threads = {t for t in self._threads if t.is_alive()} | {thread}
             thread.start()
 
     def _serve(self, sock: socket.socket) -> None:
-        reader, pool = frame.Reader(sock, busy_poll_s=self.options.busy_poll_us * 1e-6), BufferPool()
+        reader = frame.Reader(sock, busy_poll_s=self.options.busy_poll_us * 1e-6)
+        link = _Link(sock, reader)
         try:
             # Waiting for the next request, idle, is not bounded; a reply is: a client that stops reading
             # must not hold the ps's live tensors (reply.release) forever.
             frame.set_io_timeouts(sock, receive=None, send=self.options.deadline_s)
             if not self.gate.required or self._hello(sock, reader):
-                while self._serve_one(sock, reader, pool):
+                while self._serve_one(link):
                     pass
         except (OSError, errors.UnavailableError):
             pass  # the peer went away mid-message: nothing was applied, nothing to answer
@@ -195,7 +219,6 @@ class DataServer:
             sock.close()
             with self._lock:
                 self._connections.discard(sock)
-                self._threads.discard(threading.current_thread())
 
     def _hello(self, sock: socket.socket, reader: frame.Reader) -> bool:
         """A connection must open with ``Hello`` carrying the job's token; anything else is refused and closed."""
@@ -221,17 +244,23 @@ class DataServer:
                        "(or TENSORFLEET_TOKEN_FILE) to the token of this job"})
         return False
 
-    def _serve_one(self, sock: socket.socket, reader: frame.Reader, pool: BufferPool) -> bool:
+    def _serve_one(self, link: "_Link") -> bool:
         """Serve one request; False when the connection is over (closed, or its stream can't be trusted)."""
+        sock = link.sock
         try:
-            head = reader.read_head(max_body_bytes=self.options.max_message_bytes)
+            head = link.reader.read_head(max_body_bytes=self.options.max_message_bytes)
         except errors.WireError as exc:
             frame.send_message(sock, exc.code, {"message": exc.message})
             return False  # framing is lost: close rather than guess where the next message starts
         if head is None:
             return False
-        request = Request(head, reader, pool)
+        request = Request(head, link.reader, link.pool)
         try:
+            if head.kind == ATTACH:
+                request.skip_body()
+                link.attach(self._attach(head))
+                frame.send_message(sock, OK, {})
+                return True
             method = self.methods.get(head.kind)
             if method is None:
                 raise errors.InvalidArgumentError(f"unknown data-plane method {head.kind!r}: "
@@ -248,11 +277,22 @@ class DataServer:
             return True
         try:
             request.skip_body()  # a method that ignored the tensors still leaves the stream in step
-            frame.send_message(sock, OK, reply.meta, reply.tensors)
+            frame.send_message(sock, OK, reply.meta, reply.tensors, area=link.reply_area)
         finally:
             if reply.release is not None:
                 reply.release()
         return True
+
+    def _attach(self, head: frame.Head) -> shm.Segment:
+        """Map the client's segment for this connection's bodies, or say why not (it stays on TCP)."""
+        if not self.options.shared_memory:
+            raise errors.InvalidArgumentError(f"{self.task} does not use shared memory "
+                                              f"({SHARED_MEMORY_ENV}=0): stay on TCP")
+        if head.entries:
+            raise errors.InvalidArgumentError("an Attach carries no tensors")
+        meta = head.meta
+        return shm.Segment.attach(meta.get("path"), meta.get("nonce"), meta.get("request_bytes"),
+                                  meta.get("reply_bytes"), max_area_bytes=self.options.max_message_bytes)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """``close()``, then ``join(timeout_s)``."""
@@ -290,6 +330,18 @@ class DataServer:
                 thread.join(max(deadline - time.monotonic(), 0.0))
 
 
+class _Link:
+    """The server's side of one connection: its socket, reader, receive buffers and shared segment."""
+
+    def __init__(self, sock: socket.socket, reader: frame.Reader) -> None:
+        self.sock, self.reader, self.pool = sock, reader, BufferPool()
+        self.reply_area: torch.Tensor | None = None
+
+    def attach(self, segment: shm.Segment) -> None:
+        """Bodies from now on may be in ``segment`` (a previous one is unmapped once unused)."""
+        self.reader.shared_area, self.reply_area = segment.request, segment.reply
+
+
 class DataChannel:
     """The client side: one connection to one task's data port, one request at a time.
 
@@ -306,6 +358,9 @@ class DataChannel:
         self._sock_address: tuple[str, int] | None = None  # where _sock leads
         self._reader: frame.Reader | None = None
         self._io_timeout: float | None = None  # the kernel's bound on _sock's sends and receives
+        self._segment: shm.Segment | None = None  # this connection's shared segment, once attached
+        self._tcp_only = False  # the task could not use a segment of ours (another host, shared memory off)
+        self._largest_reply = 0  # bytes of the largest reply body seen: the reply area to ask for
         self._lock = threading.Lock()
 
     def set_address(self, host: str, port: int) -> None:
@@ -329,9 +384,16 @@ class DataChannel:
         """
         with self._lock:
             with self._guard(timeout):
-                frame.send_message(self._connected(timeout), method, meta, tensors)
+                sock = self._connected(timeout)
+                nbytes = sum(t.numel() * t.element_size() for t in tensors.values()) if tensors else 0
+                frame.send_message(sock, method, meta, tensors, area=self._shared_area(nbytes))
                 reply = self._read_reply(into)
         return reply.result(self.task)
+
+    @property
+    def shared(self) -> bool:
+        """Whether bodies on this connection go through shared memory (a task on this host)."""
+        return self._segment is not None
 
     def stream(self, method: str, meta: Mapping[str, Any], entries: list[TensorEntry], *,
                timeout: float | None = None) -> "Stream":
@@ -339,7 +401,11 @@ class DataChannel:
         self._lock.acquire()
         try:
             with self._guard(timeout):
-                frame.send_buffers(self._connected(timeout), [memoryview(frame.encode_head(method, meta, entries))])
+                sock = self._connected(timeout)
+                area = self._shared_area(frame.body_bytes(entries))
+                if area is not None and frame.body_bytes(entries):  # the head goes last, with the body in place
+                    return Stream(self, entries, timeout, shared=(area, method, meta))
+                frame.send_buffers(sock, [memoryview(frame.encode_head(method, meta, entries))])
         except BaseException:
             self._lock.release()
             raise
@@ -362,6 +428,7 @@ class DataChannel:
             self._sock, self._sock_address = frame.configure(sock), self.address
             self._reader = frame.Reader(sock, busy_poll_s=self.options.busy_poll_us * 1e-6)
             self._io_timeout = None
+            self._tcp_only = not (self.options.shared_memory and _same_host(sock))
             self._bound(timeout)
             if self.options.token:
                 self._say_hello()
@@ -375,6 +442,37 @@ class DataChannel:
             frame.set_io_timeouts(self._sock, receive=seconds, send=seconds)
             self._io_timeout = seconds
 
+    def _shared_area(self, request_bytes: int) -> torch.Tensor | None:
+        """The request area for a body of ``request_bytes``, attaching a (larger) segment first if
+        needed; None: this body goes over the socket."""
+        segment = self._segment
+        if self._tcp_only or (segment is None and max(request_bytes, self._largest_reply) < SHARED_MIN_BYTES):
+            return None
+        if segment is None or request_bytes > segment.request_bytes or self._largest_reply > segment.reply_bytes:
+            segment = self._attach(max(request_bytes, segment.request_bytes if segment else 0),
+                                   max(self._largest_reply, segment.reply_bytes if segment else 0))
+        return None if segment is None else segment.request
+
+    def _attach(self, request_bytes: int, reply_bytes: int) -> shm.Segment | None:
+        """Give the task a new segment for this connection; None if it cannot use one (then TCP only)."""
+        segment = shm.Segment.create(request_bytes, reply_bytes)
+        if segment is None:
+            self._tcp_only = True
+            return None
+        try:
+            frame.send_message(self._sock, ATTACH, {"path": segment.path, "nonce": segment.nonce.hex(),
+                                                    "request_bytes": request_bytes, "reply_bytes": reply_bytes})
+            self._read_reply(None).result(self.task)
+        except errors.InvalidArgumentError as exc:  # it answered: it cannot map ours
+            log.info("%s: data bodies stay on TCP: %s", self.task, exc.message)
+            self._tcp_only = True
+            return None
+        finally:
+            segment.unlink()  # mapped on both sides now (or refused): the name is no longer needed
+        self._segment = segment
+        self._reader.shared_area = segment.reply
+        return segment
+
     def _say_hello(self) -> None:
         """Open the connection with the job's token; the task refuses anything else."""
         frame.send_message(self._sock, HELLO, {"token": self.options.token})
@@ -384,7 +482,12 @@ class DataChannel:
         head = self._reader.read_head(max_body_bytes=self.options.max_message_bytes)
         if head is None:
             raise errors.UnavailableError("the task closed the connection before replying")
-        tensors = read_tensors(self._reader, head.entries, into, lambda e: torch.empty(e.shape, dtype=e.dtype))
+        allocate = _new_tensor
+        if head.shared:
+            tensors = frame.read_area(self._reader.shared_area, head.entries, into, allocate)
+        else:
+            self._largest_reply = max(self._largest_reply, head.body_bytes)
+            tensors = read_tensors(self._reader, head.entries, into, allocate)
         return _Reply(head.kind, head.meta, tensors)
 
     def _guard(self, timeout: float | None) -> "_ConnectionGuard":
@@ -395,10 +498,24 @@ class DataChannel:
             self._reader.close()
             self._sock.close()
             self._sock = self._reader = None
+            self._segment = None
 
     def close(self) -> None:
         with self._lock:
             self._close()
+
+
+def _new_tensor(entry: TensorEntry) -> torch.Tensor:
+    return torch.empty(entry.shape, dtype=entry.dtype)
+
+
+def _same_host(sock: socket.socket) -> bool:
+    """Whether the peer is on this host as far as addresses tell (the Attach's nonce has the last word)."""
+    try:
+        peer, local = sock.getpeername()[0], sock.getsockname()[0]
+        return peer == local or ipaddress.ip_address(peer).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -442,11 +559,16 @@ class Stream:
     """A request being sent piecewise: ``send(i, tensor)`` in entry order, then ``finish()`` for the reply.
 
     The channel stays locked until ``finish`` or ``abort``; an aborted stream closes the
-    connection, so the task sees a truncated message and applies nothing.
+    connection, so the task sees a truncated message and applies nothing.  Through shared
+    memory (``shared``: the area, the method and its meta) tensors are copied into the area
+    as they come and the head leaves at ``finish``: an aborted stream sent nothing at all.
     """
 
-    def __init__(self, channel: DataChannel, entries: list[TensorEntry], timeout: float | None) -> None:
+    def __init__(self, channel: DataChannel, entries: list[TensorEntry], timeout: float | None, *,
+                 shared: tuple[torch.Tensor, str, Mapping[str, Any]] | None = None) -> None:
         self._channel, self._entries, self._timeout = channel, entries, timeout
+        self._shared = shared
+        self._offset = 0  # bytes written into the shared area
         self._next = 0
         self._open = True
 
@@ -458,8 +580,11 @@ class Stream:
             raise errors.InvalidArgumentError(f"stream expected {entry.name} as {entry.dtype} {entry.shape}, got "
                                               f"{tensor.dtype} {tuple(tensor.shape)}", task=self._channel.task)
         try:
-            with self._channel._guard(self._timeout):
-                frame.send_buffers(self._channel._sock, [frame.tensor_bytes(tensor)])
+            if self._shared is not None:
+                self._offset = frame.write_area(self._shared[0], self._offset, [tensor])
+            else:
+                with self._channel._guard(self._timeout):
+                    frame.send_buffers(self._channel._sock, [frame.tensor_bytes(tensor)])
         except BaseException:
             self._release()
             raise
@@ -473,15 +598,21 @@ class Stream:
                                               task=self._channel.task)
         try:
             with self._channel._guard(self._timeout):
+                if self._shared is not None:
+                    _, method, meta = self._shared
+                    frame.send_buffers(self._channel._sock,
+                                       [memoryview(frame.encode_head(method, meta, self._entries, shared=True))])
                 reply = self._channel._read_reply(into)
         finally:
             self._release()
         return reply.result(self._channel.task)
 
     def abort(self) -> None:
-        """Give up: close the connection mid-message, so nothing of this request is applied."""
+        """Give up: close the connection mid-message (through shared memory nothing was sent yet), so
+        nothing of this request is applied."""
         if self._open:
-            self._channel._close()
+            if self._shared is None:
+                self._channel._close()
             self._release()
 
     def _release(self) -> None:

@@ -2,9 +2,12 @@
 
 Layout of one message::
 
-    b"TFLD" | u8 version | 3 bytes zero | u32 header length | u64 body length   (little endian, 20 bytes)
+    b"TFLD" | u8 version | u8 flags | 2 bytes zero | u32 header length | u64 body length   (little endian, 20 bytes)
     header: UTF-8 JSON {"kind": str, "meta": {...}, "tensors": [{"name", "dtype", "shape"}, ...]}
     body:   the tensors' bytes, one after another in header order, no padding
+
+With the flag ``SHARED`` the body is not on the stream but at the start of the sender's
+area of the connection's shared segment (``tensorfleet.wire.shm``, tasks on one host).
 
 ``kind`` is the method of a request (``"Push"``) or the status of a reply (``"OK"``
 or an error code such as ``"INVALID_ARGUMENT"``, with ``meta["message"]``).
@@ -21,12 +24,13 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import select
 import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -35,7 +39,8 @@ from tensorfleet.wire.codec import TensorEntry, byte_view, check_entry
 
 MAGIC = b"TFLD"
 VERSION = 1
-PREFIX = struct.Struct("<4sB3xIQ")
+PREFIX = struct.Struct("<4sBB2xIQ")
+SHARED = 0x01  # flags: the body is in the connection's shared segment
 MAX_HEADER_BYTES = 4 * 1024 * 1024
 IOV_MAX = 512  # buffers per sendmsg call, well under the kernel's 1024
 # Small messages arrive in one recv; larger bodies bypass the buffer.  Kept small: a head is read with
@@ -51,16 +56,22 @@ class Head:
     meta: dict[str, Any]
     entries: list[TensorEntry]
     body_bytes: int
+    shared: bool = False  # the body is in the sender's shared area, not on the stream
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"))  # one instance: json.dumps with options builds one per call
 
 
-def encode_head(kind: str, meta: Mapping[str, Any] | None, entries: list[TensorEntry]) -> bytes:
+def encode_head(kind: str, meta: Mapping[str, Any] | None, entries: list[TensorEntry], *,
+                shared: bool = False) -> bytes:
     """Prefix + header of a message whose body is the bytes of ``entries``' tensors, in order."""
     layout, body_bytes = _encode_layout(tuple(entries))
     header = f'{{"kind":{_JSON.encode(kind)},"meta":{_JSON.encode(dict(meta or {}))},"tensors":{layout}}}'.encode()
-    return PREFIX.pack(MAGIC, VERSION, len(header), body_bytes) + header
+    return PREFIX.pack(MAGIC, VERSION, SHARED if shared else 0, len(header), body_bytes) + header
+
+
+def body_bytes(entries: list[TensorEntry]) -> int:
+    return _encode_layout(tuple(entries))[1]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -70,13 +81,65 @@ def _encode_layout(entries: tuple[TensorEntry, ...]) -> tuple[str, int]:
 
 
 def send_message(sock: socket.socket, kind: str, meta: Mapping[str, Any] | None = None,
-                 tensors: Mapping[str, torch.Tensor] | None = None) -> None:
-    """Send one whole message; the tensors' memory goes to the kernel without a copy."""
+                 tensors: Mapping[str, torch.Tensor] | None = None, *, area: torch.Tensor | None = None) -> None:
+    """Send one whole message; the tensors' memory goes to the kernel without a copy.
+
+    With ``area`` (this side's area of a shared segment) a body that fits is copied there
+    instead, and only the head goes on the stream.
+    """
     tensors = tensors or {}
     entries = [TensorEntry.of(name, tensor) for name, tensor in tensors.items()]
+    if area is not None and 0 < body_bytes(entries) <= area.numel():
+        write_area(area, 0, tensors.values())
+        send_buffers(sock, [memoryview(encode_head(kind, meta, entries, shared=True))])
+        return
     buffers = [memoryview(encode_head(kind, meta, entries))]
     buffers += [tensor_bytes(tensor) for tensor in tensors.values()]
     send_buffers(sock, buffers)
+
+
+def write_area(area: torch.Tensor, offset: int, tensors: Iterable[torch.Tensor]) -> int:
+    """Copy tensors into a shared area from byte ``offset``, one after another; return the end offset."""
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        target = area[offset:offset + nbytes]
+        if offset % tensor.element_size() == 0:
+            target.view(tensor.dtype).view(tensor.shape).copy_(tensor)  # any strides, one pass
+        else:
+            target.copy_(_bytes_of(tensor))
+        offset += nbytes
+    return offset
+
+
+def read_area(area: torch.Tensor, entries: list[TensorEntry], into: Mapping[str, torch.Tensor] | None,
+              allocate: Callable[[TensorEntry], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A body's tensors copied out of a shared area: each into ``into[name]`` where it fits, else into
+    ``allocate(entry)`` (the area is the sender's again once this message is answered)."""
+    tensors, offset = {}, 0
+    for entry in entries:
+        target = (into or {}).get(entry.name)
+        if target is None or not entry.matches(target) or not target.is_contiguous():
+            target = allocate(entry)
+        nbytes = entry.nbytes
+        _bytes_of(target).copy_(area[offset:offset + nbytes])
+        tensors[entry.name] = target
+        offset += nbytes
+    return tensors
+
+
+def area_views(area: torch.Tensor, entries: list[TensorEntry]) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    """A body of one dtype as views of the area, without a copy: the whole body and each tensor; None for
+    mixed dtypes.  The views are valid until this message is answered."""
+    if not entries or any(entry.dtype != entries[0].dtype for entry in entries):
+        return None
+    sizes = [math.prod(entry.shape) for entry in entries]
+    body = area[:sum(entry.nbytes for entry in entries)].view(entries[0].dtype)
+    return body, {entry.name: part.view(entry.shape) for entry, part in zip(entries, body.split(sizes))}
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor (a view; a copy only if not contiguous)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -130,6 +193,7 @@ class Reader:
 
     def __init__(self, sock: socket.socket, *, busy_poll_s: float = 0.0) -> None:
         self._sock = sock
+        self.shared_area: torch.Tensor | None = None  # the peer's area of an attached segment (shm)
         self._busy_poll_s = busy_poll_s
         self._buffer = bytearray(READ_BUFFER_BYTES)
         self._view = memoryview(self._buffer)
@@ -210,19 +274,26 @@ class Reader:
             return None
         if len(prefix) < PREFIX.size:
             raise UnavailableError(f"the stream ended after {len(prefix)} bytes of a message prefix")
-        magic, version, header_bytes, body_bytes = PREFIX.unpack(prefix)
+        magic, version, flags, header_bytes, body_bytes = PREFIX.unpack(prefix)
         if magic != MAGIC:
             raise WireError(f"bad magic {magic!r}: not a tensorfleet data-plane message")
         if version != VERSION:
             raise WireError(f"data-plane version {version} is not supported (this build speaks {VERSION})")
+        if flags & ~SHARED:
+            raise WireError(f"unknown message flags {flags:#04x}")
         if header_bytes > MAX_HEADER_BYTES:
             raise WireError(f"header of {header_bytes} bytes exceeds the limit of {MAX_HEADER_BYTES}")
         if body_bytes > max_body_bytes:
             raise WireError(f"message body of {body_bytes} bytes exceeds the limit of {max_body_bytes} bytes")
+        shared = bool(flags & SHARED)
+        if shared and (self.shared_area is None or body_bytes > self.shared_area.numel()):
+            raise WireError(f"a message puts its body of {body_bytes} bytes in shared memory, but this connection "
+                            f"has {'no segment attached' if self.shared_area is None else 'a smaller one'}")
         raw = self._read_small(header_bytes)
         if len(raw) < header_bytes:
             raise UnavailableError("the stream ended in the middle of a message header")
-        return _parse_header(raw, body_bytes)
+        head = _parse_header(raw, body_bytes)
+        return Head(head.kind, head.meta, head.entries, body_bytes, shared=True) if shared else head
 
     def read_into(self, tensor: torch.Tensor) -> None:
         """Fill a contiguous CPU tensor with the next ``tensor.nbytes`` bytes of the stream."""

@@ -97,6 +97,20 @@ def busy_poll_from_env() -> float:
     return value
 
 
+SHARED_MEMORY_ENV = "TENSORFLEET_SHARED_MEMORY"
+
+
+def shared_memory_from_env() -> bool:
+    """``TENSORFLEET_SHARED_MEMORY``: on unless set to 0 / false / off."""
+    text = os.environ.get(SHARED_MEMORY_ENV, "").strip().lower()
+    if text in ("", "1", "true", "on", "yes"):
+        return True
+    if text in ("0", "false", "off", "no"):
+        return False
+    raise ConfigError(f"{SHARED_MEMORY_ENV}={text!r}: give 1 (the default: bodies between tasks on one host go "
+                      "through shared memory) or 0 (always TCP)")
+
+
 @dataclass(frozen=True)
 class WireOptions:
     """Limits every channel and server obeys.
@@ -111,6 +125,9 @@ class WireOptions:
         busy_poll_us: how long a data connection waiting for a message polls before it sleeps (0: never;
             see ``tensorfleet.wire.frame.Reader``). By default from ``TENSORFLEET_BUSY_POLL_US``, which
             ``tensorfleet launch`` sets when every task has a core of its own.
+        shared_memory: move the bodies of data-plane messages between tasks on one host through shared
+            memory (see ``tensorfleet.wire.shm``); False: always TCP. By default from
+            ``TENSORFLEET_SHARED_MEMORY`` (on unless 0).
     """
 
     max_message_bytes: int = 1024 * 1024 * 1024
@@ -118,6 +135,7 @@ class WireOptions:
     token: str | None = field(default_factory=auth.job_token, repr=False)
     tls: TlsFiles | None = field(default_factory=TlsFiles.from_env)
     busy_poll_us: float = field(default_factory=busy_poll_from_env)
+    shared_memory: bool = field(default_factory=shared_memory_from_env)
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1024:
