@@ -9,7 +9,12 @@ script, each for the same number of timed steps after a warm-up:
 * tensorfleet sync, 2 workers + 2 ps (greedy placement, large variables in 2 row
   parts so both ps carry half), gradients pushed after backward (overlap off);
 * the same with overlap on (each gradient leaves during backward);
-* overlap on with gradients and values in bfloat16 on the wire (goal 6; the ps stays fp32).
+* overlap on with gradients and values in bfloat16 on the wire (goal 6; the ps stays fp32);
+* overlap on with bodies over loopback TCP instead of shared memory
+  (``TENSORFLEET_SHARED_MEMORY=0``), as between hosts.
+
+Tasks on one host move message bodies through shared memory by default
+(``tensorfleet.wire.shm``); gloo moves DDP's over loopback TCP.
 
 Samples/sec = 2 workers x batch x steps / wall time of the timed steps; the
 figure of a configuration is the median of ``--repeats`` interleaved runs.
@@ -34,6 +39,7 @@ from torch import nn
 import tensorfleet as tfl
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.launch.local import free_ports, local_cluster
+from tensorfleet.wire.rpc import SHARED_MEMORY_ENV
 
 BATCH, WARMUP, LR, MOMENTUM = 64, 5, 0.01, 0.9
 
@@ -84,9 +90,9 @@ def tensorfleet_worker(cluster: ClusterSpec, index: int, steps: int, overlap: bo
         return time.perf_counter() - start
 
 
-def run_workers(role_args: list[list[str]]) -> list[float]:
+def run_workers(role_args: list[list[str]], env: dict[str, str] | None = None) -> list[float]:
     """Start one process per worker (this script, --role ...); return each one's timed seconds."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = env or {**os.environ, "OMP_NUM_THREADS": "1"}
     workers = [subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, env=env)
                for args in role_args]
     return [float(worker.communicate(timeout=600)[0].strip().splitlines()[-1]) for worker in workers]
@@ -98,9 +104,9 @@ def run_ddp(steps: int) -> float:
                             for r in range(2)]))
 
 
-def run_tensorfleet(steps: int, overlap: bool, bf16: bool = False) -> float:
+def run_tensorfleet(steps: int, overlap: bool, bf16: bool = False, shared_memory: bool = True) -> float:
     cluster = local_cluster(2, 2)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", SHARED_MEMORY_ENV: "1" if shared_memory else "0"}
     ps = [subprocess.Popen([sys.executable, "-m", "tensorfleet.ps"], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, env={**env, "TF_CONFIG": cluster.to_tf_config(TaskSpec("ps", i))})
           for i in range(2)]
@@ -108,7 +114,7 @@ def run_tensorfleet(steps: int, overlap: bool, bf16: bool = False) -> float:
         spec = json.dumps(cluster.as_dict())
         return max(run_workers([["--role", "tensorfleet", "--cluster", spec, "--index", str(i), "--steps", str(steps),
                                  *(["--overlap"] if overlap else []), *(["--bf16"] if bf16 else [])]
-                                for i in range(2)]))
+                                for i in range(2)], env))
     finally:
         for process in ps:
             try:
@@ -145,7 +151,8 @@ def main() -> int:
     configurations = {"DDP (gloo)": lambda: run_ddp(args.steps),
                       "tensorfleet sync, overlap off": lambda: run_tensorfleet(args.steps, overlap=False),
                       "tensorfleet sync, overlap on": lambda: run_tensorfleet(args.steps, overlap=True),
-                      "overlap on, bf16 on the wire": lambda: run_tensorfleet(args.steps, overlap=True, bf16=True)}
+                      "overlap on, bf16 on the wire": lambda: run_tensorfleet(args.steps, overlap=True, bf16=True),
+                      "overlap on, over TCP": lambda: run_tensorfleet(args.steps, overlap=True, shared_memory=False)}
     runs: dict[str, list[float]] = {name: [] for name in configurations}
     for _ in range(args.repeats):  # interleaved, so drifting load hits every configuration alike
         for name, run in configurations.items():
@@ -157,7 +164,8 @@ def main() -> int:
               "goal3_ratio_to_ddp": rates["tensorfleet sync, overlap on"] / ddp,
               "ratio_overlap_off_to_ddp": rates["tensorfleet sync, overlap off"] / ddp,
               "goal4_overlap_gain": rates["tensorfleet sync, overlap on"] / rates["tensorfleet sync, overlap off"],
-              "goal6_bf16_ratio_to_ddp": rates["overlap on, bf16 on the wire"] / ddp}
+              "goal6_bf16_ratio_to_ddp": rates["overlap on, bf16 on the wire"] / ddp,
+              "ratio_over_tcp_to_ddp": rates["overlap on, over TCP"] / ddp}
     print(f"MLP of {params / 1e6:.1f} M parameters, 2 workers x batch {BATCH}, {args.steps} timed steps, "
           f"median of {args.repeats} runs")
     print(f"{'configuration':<34}{'samples/sec':>14}{'vs DDP':>10}")

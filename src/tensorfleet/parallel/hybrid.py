@@ -63,7 +63,7 @@ class TowerReplica:
         cluster, task: the cluster and this worker's task (the same on every tower of the worker).
         **replica_options: ``Replica``'s keyword arguments (``optimizer=``, ``mode=``, ...; see
             ``training_options``), used by tower 0. ``overlap=True`` is refused with several towers: it
-            would stream each gradient before the towers have averaged it.
+            would stream each gradient before the towers have averaged it; so is ``prefetch=True``.
 
     Attributes:
         model: forward through this (``DistributedDataParallel`` around ``module``; ``module`` itself
@@ -85,6 +85,9 @@ class TowerReplica:
         if replica_options.get("overlap") and towers.num_towers > 1:
             raise InvalidArgumentError("overlap=True streams each gradient during backward, before the towers have "
                                        "averaged it: use towers or --overlap, not both")
+        if replica_options.get("prefetch") and towers.num_towers > 1:
+            raise InvalidArgumentError("prefetch=True with several towers is not supported: the towers take tower "
+                                       "0's values after each push; use towers or --prefetch, not both")
         self.towers = towers
         self.module = module
         self.task = task

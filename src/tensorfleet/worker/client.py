@@ -393,11 +393,15 @@ class PushStreams:
 
     def finish(self, *, into: Mapping[str, torch.Tensor] | None = None) -> Pushed:
         """Every gradient must have been given to ``send``; send the held-back ones, wait for every reply."""
+        return self.finish_async(into=into).result()
+
+    def finish_async(self, *, into: Mapping[str, torch.Tensor] | None = None) -> Gathered:
+        """``finish`` without waiting: ``result()`` is the ``Pushed``."""
         for shard in self._shards:
             self._flush(shard, hold_last=False)
         futures = [self._client.shard_thread(s).submit(self._finish_one, s, into) for s in self._shards]
         return Gathered(futures, lambda r: _pushed(self._shards, r, len(self._client.channels),
-                                                   with_values=self._values)).result()
+                                                   with_values=self._values))
 
     def _finish_one(self, shard: int, into: Mapping[str, torch.Tensor] | None) -> tuple[dict, dict]:
         stream: Stream = self._streams[shard].result()  # a stream that failed to open raises its error here

@@ -12,6 +12,8 @@
                                      (0: none), for evaluation with Replica.load_averages()
     --overlap                        send each gradient as soon as backward produces it (one backward
                                      per push, no gradient changes between backward and push)
+    --prefetch                       async: each push travels while the next step computes, on values
+                                     one update older (hides the round trip)
     --wire_dtype float32|bfloat16|float16
                                      the dtype gradients and values travel in (the ps stays fp32)
     --nonfinite_gradients reject|apply
@@ -62,6 +64,8 @@ def add_training_flags(parser: argparse.ArgumentParser, *, default_mode: str = "
                        help="dtype of gradients and values on the wire; the ps keeps and updates fp32")
     group.add_argument("--overlap", action="store_true",
                        help="push each gradient as soon as backward produces it (needs one backward per push)")
+    group.add_argument("--prefetch", action="store_true",
+                       help="async: let each push travel while the next step computes (values one update older)")
     group.add_argument("--nonfinite_gradients", choices=NONFINITE_POLICIES, default="reject",
                        help="what the ps does with NaN/Inf gradients: reject the push (default) or apply it")
     towers = parser.add_argument_group("towers (several devices of one machine)")
@@ -83,6 +87,7 @@ def training_options(args: argparse.Namespace) -> dict[str, Any]:
         "log_placement": args.log_device_placement,
         "average_decay": args.moving_average_decay or None,
         "overlap": args.overlap,
+        "prefetch": args.prefetch,
         "wire_dtype": WIRE_DTYPES[args.wire_dtype],
         "nonfinite_gradients": args.nonfinite_gradients,
     }

@@ -17,6 +17,15 @@ produced it (a gradient hook), so the transfer overlaps the rest of backward;
 this needs exactly one backward per push and no change to the gradients
 between backward and push (no local clipping).
 
+With ``prefetch=True`` (async mode only) ``push()`` returns as soon as the
+gradients are handed over: the push, the ps's update and its reply travel while
+the next step computes, on the values the module already holds, and those values
+are refreshed at the following ``push()`` (with the reply of the push before it).
+Each gradient is thus computed on values one update older than without prefetch,
+the price of hiding the round trip (async training already tolerates such
+staleness: other workers' updates land at any time).  ``settle()`` waits for the
+push in flight and takes its values.
+
 On entering, the chief (``chief:0`` if the cluster has one, else ``worker:0``)
 sends the module's initial values and the optimizer to the ps; a ps that is
 already initialized keeps its values, so a restarted chief never overwrites
@@ -40,7 +49,7 @@ from tensorfleet.ps.apply import OptimizerSpec
 from tensorfleet.ps.store import ShardState
 from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
-from tensorfleet.worker.client import PsClient, Pulled, Pushed, PushStreams
+from tensorfleet.worker.client import Gathered, PsClient, Pulled, Pushed, PushStreams
 from tensorfleet.worker.status import PROCESS_STATUS
 
 log = logging.getLogger(__name__)
@@ -71,6 +80,8 @@ class Replica:
             rounded to that dtype. None (default): tensors travel as they are.
         nonfinite_gradients: what the ps does with a push holding NaN/Inf gradients: ``"reject"`` it
             (the default: counted in its Status, logged, ``dropped_gradients`` here) or ``"apply"`` it.
+        prefetch: async mode: let each push travel while the next step computes (see the module
+            docstring); an error of that push is raised by the next ``push()``, ``pull()`` or ``settle()``.
 
     Example:
         >>> with Replica(model, cluster, task, optimizer=OptimizerSpec.adam(lr=0.01)) as replica:  # doctest: +SKIP
@@ -85,9 +96,13 @@ class Replica:
                  placement: PlacementStrategy = RoundRobin(), partitioner: RowPartitioner | None = None,
                  average_decay: float | None = None, options: WireOptions = WireOptions(),
                  init_timeout_s: float = 300.0, log_placement: bool = False, overlap: bool = False,
-                 wire_dtype: torch.dtype | None = None, nonfinite_gradients: str = "reject") -> None:
+                 wire_dtype: torch.dtype | None = None, nonfinite_gradients: str = "reject",
+                 prefetch: bool = False) -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode={mode!r}: choose 'async' or 'sync'")
+        if prefetch and mode != "async":
+            raise InvalidArgumentError("prefetch=True needs async mode: in sync mode the next step's values exist "
+                                       "only once every replica has pushed")
         self.module = module
         self.task = task
         self.replica_id = cluster.replica_id(task)
@@ -118,6 +133,12 @@ class Replica:
         self._overlap_misuse: str | None = None
         self._hooks: list = []
         self.overlap = overlap
+        self.prefetch = prefetch
+        self._in_flight: Gathered | None = None  # prefetch: the push travelling while the next step computes
+        self._landing: dict[str, torch.Tensor] = {}  # prefetch: where its values land (copied in later)
+        if prefetch:
+            landing = {name: torch.empty_like(p.data) for name, p in self._params.items()}
+            self._landing = self.placement.views(landing)
         if overlap:
             # backward produces gradients from the last layer to the first: stream them in that order
             self._stream_layout = dict(reversed(list(self._param_views.items())))
@@ -166,6 +187,7 @@ class Replica:
         """
         for param in self._params.values():  # the failed step's: a step run again must not add to them
             param.grad = None
+        self._abandon_in_flight()
         log.warning("%s: lost contact with the ps; waiting up to %.0f s for every ps to answer",
                     self.task.name, timeout_s)
         statuses = self.client.wait_for_shards(timeout_s)
@@ -207,6 +229,7 @@ class Replica:
         PROCESS_STATUS.finished()
         try:
             self._drop_streams()
+            self.settle()
             self.client.done(self.replica_id)
         finally:
             self.client.close()
@@ -231,6 +254,8 @@ class Replica:
         (unless the module's parameters were changed in place since; then they are fetched again).
         """
         self._drop_streams()
+        if self._in_flight is not None:  # prefetch: this step computes on the values held; the push lands later
+            return self.global_step
         if self._prefetched is not None and self._prefetched == self._versions():
             self._prefetched = None  # untouched since the push brought them: they are the pull's values
             return self.global_step
@@ -244,7 +269,36 @@ class Replica:
         Training continues from the real values: the next ``pull()`` brings them back.
         """
         self._drop_streams()
+        self.settle()
         return self._copy_in(averages=True).global_step
+
+    def settle(self) -> int:
+        """Prefetch: wait for the push in flight and copy its values into the module (no-op otherwise).
+
+        Returns the global step. Raises what that push raised (the session then recovers).
+        """
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            self._landed(in_flight.result())
+        return self.global_step
+
+    def _landed(self, pushed: Pushed) -> None:
+        """A prefetching push's reply: its values into the module, its step and drops into the counters."""
+        with torch.no_grad():
+            for name, view in self._param_views.items():
+                view.copy_(pushed.pulled.values[name])
+        self.global_step, self._shard_steps = pushed.pulled.global_step, pushed.pulled.shard_steps
+        self.dropped_gradients += pushed.dropped
+        PROCESS_STATUS.pushed(self.global_step, self.dropped_gradients)
+
+    def _abandon_in_flight(self) -> None:
+        """Recovery: the push in flight failed or will be resent by no one; wait for it to end, quietly."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            try:
+                in_flight.result()
+            except Exception:  # noqa: BLE001 - its failure is what is being recovered from
+                pass
 
     def _versions(self) -> list[int]:
         """Autograd's version counters: any in-place change to a parameter bumps its counter."""
@@ -274,6 +328,8 @@ class Replica:
         The reply brings the ps's values after the update into the module (see ``pull``).
         """
         self._prefetched = None
+        if self.prefetch:
+            return self._push_in_flight()
         if self._streams is not None:  # opened during backward, tagged then
             pushed = self._finish_streams()
         else:
@@ -288,6 +344,19 @@ class Replica:
         for param in self._params.values():
             param.grad = None
         PROCESS_STATUS.pushed(self.global_step, self.dropped_gradients)
+        return self.global_step
+
+    def _push_in_flight(self) -> int:
+        """Prefetch: take the previous push's values, then send this one and return without its reply."""
+        self.settle()  # normally long done: it travelled during this step's compute
+        if self._streams is not None:
+            self._in_flight = self._finish_streams(into=self._landing, wait=False)
+        else:
+            grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._params.items()}
+            self._in_flight = self.client.push_async(self.placement.views(grads), replica=self.replica_id,
+                                                     into=self._landing)
+        for param in self._params.values():  # the push holds the gradients; the next backward makes new ones
+            param.grad = None
         return self.global_step
 
     def report(self, *, loss: float | None = None, examples: int = 0, target_step: int | None = None) -> None:
@@ -319,7 +388,8 @@ class Replica:
         for part, view in self.placement.views_of(name, param.grad).items():
             self._streams.send(part, view)
 
-    def _finish_streams(self) -> Pushed:
+    def _finish_streams(self, *, into: dict[str, torch.Tensor] | None = None, wait: bool = True) -> Any:
+        """Send what is left of the streamed push; its ``Pushed`` (or, ``wait=False``, a ``Gathered``)."""
         streams, misuse = self._streams, self._overlap_misuse
         if misuse is not None:
             self._drop_streams()
@@ -330,7 +400,8 @@ class Replica:
                 for part, view in self.placement.views_of(name, param.grad).items():
                     streams.send(part, view)
         self._streams, self._streamed = None, set()
-        return streams.finish(into=self._param_views)
+        finishing = streams.finish_async(into=self._param_views if into is None else into)
+        return finishing.result() if wait else finishing
 
     def _drop_streams(self) -> None:
         """Abandon a push in flight (backward ran but push() did not follow): the ps applies none of it."""
