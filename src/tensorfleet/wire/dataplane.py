@@ -401,9 +401,9 @@ class DataChannel:
         self._lock.acquire()
         try:
             with self._guard(timeout):
-                sock = self._connected(timeout)
-                area = self._shared_area(frame.body_bytes(entries))
-                if area is not None and frame.body_bytes(entries):  # the head goes last, with the body in place
+                sock, nbytes = self._connected(timeout), frame.body_size(entries)
+                area = self._shared_area(nbytes) if nbytes else None
+                if area is not None:  # the body goes in place first, its head last
                     return Stream(self, entries, timeout, shared=(area, method, meta))
                 frame.send_buffers(sock, [memoryview(frame.encode_head(method, meta, entries))])
         except BaseException:

@@ -70,7 +70,8 @@ def encode_head(kind: str, meta: Mapping[str, Any] | None, entries: list[TensorE
     return PREFIX.pack(MAGIC, VERSION, SHARED if shared else 0, len(header), body_bytes) + header
 
 
-def body_bytes(entries: list[TensorEntry]) -> int:
+def body_size(entries: list[TensorEntry]) -> int:
+    """The bytes of a body holding these tensors."""
     return _encode_layout(tuple(entries))[1]
 
 
@@ -89,7 +90,7 @@ def send_message(sock: socket.socket, kind: str, meta: Mapping[str, Any] | None 
     """
     tensors = tensors or {}
     entries = [TensorEntry.of(name, tensor) for name, tensor in tensors.items()]
-    if area is not None and 0 < body_bytes(entries) <= area.numel():
+    if area is not None and 0 < body_size(entries) <= area.numel():
         write_area(area, 0, tensors.values())
         send_buffers(sock, [memoryview(encode_head(kind, meta, entries, shared=True))])
         return

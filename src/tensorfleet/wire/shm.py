@@ -19,6 +19,11 @@ of the sender's area.  One request at a time per connection makes reuse safe: th
 client writes the request area only once the previous reply has arrived, and the
 server writes the reply area only while it serves a request.  A body that does not
 fit the area travels over the socket as before.
+
+Trust: a segment is shared with one peer that has passed the connection's checks
+(the job token, when there is one) and runs as the same user.  Such a peer could
+rewrite a body while the server reads it, as it could send other bytes; the server
+never reads or writes beyond the areas it has checked.
 """
 
 from __future__ import annotations
