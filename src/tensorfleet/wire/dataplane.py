@@ -55,7 +55,9 @@ log = logging.getLogger(__name__)
 OK = "OK"
 HELLO = "Hello"  # the first message of a connection when the job has a token (see tensorfleet.wire.auth)
 ATTACH = "Attach"  # a client's shared segment for this connection's bodies (see tensorfleet.wire.shm)
-SHARED_MIN_BYTES = 64 * 1024  # smaller bodies stay on the socket: a segment is not worth its setup for them
+# Smaller bodies stay on the socket: they are latency-bound, and copying tensor by tensor through a
+# segment measured no faster than TCP at 1 MiB and slower below (benchmarks/wire_throughput.py).
+SHARED_MIN_BYTES = 1024 * 1024
 
 
 @dataclass
