@@ -35,7 +35,7 @@ from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.launch.local import local_cluster
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vs_ddp import LR, MOMENTUM, WARMUP, batch, build_model  # noqa: E402  (the same model and data)
+from vs_ddp import LR, MOMENTUM, WARMUP, batch, build_model, ps_processes  # noqa: E402  (the same model, data)
 
 CONFIGURATIONS = {"plain": (False, False), "overlap": (True, False), "prefetch": (False, True),
                   "overlap + prefetch": (True, True)}
@@ -61,20 +61,12 @@ def run(steps: int, overlap: bool, prefetch: bool) -> float:
     """One ps process and one worker process; the worker's timed seconds."""
     cluster = local_cluster(1, 1)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ps = subprocess.Popen([sys.executable, "-m", "tensorfleet.ps"], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, env={**env, "TF_CONFIG": cluster.to_tf_config(TaskSpec("ps", 0))})
-    try:
+    with ps_processes(cluster, env):
         args = ["--role", "worker", "--cluster", json.dumps(cluster.as_dict()), "--steps", str(steps)]
         args += (["--overlap"] if overlap else []) + (["--prefetch"] if prefetch else [])
         out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env,
                              timeout=600, check=True).stdout
         return float(out.strip().splitlines()[-1])
-    finally:
-        try:
-            ps.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            ps.kill()
-            ps.wait()
 
 
 def main() -> int:

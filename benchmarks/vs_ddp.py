@@ -25,6 +25,7 @@ figure of a configuration is the median of ``--repeats`` interleaved runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -104,17 +106,15 @@ def run_ddp(steps: int) -> float:
                             for r in range(2)]))
 
 
-def run_tensorfleet(steps: int, overlap: bool, bf16: bool = False, shared_memory: bool = True) -> float:
-    cluster = local_cluster(2, 2)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", SHARED_MEMORY_ENV: "1" if shared_memory else "0"}
+@contextlib.contextmanager
+def ps_processes(cluster: ClusterSpec, env: dict[str, str]) -> Iterator[None]:
+    """Every ps task of ``cluster`` as a quiet process; on leaving, wait for them to exit (they do once
+    every worker is done), killing any that does not."""
     ps = [subprocess.Popen([sys.executable, "-m", "tensorfleet.ps"], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, env={**env, "TF_CONFIG": cluster.to_tf_config(TaskSpec("ps", i))})
-          for i in range(2)]
+          for i in range(len(cluster.ps_addresses))]
     try:
-        spec = json.dumps(cluster.as_dict())
-        return max(run_workers([["--role", "tensorfleet", "--cluster", spec, "--index", str(i), "--steps", str(steps),
-                                 *(["--overlap"] if overlap else []), *(["--bf16"] if bf16 else [])]
-                                for i in range(2)], env))
+        yield
     finally:
         for process in ps:
             try:
@@ -122,6 +122,16 @@ def run_tensorfleet(steps: int, overlap: bool, bf16: bool = False, shared_memory
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def run_tensorfleet(steps: int, overlap: bool, bf16: bool = False, shared_memory: bool = True) -> float:
+    cluster = local_cluster(2, 2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", SHARED_MEMORY_ENV: "1" if shared_memory else "0"}
+    with ps_processes(cluster, env):
+        spec = json.dumps(cluster.as_dict())
+        return max(run_workers([["--role", "tensorfleet", "--cluster", spec, "--index", str(i), "--steps", str(steps),
+                                 *(["--overlap"] if overlap else []), *(["--bf16"] if bf16 else [])]
+                                for i in range(2)], env))
 
 
 def main() -> int:
