@@ -55,9 +55,9 @@ log = logging.getLogger(__name__)
 OK = "OK"
 HELLO = "Hello"  # the first message of a connection when the job has a token (see tensorfleet.wire.auth)
 ATTACH = "Attach"  # a client's shared segment for this connection's bodies (see tensorfleet.wire.shm)
-# Smaller bodies stay on the socket: they are latency-bound, and copying tensor by tensor through a
-# segment measured no faster than TCP at 1 MiB and slower below (benchmarks/wire_throughput.py).
-SHARED_MIN_BYTES = 1024 * 1024
+# Smaller bodies stay on the socket: a segment costs a round trip and its pages to set up, and at
+# 4 KiB the two paths move bytes alike (benchmarks/wire_throughput.py); at 64 KiB the segment wins.
+SHARED_MIN_BYTES = 64 * 1024
 
 
 @dataclass
@@ -121,12 +121,12 @@ class Request:
         is returned as views of it, without a copy.
         """
         if self._shared:
-            area = self._reader.shared_area
-            found = frame.area_views(area, self.entries) if into is None else None
+            area, layout = self._reader.shared_area, tuple(self.entries)
+            found = area.flat(layout) if into is None else None
             if found is not None:
                 self.body, tensors = found
-                return tensors
-            return frame.read_area(area, self.entries, into, self._pool.get)
+                return dict(tensors)
+            return area.read(layout, into, self._pool.get)
         flat = self._pool.flat(self.entries) if into is None else None
         if flat is not None:
             self.body, tensors = flat
@@ -337,11 +337,12 @@ class _Link:
 
     def __init__(self, sock: socket.socket, reader: frame.Reader) -> None:
         self.sock, self.reader, self.pool = sock, reader, BufferPool()
-        self.reply_area: torch.Tensor | None = None
+        self.reply_area: frame.SharedArea | None = None
 
     def attach(self, segment: shm.Segment) -> None:
         """Bodies from now on may be in ``segment`` (a previous one is unmapped once unused)."""
-        self.reader.shared_area, self.reply_area = segment.request, segment.reply
+        self.reader.shared_area = frame.SharedArea(segment.request)
+        self.reply_area = frame.SharedArea(segment.reply)
 
 
 class DataChannel:
@@ -361,6 +362,7 @@ class DataChannel:
         self._reader: frame.Reader | None = None
         self._io_timeout: float | None = None  # the kernel's bound on _sock's sends and receives
         self._segment: shm.Segment | None = None  # this connection's shared segment, once attached
+        self._request_area: frame.SharedArea | None = None  # its request area
         self._tcp_only = False  # the task could not use a segment of ours (another host, shared memory off)
         self._largest_reply = 0  # bytes of the largest reply body seen: the reply area to ask for
         self._lock = threading.Lock()
@@ -444,7 +446,7 @@ class DataChannel:
             frame.set_io_timeouts(self._sock, receive=seconds, send=seconds)
             self._io_timeout = seconds
 
-    def _shared_area(self, request_bytes: int) -> torch.Tensor | None:
+    def _shared_area(self, request_bytes: int) -> frame.SharedArea | None:
         """The request area for a body of ``request_bytes``, attaching a (larger) segment first if
         needed; None: this body goes over the socket."""
         segment = self._segment
@@ -453,7 +455,7 @@ class DataChannel:
         if segment is None or request_bytes > segment.request_bytes or self._largest_reply > segment.reply_bytes:
             segment = self._attach(max(request_bytes, segment.request_bytes if segment else 0),
                                    max(self._largest_reply, segment.reply_bytes if segment else 0))
-        return None if segment is None else segment.request
+        return None if segment is None else self._request_area
 
     def _attach(self, request_bytes: int, reply_bytes: int) -> shm.Segment | None:
         """Give the task a new segment for this connection; None if it cannot use one (then TCP only)."""
@@ -472,7 +474,8 @@ class DataChannel:
         finally:
             segment.unlink()  # mapped on both sides now (or refused): the name is no longer needed
         self._segment = segment
-        self._reader.shared_area = segment.reply
+        self._request_area = frame.SharedArea(segment.request)
+        self._reader.shared_area = frame.SharedArea(segment.reply)
         return segment
 
     def _say_hello(self) -> None:
@@ -486,7 +489,7 @@ class DataChannel:
             raise errors.UnavailableError("the task closed the connection before replying")
         allocate = _new_tensor
         if head.shared:
-            tensors = frame.read_area(self._reader.shared_area, head.entries, into, allocate)
+            tensors = self._reader.shared_area.read(tuple(head.entries), into, allocate)
         else:
             self._largest_reply = max(self._largest_reply, head.body_bytes)
             tensors = read_tensors(self._reader, head.entries, into, allocate)
@@ -500,7 +503,7 @@ class DataChannel:
             self._reader.close()
             self._sock.close()
             self._sock = self._reader = None
-            self._segment = None
+            self._segment = self._request_area = None
 
     def close(self) -> None:
         with self._lock:
@@ -567,10 +570,9 @@ class Stream:
     """
 
     def __init__(self, channel: DataChannel, entries: list[TensorEntry], timeout: float | None, *,
-                 shared: tuple[torch.Tensor, str, Mapping[str, Any]] | None = None) -> None:
+                 shared: tuple[frame.SharedArea, str, Mapping[str, Any]] | None = None) -> None:
         self._channel, self._entries, self._timeout = channel, entries, timeout
-        self._shared = shared
-        self._offset = 0  # bytes written into the shared area
+        self._shared, self._layout = shared, tuple(entries)
         self._next = 0
         self._open = True
 
@@ -583,7 +585,7 @@ class Stream:
                                               f"{tensor.dtype} {tuple(tensor.shape)}", task=self._channel.task)
         try:
             if self._shared is not None:
-                self._offset = frame.write_area(self._shared[0], self._offset, [tensor])
+                self._shared[0].write(self._layout, [tensor], start=self._next)
             else:
                 with self._channel._guard(self._timeout):
                     frame.send_buffers(self._channel._sock, [frame.tensor_bytes(tensor)])

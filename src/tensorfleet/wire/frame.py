@@ -82,7 +82,7 @@ def _encode_layout(entries: tuple[TensorEntry, ...]) -> tuple[str, int]:
 
 
 def send_message(sock: socket.socket, kind: str, meta: Mapping[str, Any] | None = None,
-                 tensors: Mapping[str, torch.Tensor] | None = None, *, area: torch.Tensor | None = None) -> None:
+                 tensors: Mapping[str, torch.Tensor] | None = None, *, area: SharedArea | None = None) -> None:
     """Send one whole message; the tensors' memory goes to the kernel without a copy.
 
     With ``area`` (this side's area of a shared segment) a body that fits is copied there
@@ -90,8 +90,8 @@ def send_message(sock: socket.socket, kind: str, meta: Mapping[str, Any] | None 
     """
     tensors = tensors or {}
     entries = [TensorEntry.of(name, tensor) for name, tensor in tensors.items()]
-    if area is not None and 0 < body_size(entries) <= area.numel():
-        write_area(area, 0, tensors.values())
+    if area is not None and 0 < body_size(entries) <= area.nbytes:
+        area.write(tuple(entries), tensors.values())
         send_buffers(sock, [memoryview(encode_head(kind, meta, entries, shared=True))])
         return
     buffers = [memoryview(encode_head(kind, meta, entries))]
@@ -99,43 +99,79 @@ def send_message(sock: socket.socket, kind: str, meta: Mapping[str, Any] | None 
     send_buffers(sock, buffers)
 
 
-def write_area(area: torch.Tensor, offset: int, tensors: Iterable[torch.Tensor]) -> int:
-    """Copy tensors into a shared area from byte ``offset``, one after another; return the end offset."""
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        target = area[offset:offset + nbytes]
-        if offset % tensor.element_size() == 0:
-            target.view(tensor.dtype).view(tensor.shape).copy_(tensor)  # any strides, one pass
-        else:
-            target.copy_(_bytes_of(tensor))
-        offset += nbytes
-    return offset
+class SharedArea:
+    """One side's area of a connection's shared segment (``tensorfleet.wire.shm``), as a uint8 tensor.
+
+    A model's messages repeat the same layout every step, so each layout's tensors are made
+    once as views of the area (typed, shaped) and reused: one copy call per tensor per message.
+    """
+
+    MAX_LAYOUTS = 8
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self.nbytes = data.numel()
+        self._layouts: dict[tuple[TensorEntry, ...], list[torch.Tensor | None]] = {}
+        self._flat: dict[tuple[TensorEntry, ...], tuple[torch.Tensor, dict[str, torch.Tensor]] | None] = {}
+
+    def views(self, entries: tuple[TensorEntry, ...]) -> list[torch.Tensor | None]:
+        """Each entry's tensor as a view of the area, in body order; None where its offset is not aligned
+        for its dtype (the body has no padding; such a tensor is copied as bytes)."""
+        found = self._layouts.get(entries)
+        if found is None:
+            found, offset = [], 0
+            for entry in entries:
+                part = self.data[offset:offset + entry.nbytes]
+                found.append(part.view(entry.dtype).view(entry.shape) if offset % entry.dtype.itemsize == 0 else None)
+                offset += entry.nbytes
+            _remember(self._layouts, entries, found, self.MAX_LAYOUTS)
+        return found
+
+    def flat(self, entries: tuple[TensorEntry, ...]) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """A body of one dtype as views of the area, without a copy: the whole body and each tensor; None for
+        mixed dtypes.  The views are valid until the message is answered."""
+        if entries not in self._flat:
+            found = None
+            if entries and all(entry.dtype == entries[0].dtype for entry in entries):
+                body = self.data[:sum(entry.nbytes for entry in entries)].view(entries[0].dtype)
+                parts = body.split([math.prod(entry.shape) for entry in entries])
+                found = body, {entry.name: part.view(entry.shape) for entry, part in zip(entries, parts)}
+            _remember(self._flat, entries, found, self.MAX_LAYOUTS)
+        return self._flat[entries]
+
+    def write(self, entries: tuple[TensorEntry, ...], tensors: Iterable[torch.Tensor], start: int = 0) -> None:
+        """Copy ``tensors`` into the places of ``entries[start:]`` (a stream writes one at a time)."""
+        views = self.views(entries)
+        for index, tensor in enumerate(tensors, start):
+            view = views[index]
+            if view is not None:
+                view.copy_(tensor)  # any strides, any device: one pass
+            else:
+                offset = sum(entry.nbytes for entry in entries[:index])
+                self.data[offset:offset + entries[index].nbytes].copy_(_bytes_of(tensor))
+
+    def read(self, entries: tuple[TensorEntry, ...], into: Mapping[str, torch.Tensor] | None,
+             allocate: Callable[[TensorEntry], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A body's tensors copied out: each into ``into[name]`` where it fits, else into ``allocate(entry)``
+        (the area is the sender's again once the message is answered)."""
+        tensors, offset = {}, 0
+        for entry, view in zip(entries, self.views(entries)):
+            target = (into or {}).get(entry.name)
+            if target is None or not entry.matches(target) or (view is None and not target.is_contiguous()):
+                target = allocate(entry)
+            if view is not None:
+                target.copy_(view)
+            else:
+                _bytes_of(target).copy_(self.data[offset:offset + entry.nbytes])
+            tensors[entry.name] = target
+            offset += entry.nbytes
+        return tensors
 
 
-def read_area(area: torch.Tensor, entries: list[TensorEntry], into: Mapping[str, torch.Tensor] | None,
-              allocate: Callable[[TensorEntry], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A body's tensors copied out of a shared area: each into ``into[name]`` where it fits, else into
-    ``allocate(entry)`` (the area is the sender's again once this message is answered)."""
-    tensors, offset = {}, 0
-    for entry in entries:
-        target = (into or {}).get(entry.name)
-        if target is None or not entry.matches(target) or not target.is_contiguous():
-            target = allocate(entry)
-        nbytes = entry.nbytes
-        _bytes_of(target).copy_(area[offset:offset + nbytes])
-        tensors[entry.name] = target
-        offset += nbytes
-    return tensors
-
-
-def area_views(area: torch.Tensor, entries: list[TensorEntry]) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-    """A body of one dtype as views of the area, without a copy: the whole body and each tensor; None for
-    mixed dtypes.  The views are valid until this message is answered."""
-    if not entries or any(entry.dtype != entries[0].dtype for entry in entries):
-        return None
-    sizes = [math.prod(entry.shape) for entry in entries]
-    body = area[:sum(entry.nbytes for entry in entries)].view(entries[0].dtype)
-    return body, {entry.name: part.view(entry.shape) for entry, part in zip(entries, body.split(sizes))}
+def _remember(cache: dict, key: Any, value: Any, limit: int) -> None:
+    if len(cache) >= limit:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -194,7 +230,7 @@ class Reader:
 
     def __init__(self, sock: socket.socket, *, busy_poll_s: float = 0.0) -> None:
         self._sock = sock
-        self.shared_area: torch.Tensor | None = None  # the peer's area of an attached segment (shm)
+        self.shared_area: SharedArea | None = None  # the peer's area of an attached segment (shm)
         self._busy_poll_s = busy_poll_s
         self._buffer = bytearray(READ_BUFFER_BYTES)
         self._view = memoryview(self._buffer)
@@ -287,7 +323,7 @@ class Reader:
         if body_bytes > max_body_bytes:
             raise WireError(f"message body of {body_bytes} bytes exceeds the limit of {max_body_bytes} bytes")
         shared = bool(flags & SHARED)
-        if shared and (self.shared_area is None or body_bytes > self.shared_area.numel()):
+        if shared and (self.shared_area is None or body_bytes > self.shared_area.nbytes):
             raise WireError(f"a message puts its body of {body_bytes} bytes in shared memory, but this connection "
                             f"has {'no segment attached' if self.shared_area is None else 'a smaller one'}")
         raw = self._read_small(header_bytes)
