@@ -73,6 +73,8 @@ class Segment:
     @classmethod
     def create(cls, request_bytes: int, reply_bytes: int) -> "Segment | None":
         """A new segment (client side); None where this host has no room or no ``/dev/shm``."""
+        if not hasattr(os, "posix_fallocate"):  # not Linux: no tmpfs /dev/shm to rely on
+            return None
         sweep_stale()
         path = os.path.join(SHM_DIR, f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         size = segment_bytes(request_bytes, reply_bytes)
