@@ -24,18 +24,16 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 import tensorfleet as tfl
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.launch.local import local_cluster
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vs_ddp import LR, MOMENTUM, WARMUP, batch, build_model, ps_processes  # noqa: E402  (the same model, data)
+from vs_ddp import LR, MOMENTUM, build_model, ps_processes, timed_steps  # noqa: E402  (the same model, data)
 
 CONFIGURATIONS = {"plain": (False, False), "overlap": (True, False), "prefetch": (False, True),
                   "overlap + prefetch": (True, True)}
@@ -45,16 +43,8 @@ def worker(cluster: ClusterSpec, steps: int, overlap: bool, prefetch: bool) -> f
     model = build_model()
     replica = tfl.Replica(model, cluster, TaskSpec("worker", 0), optimizer=tfl.OptimizerSpec.sgd(
         lr=LR, momentum=MOMENTUM), overlap=overlap, prefetch=prefetch)
-    x, y = batch(0)
     with replica:
-        for step in range(WARMUP + steps):
-            if step == WARMUP:
-                start = time.perf_counter()
-            replica.pull()
-            nn.functional.cross_entropy(model(x), y).backward()
-            replica.push()
-        replica.settle()  # the last push's reply is part of the work
-        return time.perf_counter() - start
+        return timed_steps(replica, model, 0, steps)
 
 
 def run(steps: int, overlap: bool, prefetch: bool) -> float:

@@ -81,15 +81,21 @@ def tensorfleet_worker(cluster: ClusterSpec, index: int, steps: int, overlap: bo
         lr=LR, momentum=MOMENTUM), mode="sync", placement=tfl.GreedyByBytes(),
         partitioner=tfl.RowPartitioner(num_parts=2, min_bytes=1 << 20), overlap=overlap,
         wire_dtype=torch.bfloat16 if bf16 else None)
-    x, y = batch(index)
     with replica:
-        for step in range(WARMUP + steps):
-            if step == WARMUP:
-                start = time.perf_counter()
-            replica.pull()
-            nn.functional.cross_entropy(model(x), y).backward()
-            replica.push()
-        return time.perf_counter() - start
+        return timed_steps(replica, model, index, steps)
+
+
+def timed_steps(replica: tfl.Replica, model: nn.Module, rank: int, steps: int) -> float:
+    """Seconds of ``steps`` training steps (pull, forward, backward, push) after the warm-up ones."""
+    x, y = batch(rank)
+    for step in range(WARMUP + steps):
+        if step == WARMUP:
+            start = time.perf_counter()
+        replica.pull()
+        nn.functional.cross_entropy(model(x), y).backward()
+        replica.push()
+    replica.settle()  # a prefetching push's reply is part of the work
+    return time.perf_counter() - start
 
 
 def run_workers(role_args: list[list[str]], env: dict[str, str] | None = None) -> list[float]:
