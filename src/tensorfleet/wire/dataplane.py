@@ -93,14 +93,12 @@ class BufferPool:
         key = tuple(entries)
         found = self._layouts.get(key)
         if found is None:
-            if not entries or any(entry.dtype != entries[0].dtype for entry in entries):
+            dtype = frame.common_dtype(entries)
+            if dtype is None:
                 return None
-            sizes = [math.prod(entry.shape) for entry in entries]
-            body = torch.empty(sum(sizes), dtype=entries[0].dtype)
-            views = {entry.name: part.view(entry.shape) for entry, part in zip(entries, body.split(sizes))}
-            if len(self._layouts) >= self.MAX_LAYOUTS:
-                self._layouts.pop(next(iter(self._layouts)))
-            found = self._layouts[key] = (body, views)
+            body = torch.empty(sum(math.prod(entry.shape) for entry in entries), dtype=dtype)
+            found = (body, frame.flat_views(body, entries))
+            frame.remember(self._layouts, key, found, self.MAX_LAYOUTS)
         return found
 
 

@@ -124,19 +124,18 @@ class SharedArea:
                 part = self.data[offset:offset + entry.nbytes]
                 found.append(part.view(entry.dtype).view(entry.shape) if offset % entry.dtype.itemsize == 0 else None)
                 offset += entry.nbytes
-            _remember(self._layouts, entries, found, self.MAX_LAYOUTS)
+            remember(self._layouts, entries, found, self.MAX_LAYOUTS)
         return found
 
     def flat(self, entries: tuple[TensorEntry, ...]) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
         """A body of one dtype as views of the area, without a copy: the whole body and each tensor; None for
         mixed dtypes.  The views are valid until the message is answered."""
         if entries not in self._flat:
-            found = None
-            if entries and all(entry.dtype == entries[0].dtype for entry in entries):
-                body = self.data[:sum(entry.nbytes for entry in entries)].view(entries[0].dtype)
-                parts = body.split([math.prod(entry.shape) for entry in entries])
-                found = body, {entry.name: part.view(entry.shape) for entry, part in zip(entries, parts)}
-            _remember(self._flat, entries, found, self.MAX_LAYOUTS)
+            found, dtype = None, common_dtype(entries)
+            if dtype is not None:
+                body = self.data[:sum(entry.nbytes for entry in entries)].view(dtype)
+                found = body, flat_views(body, entries)
+            remember(self._flat, entries, found, self.MAX_LAYOUTS)
         return self._flat[entries]
 
     def write(self, entries: tuple[TensorEntry, ...], tensors: Iterable[torch.Tensor], start: int = 0) -> None:
@@ -168,7 +167,21 @@ class SharedArea:
         return tensors
 
 
-def _remember(cache: dict, key: Any, value: Any, limit: int) -> None:
+def common_dtype(entries: Iterable[TensorEntry]) -> torch.dtype | None:
+    """The dtype every entry has; None for no entries or mixed dtypes (a body that is not one flat tensor)."""
+    dtypes = {entry.dtype for entry in entries}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def flat_views(body: torch.Tensor, entries: Iterable[TensorEntry]) -> dict[str, torch.Tensor]:
+    """Each entry's tensor as a view of ``body``, a flat tensor of their common dtype, in body order."""
+    entries = list(entries)
+    parts = body.split([math.prod(entry.shape) for entry in entries])
+    return {entry.name: part.view(entry.shape) for entry, part in zip(entries, parts)}
+
+
+def remember(cache: dict, key: Any, value: Any, limit: int) -> None:
+    """``cache[key] = value``, first dropping the oldest entry if ``limit`` are kept."""
     if len(cache) >= limit:
         cache.pop(next(iter(cache)))
     cache[key] = value

@@ -283,10 +283,8 @@ class Replica:
         return self.global_step
 
     def _landed(self, pushed: Pushed) -> None:
-        """A prefetching push's reply: its values into the module, its step and drops into the counters."""
-        with torch.no_grad():
-            for name, view in self._param_views.items():
-                view.copy_(pushed.pulled.values[name])
+        """A push's reply: its values into the module, its step and drops into the counters and the Status."""
+        self._take(pushed.pulled)
         self.global_step, self._shard_steps = pushed.pulled.global_step, pushed.pulled.shard_steps
         self.dropped_gradients += pushed.dropped
         PROCESS_STATUS.pushed(self.global_step, self.dropped_gradients)
@@ -331,30 +329,29 @@ class Replica:
         if self.prefetch:
             return self._push_in_flight()
         if self._streams is not None:  # opened during backward, tagged then
-            pushed = self._finish_streams()
+            pushed = self._finish_streams(into=self._param_views).result()
         else:
             sync_steps, timeout = self._push_tags()
-            grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._params.items()}
-            pushed = self.client.push(self.placement.views(grads), sync_steps=sync_steps, replica=self.replica_id,
+            pushed = self.client.push(self._gradients(), sync_steps=sync_steps, replica=self.replica_id,
                                       timeout_s=timeout, into=self._param_views)
-        self._take(pushed.pulled)
-        self.global_step, self._shard_steps = pushed.pulled.global_step, pushed.pulled.shard_steps
+        self._landed(pushed)
         self._prefetched = self._versions()
-        self.dropped_gradients += pushed.dropped
         for param in self._params.values():
             param.grad = None
-        PROCESS_STATUS.pushed(self.global_step, self.dropped_gradients)
         return self.global_step
+
+    def _gradients(self) -> dict[str, torch.Tensor]:
+        """This step's gradients as the placement splits them; zeros for a parameter that got none."""
+        grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._params.items()}
+        return self.placement.views(grads)
 
     def _push_in_flight(self) -> int:
         """Prefetch: take the previous push's values, then send this one and return without its reply."""
         self.settle()  # normally long done: it travelled during this step's compute
         if self._streams is not None:
-            self._in_flight = self._finish_streams(into=self._landing, wait=False)
+            self._in_flight = self._finish_streams(into=self._landing)
         else:
-            grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._params.items()}
-            self._in_flight = self.client.push_async(self.placement.views(grads), replica=self.replica_id,
-                                                     into=self._landing)
+            self._in_flight = self.client.push_async(self._gradients(), replica=self.replica_id, into=self._landing)
         for param in self._params.values():  # the push holds the gradients; the next backward makes new ones
             param.grad = None
         return self.global_step
@@ -388,8 +385,8 @@ class Replica:
         for part, view in self.placement.views_of(name, param.grad).items():
             self._streams.send(part, view)
 
-    def _finish_streams(self, *, into: dict[str, torch.Tensor] | None = None, wait: bool = True) -> Any:
-        """Send what is left of the streamed push; its ``Pushed`` (or, ``wait=False``, a ``Gathered``)."""
+    def _finish_streams(self, *, into: dict[str, torch.Tensor]) -> Gathered:
+        """Send what is left of the streamed push, its values to land in ``into``; ``result()`` is the ``Pushed``."""
         streams, misuse = self._streams, self._overlap_misuse
         if misuse is not None:
             self._drop_streams()
@@ -400,8 +397,7 @@ class Replica:
                 for part, view in self.placement.views_of(name, param.grad).items():
                     streams.send(part, view)
         self._streams, self._streamed = None, set()
-        finishing = streams.finish_async(into=self._param_views if into is None else into)
-        return finishing.result() if wait else finishing
+        return streams.finish_async(into=into)
 
     def _drop_streams(self) -> None:
         """Abandon a push in flight (backward ran but push() did not follow): the ps applies none of it."""
