@@ -35,7 +35,7 @@ REPO_DATA = Path(__file__).resolve().parent.parent / "data" / "mnist"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     tfl.add_cluster_flags(parser)
-    tfl.add_training_flags(parser, default_mode="sync")
+    tfl.add_training_flags(parser, default_mode="sync", towers=True)
     parser.set_defaults(moving_average_decay=0.999)  # evaluate the averaged parameters (0: the last ones)
     parser.add_argument("--data_dir", default=str(REPO_DATA), help="folder with the four MNIST IDX files")
     parser.add_argument("--num_epochs", type=float, default=10.0,

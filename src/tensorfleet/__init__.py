@@ -1,32 +1,71 @@
 """tensorfleet: train PyTorch models with parameter servers and workers, the classic distributed TensorFlow way.
 
-The public API is what ``__all__`` lists; everything else is internal.
+The public API is what ``__all__`` lists; everything else is internal.  Names load on
+first use (PEP 562), so ``import tensorfleet`` costs nothing until a name is touched:
+the command line (``tensorfleet ckpt ls``, ``tensorfleet --help``) never pays for torch.
 """
 
-from tensorfleet.cluster.device import DeviceSpec, device, device_name
-from tensorfleet.cluster.placement import GreedyByBytes, RoundRobin, RowPartitioner
-from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, add_cluster_flags, cluster_from_flags, from_tf_config
-from tensorfleet.errors import TensorfleetError
-from tensorfleet.launch.task import run_task
-from tensorfleet.parallel import TowerOptions, TowerReplica, Towers, run_towers
-from tensorfleet.ps.aggregate import SyncOptions
-from tensorfleet.ps.apply import ExponentialDecay, OptimizerSpec
-from tensorfleet.ps.server import Server
-from tensorfleet.train.checkpoint import Checkpointer, load_into_module
-from tensorfleet.train.hooks import CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult, StopAtStepHook
-from tensorfleet.train.session import TrainingSession
-from tensorfleet.train.summary import SummaryHook
-from tensorfleet.wire.rpc import WireOptions
-from tensorfleet.worker.flags import add_training_flags, training_options
-from tensorfleet.worker.replica import Replica
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointSaverHook", "Checkpointer", "Hook", "LoggingHook", "NanLossHook", "StepResult", "StopAtStepHook",
-    "SummaryHook", "TrainingSession", "load_into_module",
-    "ClusterSpec", "TaskSpec", "add_cluster_flags", "cluster_from_flags", "from_tf_config",
-    "ExponentialDecay", "GreedyByBytes", "OptimizerSpec", "Replica", "RoundRobin", "RowPartitioner", "Server",
-    "SyncOptions", "TensorfleetError", "WireOptions", "add_training_flags", "run_task", "training_options",
-    "DeviceSpec", "TowerOptions", "TowerReplica", "Towers", "device", "device_name", "run_towers",
-]
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(("DeviceSpec", "device", "device_name"), "tensorfleet.cluster.device"),
+    **dict.fromkeys(("GreedyByBytes", "RoundRobin", "RowPartitioner"), "tensorfleet.cluster.placement"),
+    **dict.fromkeys(("ClusterSpec", "TaskSpec", "add_cluster_flags", "cluster_from_flags", "from_tf_config"),
+                    "tensorfleet.cluster.spec"),
+    "TensorfleetError": "tensorfleet.errors",
+    "run_task": "tensorfleet.launch.task",
+    **dict.fromkeys(("TowerOptions", "TowerReplica", "Towers", "run_towers"), "tensorfleet.parallel"),
+    "SyncOptions": "tensorfleet.ps.aggregate",
+    **dict.fromkeys(("ExponentialDecay", "OptimizerSpec"), "tensorfleet.ps.apply"),
+    "Server": "tensorfleet.ps.server",
+    **dict.fromkeys(("Checkpointer", "load_into_module"), "tensorfleet.train.checkpoint"),
+    **dict.fromkeys(("CheckpointSaverHook", "Hook", "LoggingHook", "NanLossHook", "StepResult", "StopAtStepHook"),
+                    "tensorfleet.train.hooks"),
+    "TrainingSession": "tensorfleet.train.session",
+    "SummaryHook": "tensorfleet.train.summary",
+    "WireOptions": "tensorfleet.wire.rpc",
+    **dict.fromkeys(("add_training_flags", "training_options"), "tensorfleet.worker.flags"),
+    "Replica": "tensorfleet.worker.replica",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tensorfleet' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from tensorfleet.cluster.device import DeviceSpec, device, device_name
+    from tensorfleet.cluster.placement import GreedyByBytes, RoundRobin, RowPartitioner
+    from tensorfleet.cluster.spec import (ClusterSpec, TaskSpec, add_cluster_flags, cluster_from_flags,
+                                          from_tf_config)
+    from tensorfleet.errors import TensorfleetError
+    from tensorfleet.launch.task import run_task
+    from tensorfleet.parallel import TowerOptions, TowerReplica, Towers, run_towers
+    from tensorfleet.ps.aggregate import SyncOptions
+    from tensorfleet.ps.apply import ExponentialDecay, OptimizerSpec
+    from tensorfleet.ps.server import Server
+    from tensorfleet.train.checkpoint import Checkpointer, load_into_module
+    from tensorfleet.train.hooks import (CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult,
+                                         StopAtStepHook)
+    from tensorfleet.train.session import TrainingSession
+    from tensorfleet.train.summary import SummaryHook
+    from tensorfleet.wire.rpc import WireOptions
+    from tensorfleet.worker.flags import add_training_flags, training_options
+    from tensorfleet.worker.replica import Replica

@@ -84,7 +84,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("role", choices=["local", "hybrid", "hang"])
     tfl.add_cluster_flags(parser)
-    tfl.add_training_flags(parser)
+    tfl.add_training_flags(parser, towers=True)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default=None)
     parser.add_argument("--init_timeout_s", type=float, default=60.0, help="how long tower 0 waits for the ps")

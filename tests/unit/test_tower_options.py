@@ -80,7 +80,7 @@ def test_what_cannot_reach_a_spawned_tower_fails_before_anything_starts():
 def test_flags_give_tower_options(monkeypatch):
     monkeypatch.setenv("TENSORFLEET_TOWERS", "3")
     parser = argparse.ArgumentParser()
-    tfl.add_training_flags(parser)
+    tfl.add_training_flags(parser, towers=True)
     options = tfl.TowerOptions.from_flags(parser.parse_args(["--allow_soft_placement", "--log_device_placement"]),
                                           job="worker", task=2)
     assert (options.num_towers, options.device_type, options.allow_soft_placement, options.log_device_placement,

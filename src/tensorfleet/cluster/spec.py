@@ -190,7 +190,11 @@ def from_tf_config(text: str) -> tuple[ClusterSpec, TaskSpec]:
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
-    """Add the classic ``--ps_hosts --worker_hosts --job_name --task_index`` flags to a parser."""
+    """Add the classic ``--ps_hosts --worker_hosts --job_name --task_index`` flags to a parser.
+
+    It also turns off the parser's abbreviations: ``--ps 1`` must be an error, not ``--ps_hosts=1``.
+    """
+    parser.allow_abbrev = False
     group = parser.add_argument_group("cluster (or set TF_CONFIG instead)")
     group.add_argument("--ps_hosts", default=None, help="comma-separated host:port of the ps tasks")
     group.add_argument("--worker_hosts", default=None, help="comma-separated host:port of the worker tasks")

@@ -2,7 +2,7 @@
 
     tensorfleet launch [--ps N] [--workers M] [--sync|--async] [--restart on-failure|never]
                        [--max-restarts R] [--logdir DIR] [--dashboard [PORT]] [--dry-run] SCRIPT [-- ARGS]
-    tensorfleet launch job.yaml|job.toml [flags that override the file]
+    tensorfleet launch [flags that override the file] job.yaml|job.toml
     tensorfleet dashboard --cluster SPEC [--port PORT]
     tensorfleet ckpt ls DIR
     tensorfleet ckpt show DIR|FILE
@@ -11,13 +11,23 @@
 Every launch setting can also come from a ``TENSORFLEET_*`` variable
 (``TENSORFLEET_WORKERS=4``, ``TENSORFLEET_MODE=sync``); a flag on the command line wins.  Wrong flags or job files
 print one line saying what is wrong and exit 2, with nothing started.
+
+The argument line has one rule: the command's own flags come before SCRIPT, the script's
+after it (ideally after ``--``).  A flag of the command found after SCRIPT and before
+``--`` is refused with the corrected command line, never silently handed to the
+script (``launch x.py --workers 1 --dry-run`` must not start a job).  Flags are never
+abbreviated (``--worker`` is not ``--workers``); an unknown one is an error naming
+the valid ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import shlex
 import sys
+from importlib import metadata
 from typing import Callable, NoReturn, Sequence
 
 from tensorfleet.errors import ConfigError, TensorfleetError
@@ -29,10 +39,26 @@ USAGE_ERROR = 2
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line (what is wrong, where to look), not the usage block."""
+    """argparse, but an error is one line (what is wrong, where to look), and no flag is abbreviated."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def flags(self) -> list[str]:
+        """This parser's long flags, in the order they were added."""
+        return [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
+
+
+def version() -> str:
+    try:
+        return metadata.version("tensorfleet")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        from tensorfleet import __version__
+        return __version__
 
 
 def _integer(minimum: int) -> Callable[[str], int]:
@@ -61,11 +87,13 @@ def _port(text: str) -> int:
 def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
     run = commands.add_parser(
         "launch", help="start and supervise a local cluster of ps and worker processes running SCRIPT",
+        usage="tensorfleet launch [FLAGS] SCRIPT|JOBFILE [-- SCRIPT_ARGS ...]",
         description="Start N ps and M worker tasks on 127.0.0.1, each running SCRIPT with its own TF_CONFIG; "
-                    "restart tasks that die, show the job's progress, print a summary at the end. TARGET is "
-                    "the training script, or a YAML/TOML job file with the same fields as these flags (flags "
-                    "given here override it). Arguments after '--' go to SCRIPT. Every flag can also be set "
-                    "as TENSORFLEET_<FLAG>, e.g. TENSORFLEET_WORKERS=4 or TENSORFLEET_MODE=sync.")
+                    "restart tasks that die, show the job's progress, print a summary at the end. SCRIPT|JOBFILE "
+                    "is the training script, or a YAML/TOML job file with the same fields as these flags (flags "
+                    "given here override it). FLAGS go before SCRIPT|JOBFILE; SCRIPT_ARGS, after '--', go to "
+                    "SCRIPT. Flags are never abbreviated. Every flag can also be set as TENSORFLEET_<FLAG>, "
+                    "e.g. TENSORFLEET_WORKERS=4 or TENSORFLEET_MODE=sync.")
     # Defaults are None so that a job file's values show through; JobConfig holds the real defaults.
     run.add_argument("--ps", type=_positive, metavar="N", help="number of ps tasks (env TENSORFLEET_PS; default 1)")
     run.add_argument("--workers", type=_positive, metavar="M",
@@ -95,7 +123,8 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--dry-run", dest="dry_run", action="store_true",
                      help="print the tasks, ports and environment that would start, and start nothing")
     run.add_argument("target", metavar="SCRIPT|JOBFILE", help="the training script, or a .yaml/.toml job file")
-    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for SCRIPT (after '--')")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS",
+                     help="arguments for SCRIPT, after '--'")
 
 
 def _add_dashboard_parser(commands: argparse._SubParsersAction) -> None:
@@ -115,6 +144,7 @@ def _add_dashboard_parser(commands: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tensorfleet", description="Parameter-server training for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"tensorfleet {version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_launch_parser(commands)
     _add_dashboard_parser(commands)
@@ -127,17 +157,66 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def script_args(args: argparse.Namespace) -> list[str]:
-    """The arguments meant for SCRIPT; the '--' separator is optional (argparse keeps it on some versions)."""
-    return args.script_args[1:] if args.script_args[:1] == ["--"] else list(args.script_args)
+def subcommand_parser(parser: argparse.ArgumentParser, *path: str) -> _Parser:
+    """The parser of ``tensorfleet PATH...``, e.g. ``subcommand_parser(parser, "k8s", "render")``."""
+    for name in path:
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = subparsers.choices[name]
+    return parser  # type: ignore[return-value]
 
 
-def _launch(args: argparse.Namespace) -> int:
+def split_after_target(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split what followed SCRIPT (up to '--') into (flags of ``parser``, with their values; the script's)."""
+    misplaced: list[str] = []
+    script: list[str] = []
+    tokens = list(tokens)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        action = parser._option_string_actions.get(token.split("=", 1)[0]) if token.startswith("-") else None
+        if action is None or isinstance(action, argparse._HelpAction):
+            script.append(token)
+            i += 1
+            continue
+        takes = 0 if "=" in token or action.nargs == 0 else 1
+        if action.nargs == "?" and (i + 1 >= len(tokens) or tokens[i + 1].startswith("-")):
+            takes = 0
+        misplaced += tokens[i:i + 1 + takes]
+        i += 1 + takes
+    return misplaced, script
+
+
+def script_args(parser: argparse.ArgumentParser, args: argparse.Namespace, head: Sequence[str], target: str,
+                after_separator: Sequence[str]) -> list[str]:
+    """The arguments meant for SCRIPT; exits 2 with the corrected command when a flag of ours follows it.
+
+    ``head`` is the command line before any '--' (what argparse parsed), ``after_separator`` what followed it.
+    """
+    misplaced, extra = split_after_target(parser, args.script_args)
+    extra += after_separator
+    if misplaced:
+        before = list(head)[:len(head) - len(args.script_args) - 1]  # the command line up to TARGET
+        fixed = ["tensorfleet", *before, *misplaced, target] + (["--", *extra] if extra else [])
+        flags = ", ".join(t.split("=")[0] for t in misplaced if t.startswith("-"))
+        parser.error(f"{flags} after {target} would go to the script; put {parser.prog}'s flags before it: "
+                     f"{shlex.join(fixed)} (script flags go after '--')")
+    return extra
+
+
+def _unknown_flags(parser: _Parser, extras: Sequence[str]) -> NoReturn:
+    """Exit 2 naming the unknown flags, the nearest valid one, and every valid one."""
+    valid = parser.flags()
+    unknown = [t for t in extras if t.startswith("-")] or list(extras)
+    hints = [f"{t} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(t.split("=")[0], valid, 1))
+             else t for t in unknown]
+    parser.error(f"unknown argument(s) {', '.join(hints)}; valid flags: {' '.join(valid)}")
+
+
+def _launch(args: argparse.Namespace, extra: list[str]) -> int:
     from tensorfleet.launch.local import launch  # the launcher's imports are only paid for by this command
     flags = {name: getattr(args, name) for name in ("ps", "workers", "gpus_per_worker", "mode", "restart",
                                                     "max_restarts", "restart_backoff", "logdir", "dashboard",
                                                     "port", "name")}
-    extra = script_args(args)
     if is_job_file(args.target):
         if extra:
             flags["args"] = extra
@@ -154,13 +233,24 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # not gRPC's info lines about tasks that went away
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # What follows the first '--' is the script's, verbatim: argparse never sees it (it would drop the '--'
+    # on some paths and keep it on others).
+    cut = argv.index("--") if "--" in argv else len(argv)
+    head, after_separator = argv[:cut], argv[cut + 1:]
+    parser = build_parser()
+    args, extras = parser.parse_known_args(head)
+    path = [args.command] + ([args.k8s_command] if args.command == "k8s" else [])
+    command = subcommand_parser(parser, *path)
+    if extras:
+        _unknown_flags(command, extras)
     try:
         if args.command == "launch":
-            return _launch(args)
+            return _launch(args, script_args(command, args, head, args.target, after_separator))
         if args.command == "dashboard":
             return _dashboard(args)
         if args.command == "k8s":
+            args.script_args = script_args(command, args, head, args.script, after_separator)
             return k8s.main(args)
         if args.command == "ckpt":
             from tensorfleet.launch import ckpt  # only this command needs safetensors loaded

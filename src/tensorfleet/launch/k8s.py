@@ -293,7 +293,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     k8s = subcommands.add_parser("k8s", help="render Kubernetes manifests for a training fleet")
     actions = k8s.add_subparsers(dest="k8s_command", required=True, metavar="ACTION")
     render = actions.add_parser(
-        "render", help="write a token Secret, Services and Jobs (or a TFJob) running SCRIPT as YAML",
+        "render", usage="tensorfleet k8s render [FLAGS] SCRIPT [-- SCRIPT_ARGS ...]", help="write a token Secret, Services and Jobs (or a TFJob) running SCRIPT as YAML",
         description="Write the Kubernetes objects of a fleet of N ps and M workers, each running SCRIPT (a path "
                     "inside IMG) with its own TF_CONFIG. Arguments after '--' go to SCRIPT. Nothing is sent "
                     "to a cluster: apply the output with 'kubectl apply -f'.",
@@ -304,8 +304,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         render.add_argument(flag, type=convert, default=None, metavar=metavar, help=f"{text} (env {env}, {shown})")
     render.add_argument("-o", "--output", default=None, metavar="FILE", help="write to FILE instead of stdout")
     render.add_argument("script", metavar="SCRIPT", help="the training script every task runs, a path inside IMG")
-    render.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
-                        help="arguments for SCRIPT (after '--')")
+    render.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS",
+                        help="arguments for SCRIPT, after '--'")
 
 
 def _resolve(args: argparse.Namespace) -> dict[str, Any]:
@@ -327,7 +327,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
 def job_from_args(args: argparse.Namespace) -> tuple[K8sJob, str]:
     """The K8sJob and the format named by parsed ``k8s render`` arguments (flags, then environment)."""
     values = _resolve(args)
-    extra = args.script_args[1:] if args.script_args[:1] == ["--"] else list(args.script_args)
+    extra = list(args.script_args)  # what the CLI left for the script: its '--' and our misplaced flags handled
     job = K8sJob(name=values["name"], num_ps=values["ps"], num_workers=values["workers"], image=values["image"],
                  script=args.script, script_args=tuple(extra), gpus_per_worker=values["gpus_per_worker"],
                  namespace=values["namespace"], restart=values["restart"], max_restarts=values["max_restarts"],

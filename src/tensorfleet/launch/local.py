@@ -107,7 +107,7 @@ class LocalLauncher:
         progress_every_s: how often the progress line is printed when not interactive.
     """
 
-    def __init__(self, config: JobConfig, *, out: TextIO = sys.stdout, interactive: bool | None = None,
+    def __init__(self, config: JobConfig, *, out: TextIO | None = None, interactive: bool | None = None,
                  progress_every_s: float = 10.0, gpus_available: int | None = None) -> None:
         self.config = config
         self.cluster = local_cluster(config.ps, config.workers, first_port=config.port)
@@ -115,7 +115,7 @@ class LocalLauncher:
         self._gpus = (gpu_assignment(config.gpus_per_worker, config.workers,
                                      visible_gpus() if gpus_available is None else gpus_available)
                       if config.gpus_per_worker else None)
-        self.console = Console(out, interactive=interactive, every_s=progress_every_s)
+        self.console = Console(out or sys.stdout, interactive=interactive, every_s=progress_every_s)
         self.logdir = Path(config.logdir) if config.logdir else None
         records = [TaskRecord(t, self.cluster.task_address(t.job_name, t.index), task_role(self.cluster, t))
                    for t in self.tasks]
@@ -374,9 +374,10 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def launch(config: JobConfig, *, out: TextIO = sys.stdout, dry_run: bool = False,
+def launch(config: JobConfig, *, out: TextIO | None = None, dry_run: bool = False,
            progress_every_s: float = 10.0) -> int:
     """Run the job of ``config`` as a local cluster (or print what would start); return the exit code."""
+    out = out or sys.stdout  # looked up now: a default bound at import would miss a replaced sys.stdout
     launcher = LocalLauncher(config, out=out, progress_every_s=progress_every_s)
     if dry_run:
         out.write(launcher.dry_run_text() + "\n")

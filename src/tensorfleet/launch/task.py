@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, cluster_from_flags
-from tensorfleet.errors import TensorfleetError
+from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.ps.server import Server
 from tensorfleet.worker.status import PROCESS_STATUS, serve_status, write_final_status
 
@@ -40,6 +40,7 @@ def run_task(args: argparse.Namespace, train: TrainFn, *, intra_op_threads: int 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cluster, task = cluster_from_flags(args)
+        _check_towers_are_used(args)
     except TensorfleetError as exc:
         print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
         return 2
@@ -57,3 +58,12 @@ def run_task(args: argparse.Namespace, train: TrainFn, *, intra_op_threads: int 
             status_server.stop(0)
     write_final_status(task, PROCESS_STATUS.as_meta())
     return 0
+
+
+def _check_towers_are_used(args: argparse.Namespace) -> None:
+    """TENSORFLEET_TOWERS=K reaches scripts through ``--towers``; one without that flag would ignore it."""
+    wanted = os.environ.get("TENSORFLEET_TOWERS", "1").strip()
+    if not hasattr(args, "towers") and wanted not in ("", "1"):
+        raise ConfigError(f"TENSORFLEET_TOWERS={wanted} is set but this script does not train with towers "
+                          "(it has no --towers flag: see add_training_flags(parser, towers=True) and run_towers); "
+                          "unset it")

@@ -16,7 +16,10 @@ from tensorfleet.ps.server import Server
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tensorfleet.ps", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tensorfleet.ps", allow_abbrev=False,
+                                     description="Run a ps task without any model code: it learns the variables "
+                                                 "and the optimizer from the chief. The cluster comes from the "
+                                                 "four flags below or from TF_CONFIG.")
     add_cluster_flags(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

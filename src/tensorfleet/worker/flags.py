@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 from typing import Any
 
@@ -42,7 +43,15 @@ from tensorfleet.wire.codec import DTYPE_NAMES, NARROW_DTYPES
 WIRE_DTYPES: dict[str, torch.dtype | None] = {"float32": None, **{DTYPE_NAMES[d]: d for d in NARROW_DTYPES}}
 
 
-def add_training_flags(parser: argparse.ArgumentParser, *, default_mode: str = "async") -> None:
+def add_training_flags(parser: argparse.ArgumentParser, *, default_mode: str = "async", towers: bool = False) -> None:
+    """Add the training flags above to ``parser`` (and turn off its abbreviations, as ``add_cluster_flags`` does).
+
+    Args:
+        default_mode: the mode when neither --sync/--async nor TENSORFLEET_MODE says.
+        towers: also add --towers and --tower_device. Only a script that trains with ``run_towers`` acts on
+            them; any other script refuses --towers rather than ignore it.
+    """
+    parser.allow_abbrev = False
     group = parser.add_argument_group("training")
     mode = group.add_mutually_exclusive_group()
     mode.add_argument("--sync", dest="mode", action="store_const", const="sync",
@@ -68,18 +77,27 @@ def add_training_flags(parser: argparse.ArgumentParser, *, default_mode: str = "
                        help="async: let each push travel while the next step computes (values one update older)")
     group.add_argument("--nonfinite_gradients", choices=NONFINITE_POLICIES, default="reject",
                        help="what the ps does with NaN/Inf gradients: reject the push (default) or apply it")
-    towers = parser.add_argument_group("towers (several devices of one machine)")
-    towers.add_argument("--towers", type=int, default=os.environ.get("TENSORFLEET_TOWERS", "1"),
-                        help="split each batch over K local devices and average their gradients (1: no towers)")
-    towers.add_argument("--tower_device", choices=("auto", "gpu", "cpu"), default="auto",
-                        help="the towers' devices: /gpu:k, or K processes on the CPU (auto: GPUs if any)")
-    towers.add_argument("--allow_soft_placement", action="store_true",
-                        help="a tower whose GPU is missing runs on the CPU with a warning instead of failing")
+    devices = parser.add_argument_group("devices" + (" (towers: several devices of one machine)" if towers else ""))
+    if towers:
+        devices.add_argument("--towers", type=int, default=os.environ.get("TENSORFLEET_TOWERS", "1"),
+                             help="split each batch over K local devices and average their gradients (1: no towers)")
+        devices.add_argument("--tower_device", choices=("auto", "gpu", "cpu"), default="auto",
+                             help="the towers' devices: /gpu:k, or K processes on the CPU (auto: GPUs if any)")
+    devices.add_argument("--allow_soft_placement", action="store_true",
+                         help="a device that is missing is replaced by the CPU (with a warning) instead of failing")
 
 
-def training_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for ``Replica`` from the flags above."""
-    return {
+def training_options(args: argparse.Namespace, **explicit: Any) -> dict[str, Any]:
+    """Keyword arguments for ``Replica`` from the flags above, composable with arguments of your own.
+
+    Only the options a flag sets away from ``Replica``'s own default are in the dict, so
+    ``Replica(..., average_decay=0.99, **training_options(args))`` works; should the flag set
+    that option too (``--moving_average_decay 0.9``), Python refuses the call naming the
+    keyword given twice.  To let your value win over any flag, pass it here instead:
+    ``Replica(..., **training_options(args, average_decay=0.99))``.
+    """
+    from tensorfleet.worker.replica import Replica  # Replica's defaults are the baseline
+    options = {
         "mode": args.mode,
         "sync": SyncOptions(args.replicas_to_aggregate, args.total_num_replicas, args.sync_timeout_s),
         "placement": STRATEGIES[args.placement](),
@@ -91,3 +109,16 @@ def training_options(args: argparse.Namespace) -> dict[str, Any]:
         "wire_dtype": WIRE_DTYPES[args.wire_dtype],
         "nonfinite_gradients": args.nonfinite_gradients,
     }
+    defaults = {name: p.default for name, p in inspect.signature(Replica.__init__).parameters.items()}
+    defaults["sync"] = SyncOptions()  # Replica's None means these
+    chosen = {name: value for name, value in options.items() if not _same(value, defaults[name])}
+    if args.mode != "sync":
+        chosen.pop("sync", None)
+    return {**chosen, **explicit}
+
+
+def _same(value: Any, default: Any) -> bool:
+    """Equal, or instances of one stateless strategy class (``RoundRobin() == RoundRobin()``)."""
+    if type(value) is type(default) and hasattr(value, "__dict__"):
+        return vars(value) == vars(default)
+    return value == default
