@@ -37,7 +37,7 @@ from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks, progress_line,
 from tensorfleet.launch.supervisor import Supervisor, TaskRecord, describe_exit
 from tensorfleet.wire import auth
 from tensorfleet.wire.rpc import BUSY_POLL_ENV, WireOptions
-from tensorfleet.worker.status import STATUS_DIR_ENV
+from tensorfleet.worker.status import LOGDIR_ENV, STATUS_DIR_ENV
 
 PS_EXIT_GRACE_S = 10.0
 KILL_GRACE_S = 5.0
@@ -141,7 +141,8 @@ class LocalLauncher:
         env = {"TF_CONFIG": self.cluster.to_tf_config(task), "PYTHONUNBUFFERED": "1", **self.config.env,
                auth.TOKEN_ENV: self.token}
         if self.logdir is not None:
-            env[STATUS_DIR_ENV] = str(self.logdir)  # where a task leaves its final status as it exits
+            env[STATUS_DIR_ENV] = str(self.logdir.resolve())  # where a task leaves its final status as it exits
+            env[LOGDIR_ENV] = str(self.logdir.resolve())  # where the chief's TensorBoard summaries go
         if self.config.mode is not None:
             env["TENSORFLEET_MODE"] = self.config.mode  # the default of --sync/--async in add_training_flags
         if BUSY_POLL_ENV not in os.environ and BUSY_POLL_ENV not in self.config.env:

@@ -75,6 +75,8 @@ class TaskStatus:
 
 PROCESS_STATUS = TaskStatus()
 STATUS_DIR_ENV = "TENSORFLEET_STATUS_DIR"
+# The job's --logdir, set by `tensorfleet launch` for every task: where the chief writes TensorBoard summaries.
+LOGDIR_ENV = "TENSORFLEET_LOGDIR"
 
 
 def final_status_path(directory: str | Path, task: TaskSpec) -> Path:
