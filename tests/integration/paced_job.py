@@ -2,7 +2,8 @@
 
 A tiny linear model on random data; each worker sleeps ``--step_sleep_s`` per step so
 the job lasts seconds without loading the CPU, and reports loss and examples like a
-real script.  ``--fail`` makes the named task exit 1 at once (a crashing script).
+real script.  ``--fail`` makes the named task exit 1 at once (a script that crashes at start-up), or
+after ``--fail_after_s`` seconds of training (a crash mid-run).
 """
 
 import argparse
@@ -22,6 +23,7 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
     replica = tfl.Replica(model, cluster, task, optimizer=tfl.OptimizerSpec.sgd(lr=0.05),
                           **tfl.training_options(args))
     generator = torch.Generator().manual_seed(cluster.replica_id(task))
+    fail_at = time.monotonic() + args.fail_after_s if args.fail == task.short and args.fail_after_s else None
     with replica:
         replica.report(target_step=args.last_step)
         print(f"{task.short} starts at global step {replica.global_step}", flush=True)
@@ -32,6 +34,9 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
             replica.push()
             replica.report(loss=loss.item(), examples=len(x))
             time.sleep(args.step_sleep_s)
+            if fail_at is not None and time.monotonic() >= fail_at:
+                print(f"{task.short}: failing on purpose after {args.fail_after_s} s", flush=True)
+                os._exit(1)
     print(f"{task.short} done at global step {replica.global_step}", flush=True)
 
 
@@ -42,8 +47,9 @@ def main() -> int:
     parser.add_argument("--last_step", type=int, default=400)
     parser.add_argument("--step_sleep_s", type=float, default=0.01)
     parser.add_argument("--fail", default=None, help="a task (worker:1) that exits 1 at once")
+    parser.add_argument("--fail_after_s", type=float, default=0.0, help="--fail's task exits after this much training")
     args = parser.parse_args()
-    if args.fail and "TF_CONFIG" in os.environ and _this_task() == args.fail:
+    if args.fail and not args.fail_after_s and "TF_CONFIG" in os.environ and _this_task() == args.fail:
         print(f"{args.fail}: failing on purpose", flush=True)
         return 1
     return tfl.run_task(args, train)

@@ -94,7 +94,7 @@ def test_restart_never_fails_the_job_with_a_summary(launches):
 
 
 def test_a_task_that_keeps_crashing_is_given_up_after_max_restarts(launches):
-    run = launches(["--max-restarts", "2"], ["--fail", "worker:1", "--last_step", "100000"])
+    run = launches(["--max-restarts", "2"], ["--fail", "worker:1", "--fail_after_s", "3", "--last_step", "100000"])
     code, output = run.wait()
     assert code == 1, output
     exits = run.events_of("worker:1", "exited")
@@ -103,6 +103,20 @@ def test_a_task_that_keeps_crashing_is_given_up_after_max_restarts(launches):
     assert len(failed) == 1 and "already restarted 2 time(s)" in failed[0]["reason"]
     assert "worker:1: failing on purpose" in output  # the tail of its log is in the summary
     assert summary_rows(output)["worker:1"][1:4] == ["failed", "1", "2"], output
+
+
+def test_a_crash_at_start_up_is_retried_once_and_its_traceback_shown_once(launches):
+    run = launches(["--max-restarts", "3"], ["--fail", "worker:1", "--last_step", "100000"])
+    code, output = run.wait()
+    assert code == 1, output
+    assert [e["restart"] for e in run.events_of("worker:1", "exited")] == [1]
+    failed = run.events_of("worker:1", "failed")
+    assert len(failed) == 1 and "at start-up twice in a row" in failed[0]["reason"], failed
+    shown = [line for line in output.splitlines() if "failing on purpose" in line]
+    assert shown == ["[worker:1] worker:1: failing on purpose"], output  # once, though it ran twice
+    assert "1 line(s) of its output repeat a crash shown above" in output
+    log = (run.logdir / "worker-1.log").read_text()
+    assert log.count("failing on purpose") == 2  # the log keeps every incarnation
 
 
 def test_sync_flag_reaches_every_task_through_the_environment(launches):
@@ -141,3 +155,26 @@ def test_a_dashboard_port_in_use_is_one_line_exit_2_and_nothing_starts(tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"cannot serve the dashboard on 127.0.0.1:{port}" in done.stderr
     assert "started" not in done.stdout
+
+
+def _gone(pid: int) -> bool:
+    """Dead, or a zombie (this test process is a subreaper: orphans come back to it to be reaped)."""
+    try:
+        if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            return False
+        os.waitpid(pid, os.WNOHANG)
+    except (psutil.NoSuchProcess, ChildProcessError):
+        pass
+    return True
+
+
+@pytest.mark.parametrize("when", ["starting", "running"])
+def test_tasks_die_with_a_sigkilled_launcher(launches, when):
+    run = launches([], ["--last_step", "100000", "--step_sleep_s", "0.01"], name=when)
+    poll(lambda: len(run.events_of("worker:1", "started" if when == "starting" else "running")), 60,
+         f"worker:1 {when}")
+    pids = [e["pid"] for e in run.events() if e["event"] == "started"]
+    assert len(pids) == 3
+    run.process.kill()  # no SIGTERM handler, no cleanup: the launcher is simply gone
+    run.process.wait()
+    poll(lambda: all(_gone(pid) for pid in pids), 10, "every task to die with the launcher")

@@ -56,9 +56,11 @@ def test_a_crash_is_restarted_after_its_backoff_until_the_limit_then_fails():
     assert supervisor.due() == [record]
     supervisor.started("worker:1", 99)
     assert record.state == "starting" and record.exit_code is None and supervisor.due() == []
+    supervisor.answered("worker:1", since=clock.now)
     assert supervisor.exited("worker:1", 1) == "restart" and record.restart_at == clock.now + 2.0
     clock.now += 2.0
     supervisor.started("worker:1", 100)
+    supervisor.answered("worker:1", since=clock.now)
     assert supervisor.exited("worker:1", 1) == "failed"
     assert record.state == "failed" and record.restarts == 2 and supervisor.failed() == [record]
     assert "already restarted 2 time(s) (--max-restarts 2)" in supervisor.events[-1]["reason"]
@@ -108,3 +110,38 @@ def test_summary_table_has_a_row_per_task():
 def test_exits_are_described_in_words():
     assert describe_exit(1) == "exit code 1" and describe_exit(-9) == "killed by SIGKILL"
     assert exit_label(-15) == "SIGTERM" and exit_label(3) == "3"
+
+
+def test_the_same_crash_at_start_up_twice_in_a_row_is_not_restarted_again():
+    clock = Clock()
+    supervisor = fleet(RestartPolicy(max_restarts=3), clock)
+    assert supervisor.exited("worker:1", 1) == "restart"  # never answered: maybe the machine, try once more
+    assert supervisor.crashed_at_startup("worker:1")
+    clock.now += 1.0
+    supervisor.started("worker:1", 99)
+    assert supervisor.exited("worker:1", 1) == "failed"
+    assert "at start-up twice in a row" in supervisor.events[-1]["reason"]
+    assert supervisor.by_name["worker:1"].restarts == 1
+
+
+@pytest.mark.parametrize("second", [-9, 3])
+def test_a_signal_or_another_exit_code_at_start_up_is_not_the_same_crash(second):
+    clock = Clock()
+    supervisor = fleet(RestartPolicy(max_restarts=3), clock)
+    assert supervisor.exited("worker:1", 1) == "restart"
+    supervisor.started("worker:1", 99)
+    assert supervisor.exited("worker:1", second) == "restart"
+
+
+def test_a_task_that_answered_in_between_starts_counting_afresh():
+    clock = Clock()
+    supervisor = fleet(RestartPolicy(max_restarts=3), clock)
+    assert supervisor.exited("worker:1", 1) == "restart"
+    supervisor.started("worker:1", 99)
+    supervisor.answered("worker:1", since=clock.now)
+    assert not supervisor.crashed_at_startup("worker:1")
+    assert supervisor.exited("worker:1", 1) == "restart"  # it ran: an ordinary crash, max_restarts applies
+    supervisor.started("worker:1", 100)
+    assert supervisor.exited("worker:1", 1) == "restart"  # a first crash at start-up again
+    supervisor.started("worker:1", 101)
+    assert supervisor.exited("worker:1", 1) == "failed"  # ... and its repeat

@@ -3,9 +3,11 @@
 Each task is ``python SCRIPT ARGS`` with its own ``TF_CONFIG`` and the job's secret
 token (``TENSORFLEET_TOKEN``, in the environment, not on the command line), in a process group
 of its own (so a Ctrl-C reaches the launcher, which then stops every task in order,
-rather than racing the tasks).  Its output goes to the console, prefixed with the
-task (``[worker:1] ...``), and to ``LOGDIR/worker-1.log``; every start, exit,
-restart and give-up is appended to ``LOGDIR/events.jsonl``.
+rather than racing the tasks), and dies with the launcher: a parent-death signal
+(Linux, see ``with_launcher_death``) ends it even if the launcher is SIGKILLed.  Its output goes to
+``LOGDIR/worker-1.log`` and to the console, prefixed with the task (``[worker:1] ...``;
+see ``output.py`` for what is held back); every start, exit, restart and give-up is
+appended to ``LOGDIR/events.jsonl``.
 
 The ``Supervisor`` decides (restart with backoff, or give up); the ``FleetMonitor``
 polls every task's Status for the progress line, the dashboard and the state
@@ -34,6 +36,7 @@ from tensorfleet.errors import ConfigError
 from tensorfleet.launch.config import JobConfig
 from tensorfleet.launch.console import Console
 from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks, progress_line, task_role
+from tensorfleet.launch.output import TaskOutput
 from tensorfleet.launch.supervisor import Supervisor, TaskRecord, describe_exit
 from tensorfleet.wire import auth
 from tensorfleet.wire.rpc import BUSY_POLL_ENV, WireOptions
@@ -45,6 +48,8 @@ LOOP_S = 0.1
 FAILED_LOG_LINES = 12  # the tail of a failed task's log shown in the summary
 SECRET_SHOWN = "<the job's secret token>"  # what --dry-run prints instead of the token
 BUSY_POLL_US = 2000  # the polling budget of each data connection when every task has a core of its own
+PUMP_JOIN_S = 2.0  # how long an exit waits for the rest of the task's output
+_PR_SET_PDEATHSIG = 1
 
 
 def usable_cores() -> int:
@@ -125,7 +130,8 @@ class LocalLauncher:
         self.monitor = FleetMonitor(self.cluster, job_name=config.job_name, mode=config.mode,
                                     supervisor=self.supervisor, options=WireOptions(token=self.token))
         self.processes: dict[str, subprocess.Popen] = {}
-        self._pumps: list[threading.Thread] = []
+        self.output = TaskOutput(self.console.line)
+        self._pumps: dict[str, threading.Thread] = {}  # the output pump of each task's latest incarnation
         self._events_written = 0
         self._interrupted: str | None = None
         self.dashboard = None
@@ -182,15 +188,16 @@ class LocalLauncher:
     def _spawn(self, record: TaskRecord) -> None:
         task = record.task
         env = {**os.environ, **self.task_env(task)}
-        process = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        process = subprocess.Popen(with_launcher_death(self.command), env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.processes[record.name] = process
         self.supervisor.started(record.name, process.pid)
+        self.output.started(record.name)
         log = self._open_log(record)
         pump = threading.Thread(target=self._pump, args=(record.name, process, log), daemon=True,
                                 name=f"pump-{record.name}")
         pump.start()
-        self._pumps.append(pump)
+        self._pumps[record.name] = pump
         again = f" (restart {record.restarts})" if record.restarts else ""
         self.console.line(f"[launch] started {record.name}{again} (pid {process.pid}) at {record.address}")
 
@@ -208,7 +215,7 @@ class LocalLauncher:
         try:
             for raw in iter(process.stdout.readline, b""):
                 text = raw.decode(errors="replace").rstrip()
-                self.console.line(f"[{name}] {text}")
+                self.output.add(name, text)
                 if log is not None:
                     log.write(text + "\n")
                     log.flush()
@@ -224,8 +231,10 @@ class LocalLauncher:
             if code is None:
                 continue
             del self.processes[name]
+            self._pumps[name].join(timeout=PUMP_JOIN_S)  # its last lines, before deciding what to show
             record = self.supervisor.by_name[name]
             decision = self.supervisor.exited(name, code)
+            self._show_output_of_exit(record)
             if decision == "restart":
                 self.console.line(f"[launch] {name} {describe_exit(code)}; restarting in "
                                   f"{record.restart_at - time.monotonic():.1f} s "
@@ -235,6 +244,15 @@ class LocalLauncher:
             elif decision == "done" and code == 0 and record.role == "ps" and not self.supervisor.workers_done():
                 self.console.line(f"[launch] {name} exited: every worker reported done")
         return failed
+
+    def _show_output_of_exit(self, record: TaskRecord) -> None:
+        if not self.supervisor.crashed_at_startup(record.name):
+            self.output.release(record.name)
+            return
+        repeats = self.output.crashed_at_startup(record.name)
+        if repeats:
+            self.console.line(f"[launch] {record.name}: {repeats} line(s) of its output repeat a crash shown above "
+                              f"(all of it in {self.log_path(record.task)})")
 
     def _write_events(self) -> None:
         new = self.supervisor.events[self._events_written:]
@@ -287,6 +305,7 @@ class LocalLauncher:
                 return []
             for record in self.supervisor.due():
                 self._spawn(record)
+            self.output.release_due(lambda name: self.supervisor.by_name[name].answered)
             now = time.monotonic()
             if now - last_progress >= 1.0:
                 last_progress = now
@@ -320,8 +339,9 @@ class LocalLauncher:
                 _signal_group(process, signal.SIGKILL)
                 process.wait()
         self._reap()
-        for pump in self._pumps:
-            pump.join(timeout=2.0)
+        for name, pump in self._pumps.items():
+            pump.join(timeout=PUMP_JOIN_S)
+            self.output.release(name)
 
     # --- dashboard and summary ------------------------------------------------------------------
 
@@ -353,6 +373,9 @@ class LocalLauncher:
         for record in failed:
             event = next(e for e in reversed(self.supervisor.events) if e["task"] == record.name)
             say(f"[launch] {record.name} failed: {event['how']}; not restarted because {event['reason']}")
+            if self.supervisor.crashed_at_startup(record.name):  # its whole output was just shown
+                say(f"[launch] its output is above; all of it in {self.log_path(record.task)}")
+                continue
             say(f"[launch] last lines of {self.log_path(record.task)}:")
             for line in _tail(self.log_path(record.task), FAILED_LOG_LINES):
                 say(f"    {line}")
@@ -366,6 +389,27 @@ def _tail(path: Path, count: int) -> list[str]:
         return path.read_text(encoding="utf-8", errors="replace").splitlines()[-count:]
     except OSError:
         return []
+
+
+def with_launcher_death(command: list[str]) -> list[str]:
+    """``command``, run so that it dies with this launcher however the launcher dies, SIGKILL included.
+
+    On Linux a tiny interpreter arms a parent-death signal (SIGTERM), checks the launcher is
+    still there, and execs the command in its own place (same pid).  Not a ``preexec_fn``:
+    that would run gRPC's fork handlers in the child of a launcher whose monitor uses gRPC,
+    which aborts it.  Elsewhere the command is returned as it is.
+    """
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-S", "-c", _ARM_PARENT_DEATH_SIGNAL, str(os.getpid()), *command]
+
+
+_ARM_PARENT_DEATH_SIGNAL = (
+    "import ctypes, os, signal, sys\n"
+    f"ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n")
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

@@ -8,11 +8,16 @@ A task goes
          +------(exit != 0 or a signal)-------+--> restarting --(backoff elapsed)--> starting
                                               |
                                               +--> failed   (policy "never", restarts exhausted,
-                                                             or exit code 2: bad flags, a restart
-                                                             cannot help)
+                                                             exit code 2: bad flags, or the same
+                                                             non-zero exit twice in a row before
+                                                             the task ever answered: a crash at
+                                                             start-up, which a restart cannot help)
 
-and every exit, restart and give-up is recorded as an event.  The job succeeds when
-every worker is done; a failed task fails the job (the others could only wait for it).
+and every exit, restart and give-up is recorded as an event.  A crash at start-up is
+retried once (it might have been the machine), not ``max_restarts`` times with growing
+backoff: the same traceback four times over half a minute helps nobody.  The job
+succeeds when every worker is done; a failed task fails the job (the others could only
+wait for it).
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ class TaskRecord:
     last_started: float | None = None
     ended: float | None = None
     restart_at: float | None = None
+    answered: bool = False  # this incarnation answered its Status at least once
+    startup_exit: int | None = None  # the exit code of the last incarnation if it failed before answering
 
     @property
     def name(self) -> str:
@@ -126,6 +133,7 @@ class Supervisor:
             record = self.by_name[name]
             now = self.clock()
             record.state, record.pid, record.exit_code, record.restart_at = "starting", pid, None, None
+            record.answered = False
             record.last_started = now
             if record.first_started is None:
                 record.first_started = now
@@ -136,11 +144,12 @@ class Supervisor:
         with self._lock:
             record = self.by_name[name]
             if record.state == "starting" and record.last_started is not None and since >= record.last_started:
-                record.state = "running"
+                record.state, record.answered, record.startup_exit = "running", True, None
                 self._event(record, "running")
 
     def exited(self, name: str, code: int) -> str:
-        """Record an exit; return what happens next: ``done``, ``restart`` (at ``restart_at``) or ``failed``."""
+        """Record an exit; return what happens next: ``done``, ``restart`` (at ``restart_at``), ``failed``
+        or ``stopped``."""
         with self._lock:
             record = self.by_name[name]
             now = self.clock()
@@ -154,6 +163,7 @@ class Supervisor:
                 self._event(record, "stopped", code=code)
                 return "stopped"
             why = self._no_restart_reason(record, code)
+            record.startup_exit = code if code > 0 and not record.answered else None
             if why is None:
                 record.restarts += 1
                 delay = self.policy.delay(record.restarts)
@@ -170,6 +180,9 @@ class Supervisor:
             return "the restart policy is 'never'"
         if code == USAGE_EXIT_CODE:
             return "exit code 2 means bad flags or configuration, which a restart cannot fix"
+        if code > 0 and not record.answered and record.startup_exit == code:
+            return (f"it exited with code {code} at start-up twice in a row, before it ever answered: "
+                    "a crash that a restart does not fix")
         if record.restarts >= self.policy.max_restarts:
             return f"it was already restarted {record.restarts} time(s) (--max-restarts {self.policy.max_restarts})"
         return None
@@ -185,6 +198,10 @@ class Supervisor:
 
     def workers_done(self) -> bool:
         return all(r.state == "done" for r in self.workers)
+
+    def crashed_at_startup(self, name: str) -> bool:
+        """The task's last exit was non-zero before it ever answered its Status."""
+        return self.by_name[name].startup_exit is not None
 
     def failed(self) -> list[TaskRecord]:
         return [r for r in self.records if r.state == "failed"]
