@@ -1,48 +1,89 @@
-"""``tensorfleet ckpt ls DIR`` and ``tensorfleet ckpt show DIR|FILE``: what a checkpoint directory holds."""
+"""``tensorfleet ckpt ls DIR`` and ``tensorfleet ckpt show DIR|FILE``: what a checkpoint directory holds.
+
+Both read only the manifest and each file's safetensors header, never a tensor, and import
+no torch: listing a directory of large checkpoints answers at once.
+"""
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from tensorfleet.train.checkpoint import latest_checkpoint, list_checkpoints, load
+from tensorfleet.errors import DataError
+from tensorfleet.train.manifest import FORMAT, MANIFEST, is_checkpoint_name, read_header, read_manifest
+
+# safetensors dtype codes -> the names torch prints (without "torch.")
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+           "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16",
+           "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+           "C64": "complex64"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor as its header describes it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A checkpoint file as its header describes it: counters, saved info, and the layout of its tensors."""
+
+    path: Path
+    global_step: int
+    applied_updates: int
+    info: dict[str, Any]
+    values: dict[str, TensorInfo]
+    slots: dict[str, dict[str, TensorInfo]]
+    has_averages: bool
 
 
 def list_text(directory: str | Path) -> str:
     """One line per checkpoint, oldest first: name, global step, size, when saved; the latest is marked."""
-    paths = list_checkpoints(directory)
-    if not paths:
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    names, latest = manifest.get("all", []), manifest.get("latest")
+    if not names:
         return f"{directory}: no checkpoint"
-    latest = latest_checkpoint(directory)
     lines = [f"{'checkpoint':<32}{'global step':>12}{'size':>12}  saved"]
-    for path in paths:
-        if not path.exists():
-            lines.append(f"{path.name:<32}{'?':>12}{'missing':>12}")
+    for name in names:
+        if not is_checkpoint_name(name):
+            lines.append(f"{name!r:<32}{'?':>12}{'refused':>12}  not a checkpoint file name")
             continue
-        checkpoint = load(path)
+        path = directory / name
+        if not path.exists():
+            lines.append(f"{name:<32}{'?':>12}{'missing':>12}")
+            continue
+        checkpoint = read(path)
         saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(checkpoint.info["saved_at"]))
-        mark = "  (latest)" if path == latest else ""
-        lines.append(f"{path.name:<32}{checkpoint.global_step:>12}{_size(path.stat().st_size):>12}  {saved}{mark}")
+        mark = "  (latest)" if name == latest else ""
+        lines.append(f"{name:<32}{checkpoint.global_step:>12}{_size(path.stat().st_size):>12}  {saved}{mark}")
     return "\n".join(lines)
 
 
 def show_text(path: str | Path) -> str:
     """Step, optimizer, mode, placement, and every variable with its shape, dtype and slots."""
-    checkpoint = load(path)
-    info, state = checkpoint.info, checkpoint.state
+    checkpoint = read(path)
+    info = checkpoint.info
     optimizer = info.get("optimizer") or {}
     lines = [f"checkpoint: {checkpoint.path}",
-             f"global step: {checkpoint.global_step} (updates applied: {state.applied_updates})",
+             f"global step: {checkpoint.global_step} (updates applied: {checkpoint.applied_updates})",
              f"optimizer: {optimizer.get('name')} {optimizer.get('options', {})}"
              + (f", schedule {optimizer['schedule']}" if optimizer.get("schedule") else ""),
              f"mode: {info.get('mode')}" + (f" {info['sync']}" if info.get("sync") else ""),
              f"saved from {info.get('num_ps')} ps; moving averages: "
-             + (f"decay {info['average_decay']}" if state.averages is not None else "none"),
+             + (f"decay {info['average_decay']}" if checkpoint.has_averages else "none"),
              f"{'variable':<28}{'shape':<18}{'dtype':<10}slots"]
-    for name, value in state.values.items():
-        slots = ", ".join(f"{slot}{tuple(t.shape) if t.dim() else ''}"
-                          for slot, t in sorted(state.slots.get(name, {}).items()))
-        lines.append(f"{name:<28}{str(tuple(value.shape)):<18}{str(value.dtype).removeprefix('torch.'):<10}{slots}")
+    for name in _model_order(checkpoint.values, info):
+        value = checkpoint.values[name]
+        slots = ", ".join(f"{slot}{t.shape if t.shape else ''}"  # a scalar slot (Adam's step): no shape
+                          for slot, t in sorted(checkpoint.slots.get(name, {}).items()))
+        lines.append(f"{name:<28}{str(value.shape):<18}{value.dtype:<10}{slots}")
     parts = info.get("placement", [])
     if parts:
         lines.append("placement when saved:")
@@ -50,7 +91,78 @@ def show_text(path: str | Path) -> str:
     return "\n".join(lines)
 
 
-def _size(num_bytes: int) -> str:
+def read(path: str | Path) -> CheckpointInfo:
+    """Describe a checkpoint file, or the latest one when ``path`` is a directory, from its header alone.
+
+    Raises:
+        DataError: no checkpoint, a manifest naming something other than a checkpoint file, or a damaged file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = _latest(path)
+    header = read_header(path)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        found = metadata.get("format") if isinstance(metadata, dict) else None
+        raise DataError(f"{path} has format {found!r}, expected {FORMAT!r}")
+    try:
+        global_step, applied = int(metadata["global_step"]), int(metadata["applied_updates"])
+        info = json.loads(metadata.get("info", "{}"))
+        info["saved_at"] = float(metadata.get("saved_at", 0))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DataError(f"{path} is not a readable checkpoint: its metadata is damaged ({exc})") from None
+    values, slots, averages = _layout(path, header)
+    return CheckpointInfo(path, global_step, applied, info, values, slots, bool(averages))
+
+
+def _latest(directory: Path) -> Path:
+    name = read_manifest(directory).get("latest")
+    if not name:
+        raise DataError(f"{directory} holds no checkpoint (no {MANIFEST})")
+    if not is_checkpoint_name(name):
+        raise DataError(f"{directory / MANIFEST} names {name!r} as the latest checkpoint: "
+                        "not a checkpoint file name")
+    return directory / name
+
+
+def _layout(path: Path, header: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """Split the header's tensors by the checkpoint's naming: ``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``."""
+    values: dict[str, TensorInfo] = {}
+    slots: dict[str, dict[str, TensorInfo]] = {}
+    averages: dict[str, TensorInfo] = {}
+    for key, entry in header.items():
+        tensor = _tensor(path, key, entry)
+        kind, _, rest = key.partition("/")
+        if kind == "value" and rest:
+            values[rest] = tensor
+        elif kind == "average" and rest:
+            averages[rest] = tensor
+        elif kind == "slot" and "/" in rest:
+            slot, _, name = rest.partition("/")
+            slots.setdefault(name, {})[slot] = tensor
+        else:
+            raise DataError(f"{path}: tensor {key!r} is not value/<var>, slot/<slot>/<var> or average/<var>")
+    stray = (set(slots) | set(averages)) - set(values)
+    if stray:
+        raise DataError(f"{path}: slots or averages for variable(s) with no value: {sorted(stray)[:5]}")
+    return values, slots, averages
+
+
+def _tensor(path: Path, key: str, entry: Any) -> TensorInfo:
+    try:
+        return TensorInfo(_DTYPES.get(entry["dtype"], str(entry["dtype"]).lower()),
+                          tuple(int(d) for d in entry["shape"]))
+    except (KeyError, TypeError, ValueError):
+        raise DataError(f"{path} is not a readable checkpoint: the header entry of {key!r} is damaged") from None
+
+
+def _model_order(names: dict[str, TensorInfo], info: dict[str, Any]) -> list[str]:
+    """The variables in model order, as placed when saved (the file keeps none); any others after, by name."""
+    placed = dict.fromkeys(p.get("variable") for p in info.get("placement", []) if isinstance(p, dict))
+    return [n for n in placed if n in names] + sorted(set(names) - set(placed))
+
+
+def _size(num_bytes: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if num_bytes < 1024 or unit == "GB":
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"

@@ -36,12 +36,9 @@ from safetensors.torch import save as save_bytes
 from tensorfleet.cluster.placement import Part, Placement
 from tensorfleet.errors import DataError, InvalidArgumentError
 from tensorfleet.ps.store import ShardState
+from tensorfleet.train.manifest import FORMAT, MANIFEST, checkpoint_name, latest_checkpoint, parse_header, read_manifest
+from tensorfleet.train.manifest import list_checkpoints  # noqa: F401 (part of this module's API)
 from tensorfleet.worker.replica import Replica
-
-FORMAT = "tensorfleet-checkpoint-1"
-MANIFEST = "checkpoint.json"
-PREFIX = "model.ckpt-"
-SUFFIX = ".safetensors"
 
 
 @dataclass(frozen=True)
@@ -139,13 +136,13 @@ def save(directory: str | Path, state: ShardState, *, info: Mapping[str, Any], m
         raise InvalidArgumentError(f"max_to_keep={max_to_keep} must be at least 1")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    name = f"{PREFIX}{state.global_step}{SUFFIX}"
+    name = checkpoint_name(state.global_step)
     metadata = {"format": FORMAT, "global_step": str(state.global_step),
                 "applied_updates": str(state.applied_updates), "saved_at": f"{time.time():.3f}",
                 "info": json.dumps(dict(info))}
     tensors = {key: value.contiguous() for key, value in state.flatten().items()}
     _write_atomically(directory / name, save_bytes(tensors, metadata=metadata))
-    kept = [n for n in _manifest(directory).get("all", []) if n != name and (directory / n).exists()] + [name]
+    kept = [n for n in read_manifest(directory).get("all", []) if n != name and (directory / n).exists()] + [name]
     dropped, kept = kept[:-max_to_keep], kept[-max_to_keep:]
     _write_atomically(directory / MANIFEST, json.dumps({"latest": name, "all": kept}, indent=1).encode())
     for old in dropped:
@@ -167,32 +164,6 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.close(directory_fd)
 
 
-def _manifest(directory: Path) -> dict[str, Any]:
-    path = directory / MANIFEST
-    if not path.exists():
-        return {}
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path} is not valid JSON ({exc.msg}): the checkpoint manifest is damaged") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("all", []), list):
-        raise DataError(f"{path} is not a checkpoint manifest")
-    return manifest
-
-
-def list_checkpoints(directory: str | Path) -> list[Path]:
-    """The checkpoints the manifest names, oldest first."""
-    directory = Path(directory)
-    return [directory / name for name in _manifest(directory).get("all", [])]
-
-
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest checkpoint in ``directory``, or None if there is none yet."""
-    directory = Path(directory)
-    name = _manifest(directory).get("latest")
-    return directory / name if name else None
-
-
 def load(path: str | Path) -> Checkpoint:
     """Load a checkpoint file, or the latest one when ``path`` is a directory; raise DataError if damaged."""
     path = Path(path)
@@ -207,7 +178,7 @@ def load(path: str | Path) -> Checkpoint:
         raise DataError(f"checkpoint {path} does not exist") from None
     try:
         tensors = load_bytes(data)
-        metadata = _read_metadata(data)
+        metadata = parse_header(data).get("__metadata__", {})
     except (SafetensorError, ValueError, json.JSONDecodeError) as exc:
         raise DataError(f"{path} is not a readable checkpoint: {exc}") from None
     if metadata.get("format") != FORMAT:
@@ -217,14 +188,6 @@ def load(path: str | Path) -> Checkpoint:
     info = json.loads(metadata.get("info", "{}"))
     info["saved_at"] = float(metadata.get("saved_at", 0))
     return Checkpoint(path, state, info)
-
-
-def _read_metadata(data: bytes) -> dict[str, str]:
-    """The safetensors header's ``__metadata__`` (8-byte little-endian length, then JSON)."""
-    length = int.from_bytes(data[:8], "little")
-    if length > len(data) - 8:
-        raise ValueError("header length runs past the end of the file")
-    return json.loads(data[8:8 + length]).get("__metadata__", {})
 
 
 def load_into_module(module: torch.nn.Module, path: str | Path, *, averages: bool = False) -> int:

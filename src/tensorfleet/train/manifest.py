@@ -1,0 +1,113 @@
+"""The checkpoint directory's names, its manifest and the safetensors header, in plain Python.
+
+Kept apart from ``checkpoint.py`` so that ``tensorfleet ckpt ls|show`` can read what a
+directory holds without importing torch (seconds of start-up), and so that the names
+and the manifest's layout are written once, for the writer and the readers alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from tensorfleet.errors import DataError
+
+FORMAT = "tensorfleet-checkpoint-1"
+MANIFEST = "checkpoint.json"
+PREFIX = "model.ckpt-"
+SUFFIX = ".safetensors"
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+
+_NAME = re.compile(re.escape(PREFIX) + "[0-9]+" + re.escape(SUFFIX))
+
+
+def checkpoint_name(global_step: int) -> str:
+    """The file name of the checkpoint taken at ``global_step``."""
+    return f"{PREFIX}{global_step}{SUFFIX}"
+
+
+def is_checkpoint_name(name: Any) -> bool:
+    """True for a plain name the checkpointer writes (``model.ckpt-<step>.safetensors``).
+
+    A manifest is data: a crafted one must not make a reader open ``../x`` or ``/etc/...``.
+    """
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of ``directory`` ({} if there is none); DataError if it is damaged."""
+    path = directory / MANIFEST
+    if not path.exists():
+        return {}
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path} is not valid JSON ({exc.msg}): the checkpoint manifest is damaged") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("all", []), list):
+        raise DataError(f"{path} is not a checkpoint manifest")
+    return manifest
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """The checkpoints the manifest names, oldest first."""
+    directory = Path(directory)
+    return [directory / name for name in read_manifest(directory).get("all", [])]
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest checkpoint in ``directory``, or None if there is none yet."""
+    directory = Path(directory)
+    name = read_manifest(directory).get("latest")
+    return directory / name if name else None
+
+
+def parse_header(data: bytes) -> dict[str, Any]:
+    """The JSON header of safetensors bytes (8-byte little-endian length, then JSON); ValueError if damaged.
+
+    ``data`` may hold the whole file or only its first ``8 + length`` bytes.
+    """
+    if len(data) < 8:
+        raise ValueError(f"it is truncated: {len(data)} bytes, shorter than any header")
+    length = int.from_bytes(data[:8], "little")
+    if length > len(data) - 8:
+        raise ValueError("header length runs past the end of the file: it is truncated or damaged")
+    header = json.loads(data[8:8 + length])
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """The header of the safetensors file ``path``, reading only the header's bytes, never the tensors.
+
+    Raises:
+        DataError: the file is missing, truncated or its header is damaged (one line naming the file).
+    """
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            prefix = handle.read(8)
+            length = int.from_bytes(prefix, "little")
+            if length > MAX_HEADER_BYTES:
+                raise ValueError(f"its header claims {length} bytes, more than a safetensors header may hold")
+            header = parse_header(prefix + handle.read(length))
+        _check_data_size(header, size - 8 - length)
+    except FileNotFoundError:
+        raise DataError(f"checkpoint {path} does not exist") from None
+    except (ValueError, OSError) as exc:
+        raise DataError(f"{path} is not a readable checkpoint: {exc}") from None
+    return header
+
+
+def _check_data_size(header: dict[str, Any], data_bytes: int) -> None:
+    """The tensors must end exactly where the file does: a cut-off file is refused, as a full load would."""
+    try:
+        end = max((int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"),
+                  default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise ValueError("a tensor entry of its header is damaged") from None
+    if end != data_bytes:
+        raise ValueError(f"it is truncated or damaged: its tensors need {end} bytes, the file holds {data_bytes}")
