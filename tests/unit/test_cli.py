@@ -1,3 +1,4 @@
+import os
 import re
 import shlex
 
@@ -102,3 +103,10 @@ def test_ps_help_has_no_markup(capsys):
         ps_main(["--help"])
     text = capsys.readouterr().out
     assert "``" not in text and "--ps_hosts" in text
+
+
+def test_the_launchers_own_grpc_is_silent_and_the_tasks_log_their_errors(monkeypatch, capsys):
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    assert main(["launch", "--dry-run", "examples/hello_cluster.py"]) == 0
+    assert os.environ["GRPC_VERBOSITY"] == "NONE"  # no unprefixed C-core line between the task lines
+    assert capsys.readouterr().out.count("GRPC_VERBOSITY=ERROR") == 3  # each task: errors, into its log

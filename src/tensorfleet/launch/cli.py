@@ -36,6 +36,7 @@ from tensorfleet.launch.config import is_job_file, job_config
 from tensorfleet.launch.supervisor import RESTART_MODES
 
 USAGE_ERROR = 2
+GRPC_VERBOSITY = "GRPC_VERBOSITY"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -212,7 +213,7 @@ def _unknown_flags(parser: _Parser, extras: Sequence[str]) -> NoReturn:
     parser.error(f"unknown argument(s) {', '.join(hints)}; valid flags: {' '.join(valid)}")
 
 
-def _launch(args: argparse.Namespace, extra: list[str]) -> int:
+def _launch(args: argparse.Namespace, extra: list[str], task_grpc_verbosity: str) -> int:
     from tensorfleet.launch.local import launch  # the launcher's imports are only paid for by this command
     flags = {name: getattr(args, name) for name in ("ps", "workers", "gpus_per_worker", "mode", "restart",
                                                     "max_restarts", "restart_backoff", "logdir", "dashboard",
@@ -223,6 +224,8 @@ def _launch(args: argparse.Namespace, extra: list[str]) -> int:
         config = job_config(args.target, None, flags)
     else:
         config = job_config(None, args.target, {**flags, "args": extra})
+    # The tasks' gRPC errors are worth keeping: the launcher routes them to the task's log file.
+    config.env.setdefault(GRPC_VERBOSITY, task_grpc_verbosity)
     return launch(config, dry_run=args.dry_run, progress_every_s=args.progress_every)
 
 
@@ -232,7 +235,10 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # not gRPC's info lines about tasks that went away
+    task_grpc_verbosity = os.environ.get(GRPC_VERBOSITY, "ERROR")
+    # This process's own gRPC (the monitor's Status calls) says nothing on the console: a task that went
+    # away makes its C core log "Got goaway" at error level, unprefixed, between the task lines.
+    os.environ.setdefault(GRPC_VERBOSITY, "NONE")
     argv = sys.argv[1:] if argv is None else list(argv)
     # What follows the first '--' is the script's, verbatim: argparse never sees it (it would drop the '--'
     # on some paths and keep it on others).
@@ -246,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _unknown_flags(command, extras)
     try:
         if args.command == "launch":
-            return _launch(args, script_args(command, args, head, args.target, after_separator))
+            return _launch(args, script_args(command, args, head, args.target, after_separator), task_grpc_verbosity)
         if args.command == "dashboard":
             return _dashboard(args)
         if args.command == "k8s":
