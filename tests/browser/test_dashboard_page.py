@@ -94,6 +94,22 @@ def test_the_indicator_tells_a_failing_snapshot_from_a_lost_launcher(
     expect(connection).to_have_text("Live")
 
 
+def test_a_finished_job_is_no_longer_shown_live(browser_page: Page, dashboard: Dashboard, fleet):
+    page = browser_page
+    page.goto(dashboard.url)
+    connection = page.locator("#connection")
+    expect(connection).to_have_text("Live")
+
+    with fleet.lock:
+        fleet.state["job"]["state"] = "succeeded"
+        for task in fleet.state["tasks"]:
+            task["state"] = "done"
+    expect(connection).to_have_attribute("data-state", "finished")
+    expect(connection).to_have_text("Finished")
+    expect(page.locator("#job-state")).to_have_text("succeeded")
+    expect(cell(page, "worker:2", "state")).to_have_text("done")
+
+
 def test_markup_in_a_task_name_is_shown_as_text(browser_page: Page, dashboard: Dashboard, fleet):
     hostile = '<img src=x onerror="window.injected=1"><b>worker:9</b>'
     with fleet.lock:

@@ -13,11 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import UnauthenticatedError
+from tensorfleet.launch.local import local_cluster
+from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks
 from tensorfleet.testing.fleet import poll
 from tensorfleet.testing.local_cluster import REPO, LauncherProcess
 from tensorfleet.wire import auth
 from tensorfleet.wire.rpc import Channel, WireOptions
+from tensorfleet.worker.status import STATUS_DIR_ENV
 
 pytestmark = pytest.mark.cluster
 PACED = Path(__file__).resolve().parent / "paced_job.py"
@@ -65,3 +69,34 @@ def test_attached_dashboard_shows_a_fleet_started_elsewhere(tmp_path):
         if board is not None and board.poll() is None:
             board.kill()
             board.wait()
+
+
+def test_an_attached_monitor_sees_a_fleet_started_by_hand_finish(tmp_path):
+    """Tasks started by hand (no launcher, so no final status files): the end is seen all the same."""
+    cluster = local_cluster(1, 2)
+    env = {k: v for k, v in os.environ.items() if k not in (STATUS_DIR_ENV, auth.TOKEN_ENV)}
+    monitor = FleetMonitor(cluster, job_name="by-hand").start()  # as `tensorfleet dashboard` does
+    processes: dict[str, subprocess.Popen] = {}
+    try:
+        for task in fleet_tasks(cluster):
+            with open(tmp_path / f"{task.job_name}-{task.index}.log", "w") as log:
+                processes[task.short] = subprocess.Popen(
+                    [sys.executable, str(PACED), "--last_step", "300", "--step_sleep_s", "0.01"], cwd=REPO,
+                    env={**env, "TF_CONFIG": cluster.to_tf_config(TaskSpec(task.job_name, task.index))},
+                    stdout=log, stderr=subprocess.STDOUT)
+        snapshot = poll(lambda: (lambda s: s if s["job"]["state"] != "running" else None)(monitor.snapshot()),
+                        90, "the attached monitor to see the job end", interval_s=0.1)
+        assert snapshot["job"]["state"] == "succeeded", snapshot
+        assert {t["name"]: t["state"] for t in snapshot["tasks"]} == dict.fromkeys(processes, "done")
+        assert snapshot["job"]["global_step"] >= 300 and snapshot["job"]["eta_s"] is None
+        points = len(snapshot["history"])
+        monitor.poll()  # a finished job gets no new chart points (and the monitor's thread stopped asking)
+        assert len(monitor.snapshot()["history"]) == points
+        for name, process in processes.items():
+            assert process.wait(timeout=30) == 0, (tmp_path / f"{name.replace(':', '-')}.log").read_text()
+    finally:
+        monitor.stop()
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+            process.wait()

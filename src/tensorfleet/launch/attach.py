@@ -1,8 +1,9 @@
 """``tensorfleet dashboard``: the live dashboard of a fleet started some other way (by hand, on other machines).
 
 It reads only what every task answers on its Status RPC; without the launcher's
-supervisor it cannot know restarts, so a task is shown running while it answers and
-unreachable once it stops.
+supervisor it cannot know restarts, so a task is shown running while it answers, done
+once it (or a ps) said so, and unreachable if it stops without that.  When every task
+is done the job shows succeeded.
 """
 
 from __future__ import annotations

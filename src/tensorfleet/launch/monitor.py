@@ -7,7 +7,14 @@ restarts, step, loss and heartbeat age; and a bounded history for the charts.
 
 With a ``Supervisor`` (inside ``tensorfleet launch``) task states come from it: it
 knows restarting, done and failed.  Without one (``tensorfleet dashboard`` attached
-to a running fleet) a task is running while it answers and unreachable when it stops.
+to a running fleet) a task is running while it answers; done once its Status said so
+or a ps reports its Done (a finished ps answers "done" a little longer for this); and
+unreachable when it stops without either.  Once every task is done the job has
+succeeded, and the monitor stops polling: nothing will change any more.
+
+Rates (and so the ETA) are measured from the first poll that saw training under way
+(global step > 0), and only once ``MIN_RATE_SPAN_S`` of it is in the window: start-up
+at step 0 would otherwise make the first estimates far too slow.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from tensorfleet.wire.rpc import Channel, WireOptions
 from tensorfleet.worker.status import final_status_path
 
 RATE_WINDOW_S = 5.0  # rates are averaged over this much history
+MIN_RATE_SPAN_S = 2.0  # no rate, nor ETA, from less training than this
+_NO_RATES: dict[str, Any] = {"steps": None, "examples": None, "per_task": {}}
 HISTORY_POINTS = 1800  # half an hour at one poll a second
 
 
@@ -81,6 +90,7 @@ class FleetMonitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.started = time.monotonic()
+        self.ended: float | None = None  # when an attached monitor saw every task done
         self.job_state = "running"
 
     # --- polling ------------------------------------------------------------------------------
@@ -98,7 +108,7 @@ class FleetMonitor:
             channel.close()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.job_state == "running":
             self.poll()
             self._stop.wait(self.interval_s)
 
@@ -119,6 +129,13 @@ class FleetMonitor:
             except TensorfleetError:
                 self._channels[name].reconnect()  # a restarted task: do not wait on the dead connection
         answers.update(self._final_statuses())
+        self.update(answers, asked=asked)
+
+    def update(self, answers: dict[str, dict[str, Any]], *, asked: float) -> None:
+        """Take one round of Status answers (task name -> reply), asked at ``asked``, into the picture.
+
+        ``poll``'s second half, public so that a picture can also be built from answers given by hand.
+        """
         now = time.monotonic()
         with self._lock:
             for name, status in answers.items():
@@ -126,7 +143,7 @@ class FleetMonitor:
                 seen.status, seen.at, seen.ever = status, now, True
                 if self.supervisor is not None:
                     self.supervisor.answered(name, since=asked)
-            self._record(now)
+            self._record(now, answers)
 
     def _final_statuses(self) -> dict[str, dict[str, Any]]:
         """The last Status of tasks that finished since the last poll, from the files they leave."""
@@ -157,37 +174,55 @@ class FleetMonitor:
         return {name: int(s.status.get("examples") or 0) for name, s in self._seen.items()
                 if s.status is not None and s.status.get("role") != "ps"}
 
-    def _record(self, now: float) -> None:
+    def _record(self, now: float, answers: dict[str, dict[str, Any]]) -> None:
+        """A history point from this round's answers; none once the job is over (they would only repeat)."""
+        if self.supervisor is None and self.job_state == "running":
+            if all(state == "done" for state in self._task_states(now).values()):
+                self.job_state, self.ended = "succeeded", now
+        if self.job_state != "running":
+            return
         step, examples = self._global_step(), self._examples()
-        self._samples.append((now, step, examples))
+        if step > 0:  # the rate window opens when training has begun
+            self._samples.append((now, step, examples))
         while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
             self._samples.popleft()
         rates = self._rates()
-        losses = [s.status["loss"] for s in self._seen.values()
-                  if s.status is not None and s.status.get("loss") is not None and s.status.get("role") != "ps"]
+        losses = [s["loss"] for s in answers.values() if s.get("loss") is not None and s.get("role") != "ps"]
         self._history.append({"t": round(now - self.started, 2), "global_step": step,
                               "loss": sum(losses) / len(losses) if losses else None,
                               "examples_per_sec": rates["examples"], "steps_per_sec": rates["steps"]})
 
     def _rates(self) -> dict[str, Any]:
         """Steps/s and examples/s over the window; per task too. A counter that went down (restart) restarts."""
-        if len(self._samples) < 2:
-            return {"steps": None, "examples": None, "per_task": {}}
+        if self.job_state != "running" or len(self._samples) < 2:
+            return _NO_RATES
         (t0, step0, ex0), (t1, step1, ex1) = self._samples[0], self._samples[-1]
         span = t1 - t0
-        if span <= 0:
-            return {"steps": None, "examples": None, "per_task": {}}
+        if span < MIN_RATE_SPAN_S:
+            return _NO_RATES
         per_task = {name: max(ex1[name] - ex0.get(name, 0), 0) / span for name in ex1 if ex1[name] >= ex0.get(name, 0)}
         examples = sum(per_task.values()) if any(ex1.values()) else None
         return {"steps": max(step1 - step0, 0) / span, "examples": examples, "per_task": per_task}
 
-    def _task_state(self, name: str, now: float) -> str:
+    def _reported_done(self) -> set[str]:
+        """The workers some ps heard say Done: done, even though they no longer answer."""
+        replicas = self.cluster.replicas
+        return {replicas[i].short for s in self._seen.values() if s.status and s.status.get("role") == "ps"
+                for i in s.status.get("done_replicas") or () if isinstance(i, int) and 0 <= i < len(replicas)}
+
+    def _task_states(self, now: float) -> dict[str, str]:
+        """Every task's state: the supervisor's, or else what its (and the ps's) Status answers say."""
         if self.supervisor is not None:
-            return self.supervisor.by_name[name].state
-        seen = self._seen[name]
-        if seen.at is not None and now - seen.at <= 3 * self.interval_s + 1.0:
-            return "done" if (seen.status or {}).get("state") == "done" else "running"
-        return "unreachable" if seen.ever else "starting"
+            return {t.short: self.supervisor.by_name[t.short].state for t in self.tasks}
+        reported_done, states = self._reported_done(), {}
+        for name, seen in self._seen.items():
+            if (seen.status or {}).get("state") == "done" or name in reported_done:
+                states[name] = "done"
+            elif seen.at is not None and now - seen.at <= 3 * self.interval_s + 1.0:
+                states[name] = "running"
+            else:
+                states[name] = "unreachable" if seen.ever else "starting"
+        return states
 
     def snapshot(self) -> dict[str, Any]:
         """The whole picture as a JSON-ready dict (the dashboard's ``/api/status``)."""
@@ -196,6 +231,7 @@ class FleetMonitor:
             rates = self._rates()
             step = self._global_step()
             statuses = {name: seen.status or {} for name, seen in self._seen.items()}
+            states = self._task_states(now)
             ps0 = self._ps_status() or {}
             tasks = []
             for task in self.tasks:
@@ -206,7 +242,7 @@ class FleetMonitor:
                 tasks.append({
                     "name": name, "role": task_role(self.cluster, task),
                     "address": self.cluster.task_address(task.job_name, task.index),
-                    "state": self._task_state(name, now),
+                    "state": states[name],
                     "pid": record.pid if record is not None else status.get("pid"),
                     "restarts": record.restarts if record is not None else 0,
                     "step": status.get("global_step" if is_ps else "local_step"),
@@ -226,7 +262,8 @@ class FleetMonitor:
             mode = self.mode or ps0.get("mode")
             job = {"name": self.job_name, "mode": mode, "state": self.job_state, "global_step": step,
                    "target_step": target, "steps_per_sec": steps_per_sec, "examples_per_sec": rates["examples"],
-                   "eta_s": eta, "dropped_stale": dropped, "elapsed_s": round(now - self.started, 2),
+                   "eta_s": eta, "dropped_stale": dropped,
+                   "elapsed_s": round((self.ended or now) - self.started, 2),
                    "restarts": self.supervisor.total_restarts if self.supervisor is not None else 0}
             return {"job": job, "tasks": tasks, "history": list(self._history)}
 

@@ -19,7 +19,7 @@ import torch
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, cluster_from_flags
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.ps.server import Server
-from tensorfleet.worker.status import PROCESS_STATUS, serve_status, write_final_status
+from tensorfleet.worker.status import PROCESS_STATUS, finished_linger_s, serve_status, write_final_status
 
 TrainFn = Callable[[argparse.Namespace, ClusterSpec, TaskSpec], None]
 
@@ -47,7 +47,7 @@ def run_task(args: argparse.Namespace, train: TrainFn, *, intra_op_threads: int 
     torch.set_num_threads(intra_op_threads)
     if task.job_name == "ps":
         server = Server(cluster, job_name="ps", task_index=task.index)
-        server.join()
+        server.join(linger_s=finished_linger_s())  # so that `tensorfleet dashboard` sees the job end
         write_final_status(task, server.status())
         return 0
     status_server = serve_status(cluster, task)  # what the launcher and the dashboard ask about

@@ -13,6 +13,7 @@ import sys
 from tensorfleet.cluster.spec import add_cluster_flags, cluster_from_flags
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.ps.server import Server
+from tensorfleet.worker.status import finished_linger_s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cluster, task = cluster_from_flags(args)
-        Server(cluster, job_name=task.job_name, task_index=task.index).join()
+        # A finished ps keeps answering a moment, so that `tensorfleet dashboard` sees the job end.
+        Server(cluster, job_name=task.job_name, task_index=task.index).join(linger_s=finished_linger_s())
     except TensorfleetError as exc:
         print(f"tensorfleet.ps: error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ job leaves no ps behind.
 from __future__ import annotations
 
 import logging
+import time
 
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, bind_address, parse_address
 from tensorfleet.errors import ClusterSpecError
@@ -54,16 +55,31 @@ class Server:
             raise
         log.info("%s: serving on %s (data plane on port %d)", self.task.name, address, self._data.port)
 
-    def join(self, timeout: float | None = None) -> bool:
-        """Block until every worker has finished (True) or ``timeout`` seconds passed (False); then stop."""
+    def join(self, timeout: float | None = None, *, linger_s: float = 0.0) -> bool:
+        """Block until every worker has finished (True) or ``timeout`` seconds passed (False); then stop.
+
+        ``linger_s``: once finished, keep answering (Status says "done") this long before stopping, so
+        that a dashboard attached without the launcher, polling about once a second, sees the job end.
+        """
         finished = self.service.finished.wait(timeout)
         if finished:
-            status = self.store.status()
-            log.info("%s: all %d worker(s) done; exiting (global_step=%d, applied_updates=%d, dropped_stale=%d)",
-                     self.task.name, self.service.num_workers, status.global_step, status.applied_updates,
-                     status.dropped_stale)
+            log.info("%s: all %d worker(s) done; exiting (%s)", self.task.name, self.service.num_workers,
+                     self._counts())
+            if linger_s > 0:
+                time.sleep(linger_s)
             self.stop()
         return finished
+
+    def _counts(self) -> str:
+        """This shard's counters, each under its true name: only ps:0 counts the global step in async mode."""
+        status = self.store.status()
+        if self.task.index == 0:
+            return (f"global_step={status.global_step}, applied_updates={status.applied_updates}, "
+                    f"dropped_stale={status.dropped_stale}")
+        if status.mode == "sync":  # every shard counts its own aggregations
+            return (f"shard_step={status.global_step}, applied_updates={status.applied_updates}, "
+                    f"dropped_stale={status.dropped_stale}; ps:0's step is the global step")
+        return f"applied {status.applied_updates} updates; the global step is counted by ps:0"
 
     def status(self) -> dict:
         """What the Status RPC answers: step, counters, role, pid."""

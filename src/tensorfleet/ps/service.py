@@ -26,7 +26,9 @@ Snapshot    -                                            global_step, applied_up
                                                          flattened ShardState (values, slots, averages)
 Status      -                                            initialized, mode, sync, step, counters,
                                                          data_port, task, role ("ps"), pid, uptime_s,
-                                                         auth_refused
+                                                         auth_refused; state ("running", or "done" once
+                                                         every worker said Done), done_replicas (the
+                                                         replica ids that said Done), workers_done
 Done        replica: int                                 workers_done, num_workers
 ==========  ===========================================  ==========================================
 """
@@ -63,7 +65,8 @@ class PsService:
         self.data_port = data_port  # set by the server once the data plane listens
         self.num_workers = num_workers
         self.finished = threading.Event()
-        self._workers_done = 0
+        self._done_replicas: set[int] = set()  # for Status: who is done, even after it stops answering
+        self._done_lock = threading.Lock()
         self._started_unix = time.time()
         self.gate = auth.Gate(None)  # the server's, which counts calls refused for want of the token
 
@@ -157,8 +160,11 @@ class PsService:
     def status(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         reply = dataclasses.asdict(self.store.status())
         sync = self.store.sync_options
+        with self._done_lock:
+            done = sorted(self._done_replicas)
         reply.update(task=self.store.task, role="ps", pid=os.getpid(), uptime_s=time.time() - self._started_unix,
-                     workers_done=self._workers_done, num_workers=self.num_workers,
+                     state="done" if self.finished.is_set() else "running", done_replicas=done,
+                     workers_done=len(done), num_workers=self.num_workers,
                      sync=sync.to_meta() if sync else None, data_port=self.data_port,
                      auth_refused=self.gate.refused)
         return reply, {}
@@ -167,7 +173,9 @@ class PsService:
         replica = _int_field(meta, "replica", method="Done")
         if replica >= self.num_workers:
             raise InvalidArgumentError(f"Done 'replica' must be in 0..{self.num_workers - 1}, got {replica}")
-        count = self._workers_done = self.store.replica_done(replica)
+        count = self.store.replica_done(replica)
+        with self._done_lock:
+            self._done_replicas.add(replica)
         if count >= self.num_workers:
             self.finished.set()
         return {"workers_done": count, "num_workers": self.num_workers}, {}

@@ -3,7 +3,8 @@
 // Every value from the launcher reaches the DOM through textContent or setAttribute, never
 // innerHTML, so a task name with markup in it is shown as text. Stable hooks for tests and
 // scripts: #global-step (data-value holds the raw number), #connection (data-state is
-// "connecting", "ok" or "lost"), and one <tr data-task="NAME"> per task whose cells are
+// "connecting", "ok", "finished" (the job is over: nothing will change) or "lost"), and
+// one <tr data-task="NAME"> per task whose cells are
 // <td data-field="FIELD" data-value="RAW">, FIELD being the snapshot's key for that column.
 "use strict";
 
@@ -17,6 +18,7 @@
   const KNOWN_STATES = new Set([
     "starting", "running", "restarting", "done", "failed", "unreachable", "succeeded",
   ]);
+  const FINISHED_JOB_STATES = new Set(["succeeded", "failed"]);
 
   // ---- formatting ---------------------------------------------------------------------------
 
@@ -247,15 +249,18 @@
 
   class HttpError extends Error {}
 
-  function setConnection(ok, reason) {
+  // ok: the snapshot came; then jobState says whether it is still live or the job is over.
+  function setConnection(ok, reason, jobState) {
     const indicator = byId("connection");
-    indicator.dataset.state = ok ? "ok" : "lost";
     document.body.classList.toggle("disconnected", !ok);
     if (ok) {
-      indicator.textContent = "Live";
+      const finished = FINISHED_JOB_STATES.has(jobState);
+      indicator.dataset.state = finished ? "finished" : "ok";
+      indicator.textContent = finished ? "Finished" : "Live";
       indicator.removeAttribute("title");
       return;
     }
+    indicator.dataset.state = "lost";
     const since = lastSuccess === null ? "" : ` · last update ${formatDuration((Date.now() - lastSuccess) / 1000)} ago`;
     // An HTTP error means the launcher is up but its snapshot failed: say so, it is a different problem.
     const problem = reason instanceof HttpError ? `The launcher answered ${reason.message}` : "Cannot reach the launcher";
@@ -290,7 +295,7 @@
     }
     if (snapshot) {
       lastSuccess = Date.now();
-      setConnection(true);
+      setConnection(true, null, snapshot.job && snapshot.job.state);
       try {
         render(snapshot);
       } catch (error) {
