@@ -5,7 +5,9 @@ the worker pulls them, computes ``x @ w`` on its own device and prints it
 (``[[20]]``), then pushes the gradient: the ps applies it with a learning rate of 0
 (the values never change) and the global step advances, until a StopAtStepHook ends
 training at step 200.  With ``--log_device_placement`` it says where each variable
-lives and where the product ran.
+lives and where the product ran.  Under the launcher the chief also writes TensorBoard
+summaries (the loss, the learning rate, examples/sec) to LOGDIR/train: run it with
+``--logdir LOGDIR`` and then ``tensorboard --logdir LOGDIR``.
 
     tensorfleet launch --ps 1 --workers 1 examples/hello_cluster.py -- --log_device_placement
 

@@ -14,6 +14,10 @@ read ``step 120, loss = 0.53 (812.3 examples/sec; 0.158 sec/batch)`` per worker.
     tensorfleet launch --ps 2 --workers 2 examples/mnist_cnn.py
     tensorfleet launch --ps 2 --workers 2 examples/mnist_cnn.py -- --placement greedy --partitions 2
     tensorfleet launch --ps 1 --workers 2 --gpus-per-worker 4 examples/mnist_cnn.py -- --towers 4
+
+The chief writes TensorBoard summaries (loss, learning rate, examples/sec, dropped stale
+gradients) to LOGDIR/train under the launcher (``tensorboard --logdir LOGDIR``), or to
+``--summary_dir``.
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log_every", type=int, default=100, help="log a line every N local steps")
     parser.add_argument("--checkpoint_dir", default=None, help="save checkpoints here; restore from here on start")
     parser.add_argument("--save_checkpoint_steps", type=int, default=500)
-    parser.add_argument("--summary_dir", default=None, help="write TensorBoard summaries here (chief)")
+    parser.add_argument("--summary_dir", default=None,
+                        help="the chief writes TensorBoard summaries here (default: LOGDIR/train under "
+                             "tensorfleet launch, none by hand)")
     parser.add_argument("--train_limit", type=int, default=None, help="train on the first N examples only")
     parser.add_argument("--eval_limit", type=int, default=None, help="evaluate on the first N examples of each split")
     parser.add_argument("--seed", type=int, default=0)
@@ -112,7 +118,6 @@ def train_towers(towers: tfl.Towers, args: argparse.Namespace, cluster: tfl.Clus
     optimizer = tfl.OptimizerSpec.sgd(lr=args.learning_rate, momentum=args.momentum).with_schedule(decay)
     replica = tfl.TowerReplica(towers, model, cluster, task, optimizer=optimizer, **tfl.training_options(args))
     net = replica.model  # forward through it: its backward averages the towers' gradients
-    summaries = [tfl.SummaryHook(args.summary_dir, save_steps=100)] if args.summary_dir else []
     lead = towers.index == 0  # tower 0 speaks for the worker: its log lines, its prints
 
     def loss_of(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -120,7 +125,7 @@ def train_towers(towers: tfl.Towers, args: argparse.Namespace, cluster: tfl.Clus
 
     start = time.time()
     with tfl.TrainingSession(replica, hooks=[tfl.StopAtStepHook(last_step=args.train_steps)],
-                             chief_only_hooks=summaries, checkpoint_dir=args.checkpoint_dir,
+                             summary_dir=args.summary_dir, checkpoint_dir=args.checkpoint_dir,
                              save_checkpoint_steps=args.save_checkpoint_steps,
                              log_step_count_steps=args.log_every if lead else None) as session:
         if lead:

@@ -15,7 +15,10 @@ or by hand, one terminal per task, like distributed TensorFlow:
         --job_name=ps --task_index=0
     python examples/mnist_mlp.py ... --job_name=worker --task_index=0     (and --task_index=1)
 
-or with TF_CONFIG set instead of the four cluster flags.
+or with TF_CONFIG set instead of the four cluster flags.  The chief writes TensorBoard
+summaries (loss, learning rate, examples/sec; with --sync the dropped stale gradients)
+to LOGDIR/train under the launcher (``--logdir LOGDIR``; then ``tensorboard --logdir
+LOGDIR``), or to ``--summary_dir``.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the chief saves checkpoints here and restores from them (a restarted ps too)")
     parser.add_argument("--save_checkpoint_steps", type=int, default=None,
                         help="save a checkpoint every N global steps (default: every 600 s)")
+    parser.add_argument("--summary_dir", default=None,
+                        help="the chief writes TensorBoard summaries here (default: LOGDIR/train under "
+                             "tensorfleet launch, none by hand)")
     parser.add_argument("--train_limit", type=int, default=None, help="train on the first N examples only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--intra_op_threads", type=int, default=1, help="torch threads per process")
@@ -82,10 +88,10 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
     optimizer = tfl.OptimizerSpec.adam(lr=args.learning_rate)
     replica = tfl.Replica(model, cluster, task, optimizer=optimizer, **tfl.training_options(args))
     # As MonitoredTrainingSession: stop at the global step, checkpoints (if asked) that a restarted ps is
-    # restored from, a log line every --log_every local steps.
+    # restored from, a log line every --log_every local steps, TensorBoard summaries (the chief).
     with tfl.TrainingSession(replica, hooks=[tfl.StopAtStepHook(last_step=args.train_steps)],
                              checkpoint_dir=args.checkpoint_dir, save_checkpoint_steps=args.save_checkpoint_steps,
-                             log_step_count_steps=args.log_every) as session:
+                             log_step_count_steps=args.log_every, summary_dir=args.summary_dir) as session:
         start = time.time()
         print(f"Worker {replica_id}: training begins @ {start:f} at global step {session.global_step}")
         while not session.should_stop():
@@ -106,6 +112,9 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
     print(f"test accuracy: {test_accuracy:.4f} ({evaluated})")
     if replica.average_decay:
         print(f"test accuracy of the last parameters: {last_accuracy:.4f}")
+        print(f"  (each worker evaluates the parameters it pulled last, here at global step {step}"
+              + ("; in async mode they differ from worker to worker by the updates in between)"
+                 if replica.sync is None else ")"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,7 +108,7 @@ def test_sync_mnist_on_two_ps_every_worker_contributes_to_every_step():
     assert len(done) == 2, result.output
     # No backups: each of the 150 steps averaged one gradient from each worker, none dropped.
     assert all(int(local) == int(step) == 150 and int(dropped) == 0 for local, step, dropped in done)
-    exits = re.findall(r"exiting \(global_step=(\d+), applied_updates=(\d+), dropped_stale=(\d+)\)", result.output)
+    exits = re.findall(r"exiting \((?:global|shard)_step=(\d+), applied_updates=(\d+), dropped_stale=(\d+)", result.output)
     assert exits == [("150", "150", "0")] * 2, exits  # both shards hold variables, both aggregated 150 times
     assert all(float(a) > 0.8 for a in re.findall(r"test accuracy: ([\d.]+)", result.output))
 

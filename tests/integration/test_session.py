@@ -21,6 +21,7 @@ from tensorfleet.train.hooks import CheckpointSaverHook, Hook, NanLossHook, Step
 from tensorfleet.train.session import TrainingSession
 from tensorfleet.train.summary import SummaryHook
 from tensorfleet.worker.replica import Replica
+from tensorfleet.worker.status import LOGDIR_ENV
 
 INITIAL = seeded_mlp(4, 6, 2)
 SPEC = OptimizerSpec.sgd(lr=0.1)
@@ -181,11 +182,87 @@ def test_summaries_are_readable_by_tensorboard(cluster, tmp_path):
     events = EventAccumulator(str(tmp_path / "logs"), size_guidance={"scalars": 0, "histograms": 0})
     events.Reload()
     tags = events.Tags()
-    assert {"loss", "learning_rate", "examples_per_sec", "dropped_stale_gradients"} <= set(tags["scalars"])
-    assert [e.step for e in events.Scalars("loss")] == [1, 3, 5]
+    assert set(tags["scalars"]) == {"loss", "learning_rate", "examples_per_sec"}  # async: nothing dropped
+    assert [e.step for e in events.Scalars("loss")] == [1, 3, 5, 6]  # every 2 steps, and the last one
     lr = {e.step: e.value for e in events.Scalars("learning_rate")}  # the schedule at each global step
-    assert lr == pytest.approx({1: 0.1 * 0.5 ** 0.5, 3: 0.1 * 0.5 ** 1.5, 5: 0.1 * 0.5 ** 2.5})
+    assert lr == pytest.approx({1: 0.1 * 0.5 ** 0.5, 3: 0.1 * 0.5 ** 1.5, 5: 0.1 * 0.5 ** 2.5, 6: 0.1 * 0.5 ** 3})
     assert "0.weight" in tags["histograms"]
+
+
+def scalar_steps(directory) -> dict[str, list[int]]:
+    """Each scalar tag's steps, as TensorBoard reads them from ``directory``."""
+    events = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_under_the_launcher_the_chief_writes_summaries_by_default(cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv(LOGDIR_ENV, str(tmp_path))  # what `tensorfleet launch` sets for every task
+    model = copy.deepcopy(INITIAL)
+    with TrainingSession(replica_for(cluster[0], model), hooks=[StopAtStepHook(last_step=5)],
+                         save_summaries_steps=2, log_step_count_steps=None) as session:
+        fit(session, model)
+    steps = scalar_steps(tmp_path / "train")
+    assert set(steps) == {"loss", "learning_rate", "examples_per_sec"}
+    assert steps["loss"] == [1, 3, 5]
+
+
+def test_summary_dir_false_an_own_summary_hook_or_no_launcher_means_no_default_summaries(tmp_path, monkeypatch):
+    def run(cluster, **kwargs):
+        model = copy.deepcopy(INITIAL)
+        with TrainingSession(replica_for(cluster, model), hooks=[StopAtStepHook(last_step=2)],
+                             log_step_count_steps=None, **kwargs) as session:
+            fit(session, model)
+
+    with ps_servers(num_ps=1, num_workers=1) as (cluster, _):
+        run(cluster)  # by hand (no TENSORFLEET_LOGDIR) and no summary_dir: nothing written anywhere
+    monkeypatch.setenv(LOGDIR_ENV, str(tmp_path))
+    with ps_servers(num_ps=1, num_workers=1) as (cluster, _):
+        run(cluster, summary_dir=False)
+    assert not (tmp_path / "train").exists()
+    with ps_servers(num_ps=1, num_workers=1) as (cluster, _):
+        run(cluster, chief_only_hooks=[SummaryHook(tmp_path / "mine", save_steps=1)])
+    assert not (tmp_path / "train").exists() and scalar_steps(tmp_path / "mine")["loss"] == [1, 2]
+    with ps_servers(num_ps=1, num_workers=1) as (cluster, _):
+        run(cluster, summary_dir=tmp_path / "explicit")
+    assert not (tmp_path / "train").exists() and scalar_steps(tmp_path / "explicit")["loss"] == [1, 2]
+
+
+@pytest.mark.parametrize("options", [{}, {"prefetch": True}, {"overlap": True}, {"prefetch": True, "overlap": True}],
+                         ids=["plain", "prefetch", "overlap", "prefetch+overlap"])
+def test_one_async_worker_ends_exactly_at_last_step(cluster, options):
+    model = copy.deepcopy(INITIAL)
+    with TrainingSession(replica_for(cluster[0], model, **options), hooks=[StopAtStepHook(last_step=7)],
+                         log_step_count_steps=None) as session:
+        results = fit(session, model)
+    assert len(results) == 7  # with prefetch the 7th push is still travelling when its step ends: it counts
+    assert session.global_step == 7
+    assert cluster[1][0].store.status().global_step == 7
+
+
+def test_two_sync_workers_end_exactly_at_last_step():
+    with ps_servers(num_ps=2, num_workers=2) as (cluster, servers):
+        results, errors = {}, []
+
+        def worker(index):
+            try:
+                model = copy.deepcopy(INITIAL)
+                replica = Replica(model, cluster, TaskSpec("worker", index), optimizer=SPEC, mode="sync")
+                with TrainingSession(replica, hooks=[StopAtStepHook(last_step=9)],
+                                     log_step_count_steps=None) as session:
+                    results[index] = len(fit(session, model))
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not errors, errors
+        assert not any(t.is_alive() for t in threads), "a sync worker hung"
+        assert results == {0: 9, 1: 9}
+        assert [s.store.status().global_step for s in servers] == [9, 9]
 
 
 def test_logging_hook_prints_the_classic_line(cluster, caplog):

@@ -83,7 +83,13 @@ class StepTimer:
 
 
 class StopAtStepHook(Hook):
-    """Stop at a global step: ``last_step``, or ``num_steps`` after the step the session started at."""
+    """Stop at a global step: ``last_step``, or ``num_steps`` after the step the session started at.
+
+    A worker stops once a push of its own brought back a step >= ``last_step``: one worker, and
+    sync mode, end exactly there. Async workers decide on the step they last saw, as in classic
+    TF, so with N of them the job can end past ``last_step``, by at most N - 1 steps without
+    prefetch (the others' last pushes were in flight together); only the ps could refuse those.
+    """
 
     def __init__(self, *, num_steps: int | None = None, last_step: int | None = None) -> None:
         if (num_steps is None) == (last_step is None):
@@ -98,7 +104,15 @@ class StopAtStepHook(Hook):
             session.request_stop()
 
     def after_step(self, session: "TrainingSession", result: StepResult) -> None:
-        if result.global_step >= self.last_step:
+        step = result.global_step
+        if step + 1 >= self.last_step and getattr(session.replica, "prefetch", False):
+            # With prefetch this step's push is still travelling and ``step`` is the one before it: without
+            # waiting for it, one more step would run past last_step. Only near the end, so the overlap stays.
+            try:
+                step = session.replica.settle()
+            except (UnavailableError, NotInitializedError):
+                return  # that push went down with its ps: the next step's pull recovers, then runs again
+        if step >= self.last_step:
             session.request_stop()
 
 

@@ -22,15 +22,22 @@ is run again from the restored parameters.
 A step whose loss is NaN or infinite never reaches the ps: the gradients are
 dropped before the push, and a ``NanLossHook`` decides whether that stops
 training (the default, with a clear error) or skips the step.
+
+TensorBoard by default, as MTS's ``summary_dir``: under ``tensorfleet launch``
+(which sets ``TENSORFLEET_LOGDIR`` for every task) the chief writes summaries to
+``LOGDIR/train``, so ``tensorboard --logdir LOGDIR`` shows the job without a line
+of code; ``summary_dir=`` points them elsewhere (a script run by hand), ``False``
+turns them off, and a ``SummaryHook`` of the caller's own replaces the default.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
@@ -38,10 +45,32 @@ from tensorfleet.errors import NanLossError, NotInitializedError, UnavailableErr
 from tensorfleet.train.checkpoint import Checkpointer, latest_checkpoint, load, split
 from tensorfleet.train.hooks import CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult
 from tensorfleet.worker.replica import Replica
+from tensorfleet.worker.status import LOGDIR_ENV
 
 log = logging.getLogger(__name__)
 
 MAX_STEP_ATTEMPTS = 3  # a step is retried after each recovery; the third failure propagates
+SUMMARY_SUBDIR = "train"  # the chief's event files under the launcher's logdir (a run named "train" in TensorBoard)
+
+
+def default_summary_dir() -> Path | None:
+    """``$TENSORFLEET_LOGDIR/train`` when ``tensorfleet launch`` started this task, else None."""
+    logdir = os.environ.get(LOGDIR_ENV)
+    return Path(logdir) / SUMMARY_SUBDIR if logdir else None
+
+
+def _summary_hooks(summary_dir: str | Path | Literal[False] | None, save_steps: int,
+                   given: Sequence[Hook]) -> list[Hook]:
+    """The chief's SummaryHook asked for by ``summary_dir`` (see TrainingSession), or none."""
+    if summary_dir is False:
+        return []
+    directory = default_summary_dir() if summary_dir is None else Path(summary_dir)
+    if directory is None:
+        return []
+    from tensorfleet.train.summary import SummaryHook  # only the chief pays for TensorBoard's writer
+    if summary_dir is None and any(isinstance(hook, SummaryHook) for hook in given):
+        return []  # the caller's own summaries replace the default ones
+    return [SummaryHook(directory, save_steps=save_steps)]
 
 
 class TrainingSession:
@@ -55,18 +84,26 @@ class TrainingSession:
         save_checkpoint_steps / save_checkpoint_secs: how often to save, either or both (default: every 600 s).
         max_to_keep: checkpoints kept in ``checkpoint_dir``.
         log_step_count_steps: a LoggingHook line every N local steps (None: no log lines).
+        summary_dir: where the chief writes TensorBoard summaries (a SummaryHook every
+            ``save_summaries_steps`` global steps and at the last step). None (default):
+            ``$TENSORFLEET_LOGDIR/train`` under ``tensorfleet launch`` unless ``hooks`` or
+            ``chief_only_hooks`` hold a SummaryHook already, and none when run by hand. False: none.
+        save_summaries_steps: how often the summaries asked for by ``summary_dir`` are written.
         recovery_timeout_s: how long a step waits for a lost ps to come back before failing.
     """
 
     def __init__(self, replica: Replica, *, hooks: Sequence[Hook] = (), chief_only_hooks: Sequence[Hook] = (),
                  checkpoint_dir: str | Path | None = None, save_checkpoint_steps: int | None = None,
                  save_checkpoint_secs: float | None = None, max_to_keep: int = 5,
-                 log_step_count_steps: int | None = 100, recovery_timeout_s: float = 300.0) -> None:
+                 log_step_count_steps: int | None = 100, summary_dir: str | Path | Literal[False] | None = None,
+                 save_summaries_steps: int = 100, recovery_timeout_s: float = 300.0) -> None:
         self.replica = replica
         self.recovery_timeout_s = recovery_timeout_s
         self.recoveries = 0
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.hooks: list[Hook] = list(chief_only_hooks) if replica.is_chief else []
+        if replica.is_chief:
+            self.hooks += _summary_hooks(summary_dir, save_summaries_steps, [*hooks, *chief_only_hooks])
         if self.checkpoint_dir is not None and replica.is_chief:
             self.hooks.append(CheckpointSaverHook(self.checkpoint_dir, save_steps=save_checkpoint_steps,
                                                   save_secs=save_checkpoint_secs, max_to_keep=max_to_keep))
