@@ -1,23 +1,26 @@
-"""Goal 5: the classic MNIST job end to end, against one local process doing every step, in one run.
+"""The classic MNIST job end to end against the same job on other stacks, interleaved in one run.
 
 The job is the quickstart's: ``tensorfleet launch --ps 1 --workers 2
 examples/mnist_mlp.py`` (784-100-10 MLP, Adam 0.01, batch 100, asynchronous,
 10,000 global steps, one intra-op thread per process).  Its steps/sec is
-10,000 / the workers' "Training elapsed time" (the slower of the two).  The
-ceiling on a 2-core machine is one local process doing all 10,000 steps of the
-same model and batch (forward, backward, torch.optim Adam), measured here too.
+10,000 / the workers' "Training elapsed time" (the slower of the two: the
+training loop only).  Against, in the same rounds:
 
-TensorFlow 2's ParameterServerStrategy on this job and machine was measured at
-~170 steps/s (10,000 steps in ~59 s median, the performance issue's figure);
-TensorFlow is not installed here, so that figure is quoted, not re-measured.
+* one local process doing all 10,000 steps of the same model and batch (forward,
+  backward, torch.optim Adam): the ceiling on a 2-core machine;
+* a ``torch.distributed.rpc`` parameter server (``mnist_references.py rpc``);
+* TensorFlow 2's ``ParameterServerStrategy`` (``mnist_references.py tf2``), run with
+  the Python given by ``--tf-python`` (or ``$TF_PYTHON``), one that has TensorFlow;
+  without it that row is left out, not quoted.
 
-    python benchmarks/mnist_job.py [--repeats 3] [--json mnist_job.json]
+    python benchmarks/mnist_job.py [--repeats 3] [--tf-python ~/tf/bin/python] [--json mnist_job.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -35,7 +38,6 @@ from mnist_mlp import build_model  # noqa: E402
 from tensorfleet.data.mnist import batches, load_mnist  # noqa: E402
 
 STEPS = 10_000
-TF2_PS_STRATEGY_STEPS_PER_SEC = 170.0
 
 
 def run_job() -> dict[str, float]:
@@ -71,32 +73,47 @@ def run_local() -> dict[str, float]:
     return {"seconds": elapsed, "steps_per_sec": STEPS / elapsed, "accuracy_last": accuracy}
 
 
+def run_reference(which: str, python: str) -> dict[str, float]:
+    done = subprocess.run([python, str(ROOT / "benchmarks" / "mnist_references.py"), which, "--steps", str(STEPS)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        raise RuntimeError(f"the {which} reference failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tf-python", default=os.environ.get("TF_PYTHON"),
+                        help="a Python with TensorFlow, for the ParameterServerStrategy row")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    jobs, locals_ = [], []
-    for _ in range(args.repeats):  # interleaved
-        jobs.append(run_job())
-        locals_.append(run_local())
-    job = {key: statistics.median(run[key] for run in jobs) for key in jobs[0]}
-    local = {key: statistics.median(run[key] for run in locals_) for key in locals_[0]}
-    result = {"repeats": args.repeats, "job": job, "job_runs": jobs, "local": local, "local_runs": locals_,
-              "tf2_ps_strategy_steps_per_sec": TF2_PS_STRATEGY_STEPS_PER_SEC,
-              "goal5_ratio_to_tf2": job["steps_per_sec"] / TF2_PS_STRATEGY_STEPS_PER_SEC,
-              "ratio_to_local_ceiling": job["steps_per_sec"] / local["steps_per_sec"]}
-    print(f"MNIST MLP, 10,000 global steps, median of {args.repeats}")
-    print(f"{'run':<44}{'seconds':>9}{'steps/s':>10}{'accuracy':>22}")
-    print(f"{'tensorfleet, 1 ps + 2 async workers':<44}{job['seconds']:>9.1f}{job['steps_per_sec']:>10.0f}"
-          f"{job['accuracy_averaged']:>9.4f} avg / {job['accuracy_last']:.4f}")
-    print(f"{'one local process (the 2-core ceiling)':<44}{local['seconds']:>9.1f}{local['steps_per_sec']:>10.0f}"
-          f"{local['accuracy_last']:>22.4f}")
-    print(f"{'TF2 ParameterServerStrategy (quoted)':<44}{STEPS / TF2_PS_STRATEGY_STEPS_PER_SEC:>9.1f}"
-          f"{TF2_PS_STRATEGY_STEPS_PER_SEC:>10.0f}{'0.971-0.974':>22}")
-    print(f"GOAL 5: tensorfleet / TF2 PS strategy: {result['goal5_ratio_to_tf2']:.2f}x (target >= 2x)")
-    print(f"tensorfleet / one local process: {result['ratio_to_local_ceiling']:.2f}x")
+    runners = {"tensorfleet": run_job, "local": run_local, "rpc": lambda: run_reference("rpc", sys.executable)}
+    if args.tf_python:
+        runners["tf2"] = lambda: run_reference("tf2", args.tf_python)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in runners}
+    for round_ in range(args.repeats):  # interleaved: every stack sees the same state of the machine
+        for name, run in runners.items():
+            runs[name].append(run())
+            print(f"round {round_ + 1}: {name} {runs[name][-1]['steps_per_sec']:.0f} steps/s", flush=True)
+    medians = {name: median_of(results) for name, results in runs.items()}
+    job = medians["tensorfleet"]
+    labels = {"tensorfleet": "tensorfleet, 1 ps + 2 async workers", "local": "one local process (the ceiling)",
+              "rpc": "torch.distributed.rpc ps, 1 ps + 2 workers", "tf2": "TF2 ParameterServerStrategy, 1+2"}
+    print(f"MNIST MLP, {STEPS:,} global steps, median of {args.repeats} interleaved rounds (training loop only)")
+    print(f"{'run':<44}{'seconds':>9}{'steps/s':>10}{'tensorfleet is':>16}{'accuracy (last)':>17}")
+    for name, median in medians.items():
+        ratio = job["steps_per_sec"] / median["steps_per_sec"]
+        print(f"{labels[name]:<44}{median['seconds']:>9.1f}{median['steps_per_sec']:>10.0f}{ratio:>15.2f}x"
+              f"{median['accuracy_last']:>17.4f}")
+    print(f"tensorfleet's accuracy of the moving average (decay 0.999): {job['accuracy_averaged']:.4f}")
     if args.json:
+        result = {"repeats": args.repeats, "steps": STEPS, "medians": medians, "runs": runs,
+                  "ratios": {name: job["steps_per_sec"] / m["steps_per_sec"] for name, m in medians.items()}}
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
