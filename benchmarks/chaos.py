@@ -190,7 +190,7 @@ def check(args: argparse.Namespace, job: LauncherProcess, code: int, output: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--kills", type=int, default=12)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--train_steps", type=int, default=20000)

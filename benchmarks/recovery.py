@@ -57,7 +57,7 @@ def one_run(workdir: Path, save_steps: int, rng: random.Random) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--save_steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0, help="seeds where between checkpoints the kill falls")

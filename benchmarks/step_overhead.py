@@ -50,7 +50,7 @@ def time_steps(step, steps: int, repeats: int) -> list[float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batch_size", type=int, default=100)

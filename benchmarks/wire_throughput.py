@@ -219,7 +219,7 @@ def measure_ps(repeats: int, *, shared_memory: bool) -> list[float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="write a PNG of throughput vs size (needs matplotlib)")
