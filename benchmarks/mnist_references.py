@@ -11,8 +11,9 @@ loop (the slower worker's), steps/s, and the test accuracy of the last parameter
   under a lock and returns the new values (one round trip per step, as tensorfleet).
 * ``tf2``: TensorFlow 2's ``ParameterServerStrategy`` with a ``ClusterCoordinator``, the
   in-process cluster of TensorFlow's parameter-server tutorial (``tf.distribute.Server``
-  for 1 ps and 2 workers), variables on the ps and an Adam written with ``tf.Variable``
-  slots (Keras 3 does not support this strategy).  Needs TensorFlow, which the project
+  for 1 ps and 2 workers), variables and Adam slots on the ps, updated by the fused
+  ``ResourceApplyAdam`` kernel that Keras 2's Adam runs (Keras 3 does not support this
+  strategy).  Needs TensorFlow, which the project
   does not depend on: run it with a Python that has it
   (``python -m venv tf && tf/bin/pip install tensorflow-cpu numpy``).
 
@@ -212,11 +213,10 @@ def run_tf2(steps: int) -> dict[str, float]:
                 loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits_of(images)))
             grads = tape.gradient(loss, weights)
             t = adam_step.assign_add(1.0)
-            rate = LEARNING_RATE * tf.sqrt(1.0 - 0.999 ** t) / (1.0 - 0.9 ** t)
-            for w, (m, v), g in zip(weights, moments, grads):
-                m.assign(0.9 * m + 0.1 * g)
-                v.assign(0.999 * v + 0.001 * g * g)
-                w.assign_sub(rate * m / (tf.sqrt(v) + 1e-8))
+            for w, (m, v), g in zip(weights, moments, grads):  # the fused kernel Keras 2's Adam runs
+                tf.raw_ops.ResourceApplyAdam(var=w.handle, m=m.handle, v=v.handle, beta1_power=0.9 ** t,
+                                             beta2_power=0.999 ** t, lr=LEARNING_RATE, beta1=0.9, beta2=0.999,
+                                             epsilon=1e-8, grad=g)
             return loss
 
         images, labels = next(batches)

@@ -86,11 +86,14 @@ def main() -> int:
     parser.add_argument("--tf-python", default=os.environ.get("TF_PYTHON"),
                         help="a Python with TensorFlow, for mnist_job.py's ParameterServerStrategy row")
     parser.add_argument("--out", default="bench-results", help="folder for each script's JSON")
+    parser.add_argument("--only", nargs="+", choices=sorted(RUNS), default=sorted(RUNS),
+                        help="run just these; the others' figures come from the JSON an earlier run left in --out")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {name: run(name, ["--tf-python", args.tf_python] if name == "mnist_job" and args.tf_python else [],
-                         out) for name in RUNS}
+                         out) if name in args.only else json.loads((out / f"{name}.json").read_text())
+               for name in RUNS}
     print(f"\nMeasured {datetime.date.today().isoformat()} on {machine()} "
           f"(`python benchmarks/run_all.py`, medians of each script's interleaved runs):\n")
     print("| what | figure |\n| --- | --- |")
