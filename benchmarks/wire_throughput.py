@@ -43,7 +43,7 @@ import torch
 
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.launch.local import local_cluster
-from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.ps.api import OptimizerSpec
 from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import PsClient

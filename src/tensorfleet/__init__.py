@@ -21,8 +21,7 @@ _EXPORTS: dict[str, str] = {
     "TensorfleetError": "tensorfleet.errors",
     "run_task": "tensorfleet.launch.task",
     **dict.fromkeys(("TowerOptions", "TowerReplica", "Towers", "run_towers"), "tensorfleet.parallel"),
-    "SyncOptions": "tensorfleet.ps.aggregate",
-    **dict.fromkeys(("ExponentialDecay", "OptimizerSpec"), "tensorfleet.ps.apply"),
+    **dict.fromkeys(("ExponentialDecay", "OptimizerSpec", "SyncOptions"), "tensorfleet.ps.api"),
     "Server": "tensorfleet.ps.server",
     **dict.fromkeys(("Checkpointer", "load_into_module"), "tensorfleet.train.checkpoint"),
     **dict.fromkeys(("CheckpointSaverHook", "Hook", "LoggingHook", "NanLossHook", "StepResult", "StopAtStepHook"),
@@ -58,8 +57,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from tensorfleet.errors import TensorfleetError
     from tensorfleet.launch.task import run_task
     from tensorfleet.parallel import TowerOptions, TowerReplica, Towers, run_towers
-    from tensorfleet.ps.aggregate import SyncOptions
-    from tensorfleet.ps.apply import ExponentialDecay, OptimizerSpec
+    from tensorfleet.ps.api import ExponentialDecay, OptimizerSpec, SyncOptions
     from tensorfleet.ps.server import Server
     from tensorfleet.train.checkpoint import Checkpointer, load_into_module
     from tensorfleet.train.hooks import (CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult,

@@ -10,7 +10,7 @@ from torch import nn
 
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
-from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.ps.api import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply, read_tensors
 from tensorfleet.wire.frame import READ_BUFFER_BYTES, Reader, send_message

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from tensorfleet.errors import StaleIncarnationError
-from tensorfleet.ps.aggregate import SyncOptions
-from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.ps.api import OptimizerSpec, SyncOptions
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.worker.client import PsClient
 

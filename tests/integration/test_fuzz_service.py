@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tensorfleet.errors import InvalidArgumentError, TensorfleetError, UnavailableError
-from tensorfleet.ps.apply import OPTIMIZERS, OptimizerSpec
+from tensorfleet.ps.api import OPTIMIZER_NAMES, OptimizerSpec
 from tensorfleet.ps.server import Server
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire import codec, frame, rpc
@@ -239,7 +239,7 @@ SCHEDULES = st.none() | JSON | st.fixed_dictionaries(
     {"kind": st.just("exponential") | st.text(max_size=8)},
     optional={"decay_steps": INTS | JSON, "decay_rate": NUMBERS | JSON, "staircase": JSON})
 OPTIMIZER_METAS = JSON | st.fixed_dictionaries(
-    {"name": st.sampled_from(list(OPTIMIZERS) + ["", "SGD", "lbfgs"]) | JSON_SCALARS},
+    {"name": st.sampled_from(list(OPTIMIZER_NAMES) + ["", "SGD", "lbfgs"]) | JSON_SCALARS},
     optional={"options": st.dictionaries(st.sampled_from(OPTION_KEYS) | st.text(max_size=6), OPTION_VALUES,
                                          max_size=4) | JSON,
               "schedule": SCHEDULES})

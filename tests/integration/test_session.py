@@ -10,9 +10,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
+from tensorfleet.cluster.environment import LOGDIR_ENV
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import InvalidArgumentError, NanLossError
-from tensorfleet.ps.apply import ExponentialDecay, OptimizerSpec
+from tensorfleet.ps.api import ExponentialDecay, OptimizerSpec
 from tensorfleet.ps.server import Server
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.testing.models import seeded_mlp
@@ -21,7 +22,6 @@ from tensorfleet.train.hooks import CheckpointSaverHook, Hook, NanLossHook, Step
 from tensorfleet.train.session import TrainingSession
 from tensorfleet.train.summary import SummaryHook
 from tensorfleet.worker.replica import Replica
-from tensorfleet.worker.status import LOGDIR_ENV
 
 INITIAL = seeded_mlp(4, 6, 2)
 SPEC = OptimizerSpec.sgd(lr=0.1)

@@ -14,8 +14,7 @@ from torch import nn
 from tensorfleet.cluster.placement import GreedyByBytes, RoundRobin, RowPartitioner
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError
-from tensorfleet.ps.aggregate import SyncOptions
-from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.ps.api import OptimizerSpec, SyncOptions
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.testing.models import seeded_mlp, sgd_on_union_batches
 from tensorfleet.worker.replica import Replica

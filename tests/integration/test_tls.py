@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tensorfleet.errors import ConfigError, UnavailableError
-from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.ps.api import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire.rpc import Channel, TlsFiles, WireOptions
 from tensorfleet.worker.client import PsClient

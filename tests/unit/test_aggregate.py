@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError
-from tensorfleet.ps.aggregate import Offer, SyncAccumulator, SyncOptions
-from tensorfleet.ps.apply import OptimizerSpec
+from tensorfleet.ps.aggregate import SyncAccumulator
+from tensorfleet.ps.api import OptimizerSpec, Outcome, SyncOptions
 from tensorfleet.ps.store import VariableStore
 
 NAMES = ["/job:worker/task:0", "/job:worker/task:1", "/job:worker/task:2"]
@@ -15,8 +15,8 @@ NAMES = ["/job:worker/task:0", "/job:worker/task:1", "/job:worker/task:2"]
 
 def test_mean_of_r_gradients_then_next_step():
     acc = SyncAccumulator(SyncOptions(2, 3))
-    assert acc.offer(0, 0, {"w": torch.tensor([1.0, 2.0])}) is Offer.ACCEPTED
-    assert acc.offer(2, 0, {"w": torch.tensor([3.0, 6.0])}) is Offer.COMPLETE
+    assert acc.offer(0, 0, {"w": torch.tensor([1.0, 2.0])}) is Outcome.ACCEPTED
+    assert acc.offer(2, 0, {"w": torch.tensor([3.0, 6.0])}) is Outcome.COMPLETE
     assert torch.equal(acc.take_mean()["w"], torch.tensor([2.0, 4.0]))
     assert acc.step == 1 and acc.contributors == ()
 
@@ -25,14 +25,14 @@ def test_late_gradient_is_stale_and_counted():
     acc = SyncAccumulator(SyncOptions(1, 2))
     acc.offer(0, 0, {"w": torch.ones(1)})
     acc.take_mean()
-    assert acc.offer(1, 0, {"w": torch.ones(1)}) is Offer.STALE
+    assert acc.offer(1, 0, {"w": torch.ones(1)}) is Outcome.STALE
     assert acc.dropped_stale == 1 and acc.contributors == ()
 
 
 def test_duplicate_from_same_replica_is_dropped():
     acc = SyncAccumulator(SyncOptions(2, 2))
     acc.offer(0, 0, {"w": torch.ones(1)})
-    assert acc.offer(0, 0, {"w": torch.ones(1)}) is Offer.DUPLICATE
+    assert acc.offer(0, 0, {"w": torch.ones(1)}) is Outcome.DUPLICATE
     assert acc.dropped_duplicate == 1 and acc.contributors == (0,)
 
 
@@ -89,7 +89,7 @@ def test_store_applies_once_per_aggregation_and_all_waiters_see_it():
     for thread in threads:
         thread.join(timeout=10)
     # Whichever came first waited for the other; both return after the one aggregation.
-    assert sorted(results.values(), key=lambda r: r[1].value) == [(1, Offer.ACCEPTED), (1, Offer.COMPLETE)]
+    assert sorted(results.values(), key=lambda r: r[1].value) == [(1, Outcome.ACCEPTED), (1, Outcome.COMPLETE)]
     values, step = store.read()
     assert step == 1 and torch.equal(values["w"], torch.full((2,), -2.0))  # 0 - 1.0 * mean(1, 3)
     assert store.status().applied_updates == 1
@@ -102,7 +102,7 @@ def test_missing_worker_times_out_with_its_name_and_keeps_the_gradient():
     assert "gathered 1 of 2" in str(caught.value) and "backup workers" in str(caught.value)
     assert store.read()[1] == 0
     # The step is not lost: when the missing worker comes back, it completes it.
-    assert store.push_sync(1, 0, {"w": torch.ones(2)}) == (1, Offer.COMPLETE)
+    assert store.push_sync(1, 0, {"w": torch.ones(2)}) == (1, Outcome.COMPLETE)
 
 
 def test_on_missing_continue_applies_what_arrived():

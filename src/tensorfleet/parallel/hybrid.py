@@ -40,7 +40,7 @@ from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import (DeadlineExceededError, InvalidArgumentError, NotInitializedError, TensorfleetError,
                                 UnavailableError)
 from tensorfleet.parallel.towers import Towers
-from tensorfleet.ps.store import ShardState
+from tensorfleet.ps.api import ShardState
 from tensorfleet.worker.replica import Replica
 
 # What tower 0's failure becomes on the other towers: the recoverable ones keep their class, so

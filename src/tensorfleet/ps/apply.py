@@ -8,21 +8,20 @@ one pass over each tensor, 3-4x faster than the default loop for Adam, equal to
 a local ``torch.optim`` with ``fused=True`` to the bit and to the default one up
 to float rounding (~1e-7 relative).
 
-An ``OptimizerSpec`` is the picklable-free, JSON description of the optimizer
-that the chief sends to the ps at initialization.
+An ``OptimizerSpec`` (``tensorfleet.ps.api``) is the pickle-free, JSON description of the
+optimizer that the chief sends to the ps at initialization; this module builds it.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch.optim.adam import adam as functional_adam
 from torch.optim.sgd import sgd as functional_sgd
 
 from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.ps.api import OPTIMIZER_NAMES, OptimizerSpec
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -31,128 +30,9 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adagrad": torch.optim.Adagrad,
     "rmsprop": torch.optim.RMSprop,
 }
-# Implementation switches of torch.optim that make no sense coming from a remote client.
-_FORBIDDEN_OPTIONS = {"foreach", "fused", "capturable", "differentiable"}
+assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "the contract names the optimizers the ps can build"
 # Optimizers with a fused CPU kernel: the ps picks it itself.
 FUSED = {"sgd", "adam", "adamw", "adagrad"}
-
-
-@dataclass(frozen=True)
-class ExponentialDecay:
-    """``lr = base_lr * decay_rate ** (step / decay_steps)``; with ``staircase`` the exponent is floored.
-
-    As ``tf.train.exponential_decay``. The step is the number of updates this shard has
-    applied, which equals the global step on every shard (every update reaches every shard).
-    """
-
-    decay_steps: int
-    decay_rate: float
-    staircase: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.decay_steps, int) or self.decay_steps < 1:
-            raise InvalidArgumentError(f"decay_steps={self.decay_steps!r} must be a positive integer")
-        if not (isinstance(self.decay_rate, (int, float)) and 0 < self.decay_rate <= 1):
-            raise InvalidArgumentError(f"decay_rate={self.decay_rate!r} must be in (0, 1]")
-
-    def factor(self, step: int) -> float:
-        exponent = step // self.decay_steps if self.staircase else step / self.decay_steps
-        return self.decay_rate ** exponent
-
-    def to_meta(self) -> dict[str, Any]:
-        return {"kind": "exponential", "decay_steps": self.decay_steps, "decay_rate": self.decay_rate,
-                "staircase": self.staircase}
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """Which optimizer the ps runs, with which options (keyword arguments of the torch.optim class),
-    and an optional learning-rate schedule (constant when None).
-
-    Example:
-        >>> OptimizerSpec.adam(lr=0.01)
-        OptimizerSpec(name='adam', options={'lr': 0.01}, schedule=None)
-    """
-
-    name: str
-    options: Mapping[str, Any] = field(default_factory=dict)
-    schedule: ExponentialDecay | None = None
-
-    def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise InvalidArgumentError(f"unknown optimizer {self.name!r}: choose one of {', '.join(OPTIMIZERS)}")
-        bad = _FORBIDDEN_OPTIONS.intersection(self.options)
-        if bad:
-            raise InvalidArgumentError(f"optimizer option(s) {sorted(bad)} cannot be set remotely")
-        for key, value in self.options.items():
-            if not _is_plain(value):
-                raise InvalidArgumentError(f"optimizer option {key}={value!r} must be a number, bool or list")
-        lr = self.options.get("lr")
-        if lr is not None and not (_finite_number(lr) and lr >= 0):
-            raise InvalidArgumentError(f"learning rate lr={lr!r} must be a finite number >= 0")
-
-    @classmethod
-    def sgd(cls, *, lr: float, momentum: float = 0.0, nesterov: bool = False,
-            weight_decay: float = 0.0) -> "OptimizerSpec":
-        return cls("sgd", _nondefault(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay))
-
-    @classmethod
-    def adam(cls, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-             weight_decay: float = 0.0) -> "OptimizerSpec":
-        return cls("adam", _nondefault(lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay))
-
-    def learning_rate(self, step: int) -> float:
-        """The learning rate of update number ``step`` (the schedule applied to ``options['lr']``)."""
-        base = float(self.options.get("lr", 0.0))
-        return base * self.schedule.factor(step) if self.schedule else base
-
-    def with_schedule(self, schedule: ExponentialDecay | None) -> "OptimizerSpec":
-        return OptimizerSpec(self.name, self.options, schedule)
-
-    def to_meta(self) -> dict[str, Any]:
-        return {"name": self.name, "options": dict(self.options),
-                "schedule": self.schedule.to_meta() if self.schedule else None}
-
-    @classmethod
-    def from_meta(cls, meta: Any) -> "OptimizerSpec":
-        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) \
-                or not isinstance(meta.get("options", {}), dict):
-            raise InvalidArgumentError(f"optimizer must be {{'name': str, 'options': dict}}, got {meta!r:.200}")
-        return cls(meta["name"], dict(meta.get("options", {})), _schedule_from_meta(meta.get("schedule")))
-
-
-def _schedule_from_meta(meta: Any) -> ExponentialDecay | None:
-    if meta is None:
-        return None
-    if not isinstance(meta, dict) or meta.get("kind") != "exponential":
-        raise InvalidArgumentError(f"unknown learning-rate schedule {meta!r:.200}: use {{'kind': 'exponential', ...}}")
-    try:
-        return ExponentialDecay(meta["decay_steps"], meta["decay_rate"], bool(meta.get("staircase", False)))
-    except KeyError as exc:
-        raise InvalidArgumentError(f"exponential schedule needs {exc.args[0]!r}") from None
-
-
-_DEFAULTS = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
-
-
-def _nondefault(**options: Any) -> dict[str, Any]:
-    return {k: v for k, v in options.items() if k not in _DEFAULTS or _DEFAULTS[k] != v}
-
-
-def _finite_number(value: object) -> bool:
-    """A real number that a float can hold and that is finite (10**400 is neither)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-def _is_plain(value: Any) -> bool:
-    if isinstance(value, (list, tuple)):
-        return all(_is_plain(v) for v in value)
-    return isinstance(value, (bool, int, float))
 
 
 class Applier:

@@ -34,7 +34,7 @@ class Server:
     """
 
     def __init__(self, cluster: ClusterSpec, *, job_name: str = "ps", task_index: int,
-                 options: rpc.WireOptions = rpc.WireOptions()) -> None:
+                 options: rpc.WireOptions | None = None) -> None:
         if job_name != "ps":
             raise ClusterSpecError(f"Server serves ps tasks; got job_name {job_name!r} (workers use Replica)")
         self.task = TaskSpec(job_name, task_index)
@@ -43,6 +43,7 @@ class Server:
         self.store = VariableStore(task=self.task.name, replica_names=[r.name for r in replicas])
         self.service = PsService(self.store, num_workers=len(replicas))
         address = bind_address(cluster.task_address(job_name, task_index))
+        options = options or rpc.WireOptions()  # from the environment now, not when the module loaded
         gate = self.service.gate = auth.Gate(options.token)  # one count of refusals for both planes
         self._data = DataServer(parse_address(address)[0], self.service.data_methods(), task=self.task.name,
                                 options=options, gate=gate)

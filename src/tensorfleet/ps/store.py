@@ -25,55 +25,57 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError, StaleIncarnationError
-from tensorfleet.ps.aggregate import Offer, SyncAccumulator, SyncOptions
-from tensorfleet.ps.apply import Applier, MovingAverage, OptimizerSpec, check_gradients, check_layout
+from tensorfleet.ps.aggregate import SyncAccumulator
+from tensorfleet.ps.api import (NONFINITE_POLICIES, Mode, OptimizerSpec, Origin, Outcome, PushReply, PushRequest,
+                                ShardState, SyncOptions)
+from tensorfleet.ps.apply import Applier, MovingAverage, check_layout
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ShardState:
-    """Everything a shard holds, for checkpoints: values, optimizer slots, averages and counters."""
+class ShardLayout:
+    """What a push is checked against before its body is read: the variables (their names, dtypes and
+    shapes), the mode and the NaN/Inf policy.  Immutable; an initialization replaces it whole, so it
+    can be read without the store's lock."""
 
-    values: dict[str, torch.Tensor]
-    slots: dict[str, dict[str, torch.Tensor]]
-    averages: dict[str, torch.Tensor] | None
-    global_step: int
-    applied_updates: int
+    variables: Mapping[str, torch.Tensor]
+    mode: Mode
+    nonfinite: str
+    num_replicas: int  # sync: replica ids run 0..num_replicas-1
 
-    def flatten(self) -> dict[str, torch.Tensor]:
-        """One flat name per tensor: ``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``."""
-        flat = {f"value/{name}": value for name, value in self.values.items()}
-        for name, entries in self.slots.items():
-            flat.update({f"slot/{slot}/{name}": value for slot, value in entries.items()})
-        for name, value in (self.averages or {}).items():
-            flat[f"average/{name}"] = value
-        return flat
+    def check(self, entries: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], push: PushRequest, *,
+              task: str, wire_dtype: bool = True) -> None:
+        """Raise InvalidArgumentError unless the push fits this shard (``wire_dtype=False``: the entries
+        are already in the variables' dtypes)."""
+        if push.mode is not self.mode:
+            raise InvalidArgumentError(
+                "this ps runs in sync mode: a push must carry the replica and the step of the parameters it was "
+                "computed from" if self.mode is Mode.SYNC else "this ps runs in async mode: push without a step",
+                task=task)
+        if self.mode is Mode.SYNC:
+            if not 0 <= push.replica < self.num_replicas:
+                raise InvalidArgumentError(f"replica {push.replica} is not in 0..{self.num_replicas - 1}", task=task)
+            missing = set(self.variables) - set(entries)
+            if missing:
+                raise InvalidArgumentError(f"a sync push must carry every variable of the shard; missing "
+                                           f"{sorted(missing)[:5]}", task=task)
+        check_layout(self.variables, entries, task=task, wire_dtype=push.wire_dtype if wire_dtype else None)
 
-    @classmethod
-    def unflatten(cls, flat: Mapping[str, torch.Tensor], *, global_step: int, applied_updates: int) -> "ShardState":
-        values: dict[str, torch.Tensor] = {}
-        slots: dict[str, dict[str, torch.Tensor]] = {}
-        averages: dict[str, torch.Tensor] = {}
-        for key, tensor in flat.items():
-            kind, _, rest = key.partition("/")
-            if kind == "value" and rest:
-                values[rest] = tensor
-            elif kind == "average" and rest:
-                averages[rest] = tensor
-            elif kind == "slot" and "/" in rest:
-                slot, _, name = rest.partition("/")
-                slots.setdefault(name, {})[slot] = tensor
-            else:
-                raise InvalidArgumentError(f"state tensor {key!r} is not value/<var>, slot/<slot>/<var> "
-                                           "or average/<var>")
-        stray = (set(slots) | set(averages)) - set(values)
-        if stray:
-            raise InvalidArgumentError(f"slots or averages for variable(s) with no value: {sorted(stray)[:5]}")
-        return cls(values, slots, averages or None, global_step, applied_updates)
+    def upcast(self, gradients: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Gradients that travelled in a narrower dtype, in their variables' dtypes (fp32 accumulation)."""
+        return {name: grad if self.variables[name].dtype == grad.dtype else grad.to(self.variables[name].dtype)
+                for name, grad in gradients.items()}
 
 
-NONFINITE_POLICIES = ("reject", "apply")
+@dataclass(frozen=True)
+class PushResult:
+    """What ``VariableStore.push`` gives back: the reply and, when asked, the values after the push under a
+    shared hold (call ``release`` once they are sent)."""
+
+    reply: PushReply
+    values: dict[str, torch.Tensor] | None = None
+    release: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -92,17 +94,6 @@ class StoreStatus:
     rejected_nonfinite: int  # pushes refused for NaN/Inf gradients
 
 
-@dataclass(frozen=True)
-class Origin:
-    """Who sent a push: the worker (replica id), the incarnation of its process, and the push's sequence
-    number on this shard.  A later incarnation replaces an earlier one; a sequence number seen before
-    is a retry."""
-
-    worker: int
-    incarnation: int
-    seq: int
-
-
 class VariableStore:
     """Variables of one shard. Thread-safe; every method is one atomic step (a sync push waits inside).
 
@@ -116,6 +107,7 @@ class VariableStore:
         self.replica_names = list(replica_names)
         self._cond = threading.Condition()
         self._variables: dict[str, torch.Tensor] = {}
+        self._layout: ShardLayout | None = None  # what pushes are checked against; replaced whole by Init
         self._applier: Applier | None = None
         self._sync: SyncAccumulator | None = None
         self._average: MovingAverage | None = None
@@ -167,6 +159,8 @@ class VariableStore:
                 return False
             self._variables, self._applier, self._sync, self._average = owned, applier, accumulator, average
             self.nonfinite = nonfinite
+            self._layout = ShardLayout(owned, Mode.ASYNC if sync is None else Mode.SYNC, nonfinite,
+                                       sync.total_num_replicas if sync is not None else 0)
             self._global_step = restore.global_step if restore is not None else 0
             self._applied_updates = restore.applied_updates if restore is not None else 0
             self._initial_updates, self._accepted_pushes = self._applied_updates, 0
@@ -211,15 +205,19 @@ class VariableStore:
         tensors stay consistent while they are sent.  Call ``release()`` exactly once, soon.
         """
         with self._cond:
-            while self._updates_waiting:
-                self._cond.wait()
-            self._require_initialized()
-            if averages and self._average is None:
-                raise InvalidArgumentError("this job keeps no moving averages: the chief sets average_decay",
-                                           task=self.task)
-            source = dict(self._average.shadows if averages else self._variables)
-            self._readers += 1
-            return source, self._global_step, self._release_reader
+            return self._hold_live(averages=averages)
+
+    def _hold_live(self, *, averages: bool) -> tuple[dict[str, torch.Tensor], int, Callable[[], None]]:
+        """``read_live`` under the lock: updates already waiting go first, so readers cannot starve them."""
+        while self._updates_waiting:
+            self._cond.wait()
+        self._require_initialized()
+        if averages and self._average is None:
+            raise InvalidArgumentError("this job keeps no moving averages: the chief sets average_decay",
+                                       task=self.task)
+        source = dict(self._average.shadows if averages else self._variables)
+        self._readers += 1
+        return source, self._global_step, self._release_reader
 
     def _release_reader(self) -> None:
         with self._cond:
@@ -239,43 +237,82 @@ class VariableStore:
             self._updates_waiting -= 1
             self._cond.notify_all()
 
-    def check_push(self, layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], *,
-                   wire_dtype: torch.dtype | None = None) -> None:
-        """Refuse, before its bytes are read, a push naming unknown variables or wrong shapes or dtypes."""
-        with self._cond:
+    def admit(self, entries: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], push: PushRequest) -> ShardLayout:
+        """Refuse, before its bytes are read, a push naming unknown variables, wrong shapes or dtypes, or the
+        wrong mode; return the layout it was checked against, for ``push``.
+
+        No lock: the layout is immutable and replaced whole by an initialization.
+        """
+        layout = self._layout
+        if layout is None:
             self._require_initialized()
-            check_layout(self._variables, layout, task=self.task, wire_dtype=wire_dtype)
+        layout.check(entries, push, task=self.task)
+        return layout
 
-    def upcast(self, gradients: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Gradients that travelled in a narrower dtype, in their variables' dtypes (fp32 accumulation)."""
-        with self._cond:
-            dtypes = {name: self._variables[name].dtype for name in gradients if name in self._variables}
-        return {name: grad if dtypes.get(name, grad.dtype) == grad.dtype else grad.to(dtypes[name])
-                for name, grad in gradients.items()}
+    def push(self, push: PushRequest, gradients: Mapping[str, torch.Tensor],
+             layout: ShardLayout | None = None) -> PushResult:
+        """One push, as one transaction: exactly-once admission, the update (async) or the offer to its step
+        and the wait for the aggregation (sync), and with ``push.with_values`` the values after it.
 
-    def apply(self, gradients: Mapping[str, torch.Tensor], *, advance_step: bool,
-              origin: Origin | None = None) -> tuple[int, str]:
-        """Async mode: apply one update now; advance the global step if asked.
+        ``layout`` is what ``admit`` checked the push against before its body arrived; without it (or if an
+        initialization replaced it since) the gradients are checked here.
 
-        Returns:
-            (the step after it, "applied"), or "retried" for a push already applied (``origin`` seen before).
         Raises:
-            StaleIncarnationError: ``origin`` is an incarnation of its worker older than one already seen.
+            StaleIncarnationError: ``push.origin`` is an incarnation of its worker older than one already seen.
+            DeadlineExceededError: sync: the step did not gather enough gradients in time
+                (``on_missing="error"``); the message names the replicas that did not push.
         """
         with self._cond:
             self._exclusive()  # first: from here on the lock is never released until the update is done
             self._require_initialized()
-            if self._sync is not None:
-                raise InvalidArgumentError("this ps runs in sync mode: a push must carry the replica and the step "
-                                           "of the parameters it was computed from", task=self.task)
-            check_gradients(self._variables, gradients, task=self.task)
-            if not self._admit(origin):
-                return self._global_step, "retried"
-            if gradients:
-                self._apply(gradients)
-            if advance_step:
-                self._global_step += 1
-            return self._global_step, "applied"
+            if layout is None or layout is not self._layout:
+                self._layout.check({n: (g.dtype, tuple(g.shape)) for n, g in gradients.items()}, push,
+                                   task=self.task, wire_dtype=False)
+            if push.step is None:
+                step, outcome = self._apply_async(push, gradients)
+            else:
+                step, outcome = self._offer_sync(push, gradients)
+            if not push.with_values:
+                return PushResult(PushReply(step, outcome))
+            values, step, release = self._hold_live(averages=False)  # the step the values belong to
+            return PushResult(PushReply(step, outcome), values, release)
+
+    def _apply_async(self, push: PushRequest, gradients: Mapping[str, torch.Tensor]) -> tuple[int, Outcome]:
+        if not self._admit(push.origin):
+            return self._global_step, Outcome.RETRIED
+        if gradients:
+            self._apply(gradients)
+        if push.advance_step:
+            self._global_step += 1
+        return self._global_step, Outcome.APPLIED
+
+    def _offer_sync(self, push: PushRequest, gradients: Mapping[str, torch.Tensor]) -> tuple[int, Outcome]:
+        sync, replica, step = self._sync, push.replica, push.step
+        sync.check_step(step)  # every refusal comes before _admit: a refused push is not "accepted"
+        if not self._admit(push.origin):  # a retry: the first copy was offered; wait for its step like it
+            if sync.step <= step:
+                self._wait_for_step(step)
+            return self._global_step, Outcome.RETRIED
+        offer = sync.offer(replica, step, gradients)
+        if offer is Outcome.COMPLETE:
+            self._aggregate()
+        elif offer is Outcome.ACCEPTED:
+            offer = self._wait_for_step(step)
+        if offer.dropped:
+            self._log_drop(offer, replica, step)
+        return self._global_step, offer
+
+    def apply(self, gradients: Mapping[str, torch.Tensor], *, advance_step: bool,
+              origin: Origin | None = None) -> tuple[int, Outcome]:
+        """Async mode, in process (tests, tools): ``push`` of one update; return (the step after it, outcome)."""
+        reply = self.push(PushRequest(origin=origin, advance_step=advance_step), gradients).reply
+        return reply.step, reply.outcome
+
+    def push_sync(self, replica: int, step: int, gradients: Mapping[str, torch.Tensor],
+                  origin: Origin | None = None) -> tuple[int, Outcome]:
+        """Sync mode, in process: offer one replica's gradients for ``step``, wait until it is aggregated."""
+        reply = self.push(PushRequest(origin=origin, replica=replica, step=step), gradients).reply
+        return reply.step, reply.outcome
 
     def _admit(self, origin: Origin | None) -> bool:
         """Exactly once: True for a push seen for the first time, False for a retry of one already taken.
@@ -300,53 +337,16 @@ class VariableStore:
         self._accepted_pushes += 1
         return True
 
-    def reject_nonfinite(self, names: Sequence[str], origin: Origin | None) -> None:
-        """Count and log a push refused for NaN/Inf gradients in ``names``."""
+    def reject_nonfinite(self, names: Sequence[str], origin: Origin | None) -> PushReply:
+        """Count and log a push refused for NaN/Inf gradients in ``names``; nothing is applied."""
         with self._cond:
             self._rejected_nonfinite += 1
-            count = self._rejected_nonfinite
+            count, step = self._rejected_nonfinite, self._global_step
         sender = self._replica_name(origin.worker) if origin is not None else "a worker"
         log.warning("%s: rejected a push from %s with NaN/Inf in %s (%d rejected so far); nothing applied. "
                     "Lower the learning rate or check the data; Replica(nonfinite_gradients='apply') applies them",
                     self.task, sender, ", ".join(sorted(names)[:5]), count)
-
-    def push_sync(self, replica: int, step: int, gradients: Mapping[str, torch.Tensor],
-                  origin: Origin | None = None) -> tuple[int, Offer]:
-        """Sync mode: offer one replica's gradients for ``step`` and wait until that step is aggregated.
-
-        Returns:
-            (this shard's step afterwards, what became of the gradients).
-        Raises:
-            DeadlineExceededError: the step did not gather enough gradients in time (``on_missing="error"``);
-                the message names the replicas that did not push.
-        """
-        with self._cond:
-            self._exclusive()  # offer and aggregation happen in one hold of the lock
-            self._require_initialized()
-            sync = self._sync
-            if sync is None:
-                raise InvalidArgumentError("this ps runs in async mode: push without a step", task=self.task)
-            if not 0 <= replica < sync.options.total_num_replicas:
-                raise InvalidArgumentError(f"replica {replica} is not in 0..{sync.options.total_num_replicas - 1}",
-                                           task=self.task)
-            check_gradients(self._variables, gradients, task=self.task)
-            missing = set(self._variables) - set(gradients)
-            if missing:
-                raise InvalidArgumentError(f"a sync push must carry every variable of the shard; missing "
-                                           f"{sorted(missing)[:5]}", task=self.task)
-            sync.check_step(step)  # every refusal comes before _admit: a refused push is not "accepted"
-            if not self._admit(origin):  # a retry: the first copy was offered; wait for its step like it
-                if sync.step <= step:
-                    self._wait_for_step(step)
-                return self._global_step, Offer.RETRIED
-            offer = sync.offer(replica, step, gradients)
-            if offer is Offer.COMPLETE:
-                self._aggregate()
-            elif offer is Offer.ACCEPTED:
-                offer = self._wait_for_step(step)
-            if offer in (Offer.STALE, Offer.DUPLICATE, Offer.ABANDONED):
-                self._log_drop(offer, replica, step)
-            return self._global_step, offer
+        return PushReply(step, Outcome.REJECTED)
 
     def replica_done(self, replica: int) -> int:
         """Record that a replica finished; return how many have. Wakes sync waits that can no longer complete."""
@@ -375,21 +375,21 @@ class VariableStore:
             self._average.update(self._applied_updates)
         self._applied_updates += 1
 
-    def _wait_for_step(self, step: int) -> Offer:
+    def _wait_for_step(self, step: int) -> Outcome:
         options = self._sync.options
         deadline = time.monotonic() + options.timeout_s
         generation = self._generation
         while self._sync.step <= step:
             if self._generation != generation:  # the shard was restored from a checkpoint meanwhile
-                return Offer.ABANDONED
+                return Outcome.ABANDONED
             if self._cannot_complete():
-                return Offer.ABANDONED
+                return Outcome.ABANDONED
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._on_timeout(step)
                 break
             self._cond.wait(remaining)
-        return Offer.ACCEPTED
+        return Outcome.ACCEPTED
 
     def _on_timeout(self, step: int) -> None:
         sync = self._sync
@@ -406,12 +406,12 @@ class VariableStore:
                                     "(total_num_replicas > replicas_to_aggregate), or use on_missing='continue'",
                                     task=self.task, step=step)
 
-    def _log_drop(self, offer: Offer, replica: int, step: int) -> None:
-        if offer is Offer.ABANDONED:
+    def _log_drop(self, offer: Outcome, replica: int, step: int) -> None:
+        if offer is Outcome.ABANDONED:
             log.info("%s: step %d cannot complete: the other replicas have finished; released %s",
                      self.task, step, self._replica_name(replica))
             return
-        count = self._sync.dropped_stale if offer is Offer.STALE else self._sync.dropped_duplicate
+        count = self._sync.dropped_stale if offer is Outcome.STALE else self._sync.dropped_duplicate
         if count <= 5 or count % 100 == 0:
             log.info("%s: dropped a %s gradient from %s (step %d, shard at step %d); %d %s dropped so far",
                      self.task, offer.value, self._replica_name(replica), step, self._sync.step, count, offer.value)

@@ -35,7 +35,7 @@ from safetensors.torch import save as save_bytes
 
 from tensorfleet.cluster.placement import Part, Placement
 from tensorfleet.errors import DataError, InvalidArgumentError
-from tensorfleet.ps.store import ShardState
+from tensorfleet.ps.api import ShardState
 from tensorfleet.train.manifest import FORMAT, MANIFEST, checkpoint_name, latest_checkpoint, parse_header, read_manifest
 from tensorfleet.train.manifest import list_checkpoints  # noqa: F401 (part of this module's API)
 from tensorfleet.worker.replica import Replica

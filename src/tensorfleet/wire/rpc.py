@@ -193,7 +193,7 @@ def _wrap(handler: Handler, options: WireOptions, task: str,
 
 
 def start_server(address: str, handlers: Mapping[str, Handler], *, task: str,
-                 options: WireOptions = WireOptions(), max_workers: int = 8,
+                 options: WireOptions | None = None, max_workers: int = 8,
                  gate: auth.Gate | None = None) -> tuple[grpc.Server, int]:
     """Serve ``handlers`` (method name -> handler) on ``address``; return the server and the bound port.
 
@@ -203,6 +203,7 @@ def start_server(address: str, handlers: Mapping[str, Handler], *, task: str,
     Raises:
         UnavailableError: the address cannot be bound (already in use, or not an address of this machine).
     """
+    options = options or WireOptions()  # built now, not at import: the environment of this moment
     unknown = set(handlers) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown RPC method(s) {sorted(unknown)}: the service defines {METHODS}")
@@ -252,7 +253,8 @@ class Channel:
         >>> meta, _ = ch.call("Status")                                  # doctest: +SKIP
     """
 
-    def __init__(self, address: str, *, task: str, options: WireOptions = WireOptions()) -> None:
+    def __init__(self, address: str, *, task: str, options: WireOptions | None = None) -> None:
+        options = options or WireOptions()
         self.address, self.task, self.options = address, task, options
         self._metadata = ((auth.METADATA_KEY, options.token),) if options.token else None
         self._open()

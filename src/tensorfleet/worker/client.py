@@ -16,17 +16,16 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from tensorfleet.cluster.spec import ClusterSpec, parse_address
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
-from tensorfleet.ps.aggregate import SyncOptions
-from tensorfleet.ps.apply import OptimizerSpec
-from tensorfleet.ps.store import ShardState
-from tensorfleet.wire.codec import NARROW_DTYPES, TensorEntry, dtype_name
+from tensorfleet.ps.api import (DoneRequest, InitRequest, OptimizerSpec, Origin, Outcome, PullRequest, PushReply,
+                                PushRequest, ShardState, StepReply, SyncOptions)
+from tensorfleet.wire.codec import NARROW_DTYPES, TensorEntry
 from tensorfleet.wire.dataplane import DataChannel, Stream
 from tensorfleet.wire.rpc import Channel, WireOptions
 
@@ -35,9 +34,6 @@ log = logging.getLogger(__name__)
 ShardCall = Callable[[], Any]
 STATUS_ATTEMPT_S = 2.0  # one Status attempt while waiting for a ps; then a fresh connection
 PUSH_ATTEMPTS = 3  # a push whose connection broke is sent again (same sequence number) this many times in all
-# What the ps did not apply: late (stale), a second gradient for the step (duplicate), a step that can no
-# longer complete (abandoned), NaN/Inf gradients (rejected).  "retried" is not here: its first copy counted.
-DROPPED_OUTCOMES = ("stale", "duplicate", "abandoned", "rejected")
 
 
 class Gathered:
@@ -71,12 +67,12 @@ class PsClient:
     """
 
     def __init__(self, cluster: ClusterSpec, placement: Mapping[str, int], *,
-                 options: WireOptions = WireOptions(), wire_dtype: torch.dtype | None = None) -> None:
+                 options: WireOptions | None = None, wire_dtype: torch.dtype | None = None) -> None:
         if wire_dtype is not None and wire_dtype not in NARROW_DTYPES:
             raise InvalidArgumentError(f"wire_dtype={wire_dtype}: use one of {NARROW_DTYPES} or None")
         self.wire_dtype = wire_dtype
-        self._wire_meta = {"wire_dtype": dtype_name(wire_dtype)} if wire_dtype else {}
         self.placement = dict(placement)
+        options = options or WireOptions()  # from the environment now, not when the module loaded
         self.channels = [Channel(address, task=f"/job:ps/task:{i}", options=options)
                          for i, address in enumerate(cluster.ps_addresses)]
         self.data = [DataChannel(task=channel.task, options=options) for channel in self.channels]
@@ -132,14 +128,12 @@ class PsClient:
 
         Returns True if any shard took them, False if all already had values.
         """
-        meta = {"optimizer": optimizer.to_meta(), "sync": sync.to_meta() if sync else None,
-                "average_decay": average_decay, "force": force, "nonfinite": nonfinite}
+        init = InitRequest(optimizer, sync, average_decay, nonfinite)
         if restore is None:
-            requests = [(meta, part) for part in self._split(values)]
+            requests = [(init.to_meta(), part) for part in self._split(values)]
         else:
-            requests = [({**meta, "restore": {"global_step": state.global_step,
-                                              "applied_updates": state.applied_updates}}, state.flatten())
-                        for state in restore]
+            requests = [(replace(init, restore=(state.global_step, state.applied_updates), force=force).to_meta(),
+                         state.flatten()) for state in restore]
         futures = [ch.call_async("Init", m, t) for ch, (m, t) in zip(self.channels, requests)]
         replies = [f.result()[0] for f in futures]  # wait for every shard, not just the first to say yes
         return any(reply["initialized"] for reply in replies)
@@ -178,7 +172,7 @@ class PsClient:
 
     def done(self, replica: int) -> None:
         """Tell every shard this replica finished; a ps exits once all replicas have."""
-        for f in [ch.call_async("Done", {"replica": replica}) for ch in self.channels]:
+        for f in [ch.call_async("Done", DoneRequest(replica).to_meta()) for ch in self.channels]:
             try:
                 f.result()
             except UnavailableError:
@@ -211,16 +205,19 @@ class PsClient:
     def _pull(self, averages: bool, into: Mapping[str, torch.Tensor] | None, *, inline: bool) -> Gathered:
         # ps 0 is always asked, even if it holds none of the variables: it keeps the global step.
         shards = [s for s, names in enumerate(self._names_by_shard) if names or s == 0]
-        meta = {"averages": averages, **self._wire_meta}
+        meta = PullRequest(averages, self.wire_dtype).to_meta()
         calls = [(s, lambda s=s: self.data[s].call("Pull", meta, into=into)) for s in shards]
         return Gathered(self._fan_out(calls, inline=inline), lambda r: _merge_replies(shards, r, len(self.channels)))
 
     def _push_meta(self, shard: int, sync_steps: Sequence[int] | None, replica: int, values: bool) -> dict:
+        """The next push to ``shard``, numbered for exactly-once delivery; ps 0's part counts the global step."""
         self._seq[shard] += 1
-        meta = {"values": values, "origin": [replica, self.incarnation, self._seq[shard]], **self._wire_meta}
+        origin = Origin(replica, self.incarnation, self._seq[shard])
         if sync_steps is None:
-            return {"advance_step": shard == 0, **meta}
-        return {"replica": replica, "step": sync_steps[shard], **meta}
+            push = PushRequest(origin, values, self.wire_dtype, advance_step=shard == 0)
+        else:
+            push = PushRequest(origin, values, self.wire_dtype, replica=replica, step=sync_steps[shard])
+        return push.to_meta()
 
     def _send_push(self, shard: int, meta: dict, part: Mapping[str, torch.Tensor],
                    into: Mapping[str, torch.Tensor] | None, timeout_s: float | None) -> tuple[dict, dict]:
@@ -314,18 +311,17 @@ class Pulled:
 
 @dataclass(frozen=True)
 class Pushed:
-    """The global step after the push, what each shard did with its part (``applied``; in sync mode
-    ``accepted``/``complete``; ``retried`` when a resent push had already arrived; ``stale``/``duplicate``/
-    ``abandoned``/``rejected`` if dropped), and, when the push
-    asked for them, the values each shard held after it (``pulled``)."""
+    """The global step after the push, what each shard did with its part (an ``Outcome``), and, when the
+    push asked for them, the values each shard held after it (``pulled``)."""
 
     global_step: int
-    outcomes: dict[int, str]
+    outcomes: dict[int, Outcome]
     pulled: Pulled | None = None
 
     @property
     def dropped(self) -> bool:
-        return any(outcome in DROPPED_OUTCOMES for outcome in self.outcomes.values())
+        """Some shard did not count this push's gradients (see ``Outcome.dropped``)."""
+        return any(outcome.dropped for outcome in self.outcomes.values())
 
 
 def _merge_replies(shards: list[int], replies: list[tuple[dict, dict]], num_shards: int) -> Pulled:
@@ -333,13 +329,14 @@ def _merge_replies(shards: list[int], replies: list[tuple[dict, dict]], num_shar
     steps = [0] * num_shards
     for shard, (meta, tensors) in zip(shards, replies):
         values.update(tensors)
-        steps[shard] = meta["step"]
+        steps[shard] = StepReply.from_meta(meta).step
     return Pulled(values, steps[0], steps)
 
 
 def _pushed(shards: list[int], replies: list[tuple[dict, dict]], num_shards: int, *, with_values: bool) -> Pushed:
     """Every shard holding a variable took part in the push, so with values the replies are a whole pull."""
-    return Pushed(global_step=replies[0][0]["step"], outcomes={s: r[0]["outcome"] for s, r in zip(shards, replies)},
+    parsed = [PushReply.from_meta(meta) for meta, _ in replies]
+    return Pushed(global_step=parsed[0].step, outcomes={s: reply.outcome for s, reply in zip(shards, parsed)},
                   pulled=_merge_replies(shards, replies, num_shards) if with_values else None)
 
 

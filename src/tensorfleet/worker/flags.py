@@ -35,8 +35,7 @@ from typing import Any
 import torch
 
 from tensorfleet.cluster.placement import STRATEGIES, RowPartitioner
-from tensorfleet.ps.aggregate import SyncOptions
-from tensorfleet.ps.store import NONFINITE_POLICIES
+from tensorfleet.ps.api import NONFINITE_POLICIES, SyncOptions
 from tensorfleet.wire.codec import DTYPE_NAMES, NARROW_DTYPES
 
 # --wire_dtype choices: float32 (tensors travel as they are) or one of the codec's narrow dtypes.

@@ -44,9 +44,7 @@ from torch import nn
 from tensorfleet.cluster.placement import PlacementStrategy, RoundRobin, RowPartitioner, VariableInfo, place
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.ps.aggregate import SyncOptions
-from tensorfleet.ps.apply import OptimizerSpec
-from tensorfleet.ps.store import ShardState
+from tensorfleet.ps.api import Mode, OptimizerSpec, ShardState, SyncOptions
 from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import Gathered, PsClient, Pulled, Pushed, PushStreams
@@ -54,7 +52,6 @@ from tensorfleet.worker.status import PROCESS_STATUS
 
 log = logging.getLogger(__name__)
 
-MODES = ("async", "sync")
 
 
 class Replica:
@@ -92,15 +89,16 @@ class Replica:
     """
 
     def __init__(self, module: nn.Module, cluster: ClusterSpec, task: TaskSpec, *, optimizer: OptimizerSpec,
-                 mode: str = "async", sync: SyncOptions | None = None,
+                 mode: Mode | str = Mode.ASYNC, sync: SyncOptions | None = None,
                  placement: PlacementStrategy = RoundRobin(), partitioner: RowPartitioner | None = None,
-                 average_decay: float | None = None, options: WireOptions = WireOptions(),
+                 average_decay: float | None = None, options: WireOptions | None = None,
                  init_timeout_s: float = 300.0, log_placement: bool = False, overlap: bool = False,
                  wire_dtype: torch.dtype | None = None, nonfinite_gradients: str = "reject",
                  prefetch: bool = False) -> None:
-        if mode not in MODES:
+        if mode not in tuple(Mode):
             raise InvalidArgumentError(f"mode={mode!r}: choose 'async' or 'sync'")
-        if prefetch and mode != "async":
+        mode = Mode(mode)
+        if prefetch and mode is not Mode.ASYNC:
             raise InvalidArgumentError("prefetch=True needs async mode: in sync mode the next step's values exist "
                                        "only once every replica has pushed")
         self.module = module
@@ -109,7 +107,8 @@ class Replica:
         self.is_chief = cluster.is_chief(task)
         self.optimizer = optimizer
         self.mode = mode
-        self.sync = (sync or SyncOptions()).resolve(len(cluster.replicas)) if mode == "sync" else None
+        # The sync options, resolved against the cluster; None in async mode (``self.mode`` says which).
+        self.sync = (sync or SyncOptions()).resolve(len(cluster.replicas)) if mode is Mode.SYNC else None
         self.average_decay = average_decay
         self.nonfinite_gradients = nonfinite_gradients
         self.num_ps = len(cluster.ps_addresses)
@@ -161,7 +160,7 @@ class Replica:
         if self.is_chief:
             self._initialize(restore)
         status = self.client.wait_initialized(self.init_timeout_s)
-        if status["mode"] != self.mode:
+        if status["mode"] != self.mode.value:
             raise InvalidArgumentError(f"{self.task.name} was started in {self.mode} mode, but the job runs in "
                                        f"{status['mode']} mode (the chief chose it): start every task with the "
                                        "same --sync/--async choice")
@@ -199,7 +198,8 @@ class Replica:
                 values = {n: p.detach() for n, p in self._params.items()}
                 restore = [ShardState({k: v for k, v in self.placement.views(values).items()
                                        if self.placement.shard_map()[k] == shard}, {}, None,
-                                      self.global_step if (shard == 0 or self.sync) else 0, self.global_step)
+                                      self.global_step if (shard == 0 or self.mode is Mode.SYNC) else 0,
+                                      self.global_step)
                            for shard in range(self.num_ps)]
             self.client.initialize({}, self.optimizer, self.sync, self.average_decay, restore, force=True,
                                    nonfinite=self.nonfinite_gradients)
@@ -219,7 +219,7 @@ class Replica:
                      self.task.name, restore[0].global_step, self.num_ps)
         else:
             log.info("%s (chief): initialized %d variable(s) on the ps, %s mode",
-                     self.task.name, len(values), self.mode)
+                     self.task.name, len(values), self.mode.value)
 
     def finish(self) -> None:
         """Tell the ps this worker is done (the ps exits when every worker is), and close the channels."""
@@ -286,7 +286,8 @@ class Replica:
         """A push's reply: its values into the module, its step and drops into the counters and the Status."""
         self._take(pushed.pulled)
         self.global_step, self._shard_steps = pushed.pulled.global_step, pushed.pulled.shard_steps
-        self.dropped_gradients += pushed.dropped
+        if pushed.dropped:
+            self.dropped_gradients += 1
         PROCESS_STATUS.pushed(self.global_step, self.dropped_gradients)
 
     def _abandon_in_flight(self) -> None:
@@ -366,7 +367,7 @@ class Replica:
         PROCESS_STATUS.report(loss=loss, examples=examples, target_step=target_step)
 
     def _push_tags(self) -> tuple[list[int] | None, float | None]:
-        if self.sync is None:
+        if self.mode is Mode.ASYNC:
             return None, None
         return list(self._shard_steps), self.sync.timeout_s + 60.0
 

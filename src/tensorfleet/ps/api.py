@@ -1,0 +1,499 @@
+"""The worker <-> ps contract: what a ps is told, asked and answers, in one room.
+
+Everything that crosses between a worker (``tensorfleet.worker``, ``train``,
+``parallel``) and a ps shard (``tensorfleet.ps``) is defined here and nowhere else:
+
+* the specs a job is made of: ``Mode``, ``OptimizerSpec`` (with its learning-rate
+  schedule), ``SyncOptions``, the NaN/Inf policy, a shard's whole state
+  (``ShardState``, what checkpoints hold) and a push's ``Origin`` (exactly once);
+* one typed request per method, and the typed replies the worker reads:
+
+  ===========  =====================  ==================  ========================
+  method       request                reply               plane
+  ===========  =====================  ==================  ========================
+  Init         ``InitRequest``        ``InitReply``       control (gRPC)
+  Pull         ``PullRequest``        ``StepReply``       data (TCP/shared memory)
+  Push         ``PushRequest``        ``PushReply``       data
+  Snapshot     -                      ``ShardState``      control
+  Status       -                      a dict (see ps/service.py)
+  Done         ``DoneRequest``        ``DoneReply``       control
+  ===========  =====================  ==================  ========================
+
+Each request builds its ``meta`` (the JSON head of a wire message) with ``to_meta``
+and is parsed back with ``from_meta``, which checks every field and raises
+``InvalidArgumentError`` naming the method and the field: the client only builds,
+the service only parses, and neither writes a field name the other does not.
+Tensors travel beside the meta (see ``tensorfleet.wire``).
+
+Only the standard library, torch tensors and ``tensorfleet.errors`` are used here:
+the ps side imports this module, never the other way round.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Mapping
+
+import torch
+
+from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.wire.codec import DTYPE_NAMES, DTYPES, NARROW_DTYPES
+
+NONFINITE_POLICIES = ("reject", "apply")  # what a ps does with NaN/Inf gradients: refuse the push, or apply it
+ON_MISSING = ("error", "continue")  # sync: when a step times out, fail naming the missing replicas, or apply
+OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "adagrad", "rmsprop")  # torch.optim classes the ps can run
+# Implementation switches of torch.optim that make no sense coming from a remote client.
+_FORBIDDEN_OPTIONS = {"foreach", "fused", "capturable", "differentiable"}
+
+
+class Mode(StrEnum):
+    """How a ps applies gradients: each on arrival, or averaged per step over the replicas."""
+
+    ASYNC = "async"
+    SYNC = "sync"
+
+
+class Outcome(StrEnum):
+    """What a shard did with a push (``PushReply.outcome``)."""
+
+    APPLIED = "applied"      # async: applied
+    ACCEPTED = "accepted"    # sync: counted toward its step, which another push completed
+    COMPLETE = "complete"    # sync: this push completed its step, which was applied
+    RETRIED = "retried"      # the same push again (its reply was lost): its first copy counted, this one not
+    STALE = "stale"          # sync: tagged with an older step: dropped
+    DUPLICATE = "duplicate"  # sync: this replica already gave a gradient for this step: dropped
+    ABANDONED = "abandoned"  # sync: the step can no longer complete (the other replicas finished)
+    REJECTED = "rejected"    # NaN/Inf gradients: nothing applied
+
+    @property
+    def dropped(self) -> bool:
+        """The gradients did not count."""
+        return self in (Outcome.STALE, Outcome.DUPLICATE, Outcome.ABANDONED, Outcome.REJECTED)
+
+
+# --- the specs of a job ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExponentialDecay:
+    """``lr = base_lr * decay_rate ** (step / decay_steps)``; with ``staircase`` the exponent is floored.
+
+    As ``tf.train.exponential_decay``. The step is the number of updates this shard has
+    applied, which equals the global step on every shard (every update reaches every shard).
+    """
+
+    decay_steps: int
+    decay_rate: float
+    staircase: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.decay_steps, int) or self.decay_steps < 1:
+            raise InvalidArgumentError(f"decay_steps={self.decay_steps!r} must be a positive integer")
+        if not (isinstance(self.decay_rate, (int, float)) and 0 < self.decay_rate <= 1):
+            raise InvalidArgumentError(f"decay_rate={self.decay_rate!r} must be in (0, 1]")
+
+    def factor(self, step: int) -> float:
+        exponent = step // self.decay_steps if self.staircase else step / self.decay_steps
+        return self.decay_rate ** exponent
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"kind": "exponential", "decay_steps": self.decay_steps, "decay_rate": self.decay_rate,
+                "staircase": self.staircase}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Which optimizer the ps runs, with which options (keyword arguments of the torch.optim class),
+    and an optional learning-rate schedule (constant when None).
+
+    Example:
+        >>> OptimizerSpec.adam(lr=0.01)
+        OptimizerSpec(name='adam', options={'lr': 0.01}, schedule=None)
+    """
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    schedule: ExponentialDecay | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZER_NAMES:
+            raise InvalidArgumentError(f"unknown optimizer {self.name!r}: choose one of {', '.join(OPTIMIZER_NAMES)}")
+        bad = _FORBIDDEN_OPTIONS.intersection(self.options)
+        if bad:
+            raise InvalidArgumentError(f"optimizer option(s) {sorted(bad)} cannot be set remotely")
+        for key, value in self.options.items():
+            if not _is_plain(value):
+                raise InvalidArgumentError(f"optimizer option {key}={value!r} must be a number, bool or list")
+        lr = self.options.get("lr")
+        if lr is not None and not (_finite_number(lr) and lr >= 0):
+            raise InvalidArgumentError(f"learning rate lr={lr!r} must be a finite number >= 0")
+
+    @classmethod
+    def sgd(cls, *, lr: float, momentum: float = 0.0, nesterov: bool = False,
+            weight_decay: float = 0.0) -> "OptimizerSpec":
+        return cls("sgd", _nondefault(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay))
+
+    @classmethod
+    def adam(cls, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+             weight_decay: float = 0.0) -> "OptimizerSpec":
+        return cls("adam", _nondefault(lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay))
+
+    def learning_rate(self, step: int) -> float:
+        """The learning rate of update number ``step`` (the schedule applied to ``options['lr']``)."""
+        base = float(self.options.get("lr", 0.0))
+        return base * self.schedule.factor(step) if self.schedule else base
+
+    def with_schedule(self, schedule: ExponentialDecay | None) -> "OptimizerSpec":
+        return OptimizerSpec(self.name, self.options, schedule)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"name": self.name, "options": dict(self.options),
+                "schedule": self.schedule.to_meta() if self.schedule else None}
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> "OptimizerSpec":
+        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) \
+                or not isinstance(meta.get("options", {}), dict):
+            raise InvalidArgumentError(f"optimizer must be {{'name': str, 'options': dict}}, got {meta!r:.200}")
+        return cls(meta["name"], dict(meta.get("options", {})), _schedule_from_meta(meta.get("schedule")))
+
+
+def _schedule_from_meta(meta: Any) -> ExponentialDecay | None:
+    if meta is None:
+        return None
+    if not isinstance(meta, dict) or meta.get("kind") != "exponential":
+        raise InvalidArgumentError(f"unknown learning-rate schedule {meta!r:.200}: use {{'kind': 'exponential', ...}}")
+    try:
+        return ExponentialDecay(meta["decay_steps"], meta["decay_rate"], bool(meta.get("staircase", False)))
+    except KeyError as exc:
+        raise InvalidArgumentError(f"exponential schedule needs {exc.args[0]!r}") from None
+
+
+_DEFAULTS = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
+
+def _nondefault(**options: Any) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k not in _DEFAULTS or _DEFAULTS[k] != v}
+
+
+def _finite_number(value: object) -> bool:
+    """A real number that a float can hold and that is finite (10**400 is neither)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    return isinstance(value, (bool, int, float))
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """How a synchronous job aggregates.
+
+    Args:
+        replicas_to_aggregate: gradients averaged per step (default: every replica).
+        total_num_replicas: replicas in the job; defaults to, and must equal, the training tasks of the
+            cluster. More than ``replicas_to_aggregate`` makes the extra ones backups.
+        timeout_s: how long a push waits for the other replicas of its step.
+        on_missing: ``"error"`` (name the missing replicas and fail) or ``"continue"``
+            (apply what arrived) when ``timeout_s`` runs out.
+    """
+
+    replicas_to_aggregate: int | None = None
+    total_num_replicas: int | None = None
+    timeout_s: float = 300.0
+    on_missing: str = "error"
+
+    def resolve(self, num_replicas: int) -> "SyncOptions":
+        """Fill the defaults from the cluster and check the numbers fit it."""
+        total = self.total_num_replicas if self.total_num_replicas is not None else num_replicas
+        aggregate = self.replicas_to_aggregate if self.replicas_to_aggregate is not None else total
+        resolved = SyncOptions(aggregate, total, self.timeout_s, self.on_missing)
+        resolved.check()
+        if total != num_replicas:
+            raise InvalidArgumentError(
+                f"total_num_replicas={total} but the cluster has {num_replicas} training task(s): every worker "
+                "pushes one gradient per step, so backups are the cluster's workers beyond replicas_to_aggregate")
+        return resolved
+
+    def check(self) -> None:
+        r, n = self.replicas_to_aggregate, self.total_num_replicas
+        if not isinstance(r, int) or not isinstance(n, int) or not 1 <= r <= n:
+            raise InvalidArgumentError(f"need 1 <= replicas_to_aggregate ({r}) <= total_num_replicas ({n}): "
+                                       "a step could never gather more gradients than there are replicas")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise InvalidArgumentError(f"sync timeout_s={t!r:.50} must be a positive number of seconds")
+        if self.on_missing not in ON_MISSING:
+            raise InvalidArgumentError(f"on_missing={self.on_missing!r}: choose one of {ON_MISSING}")
+
+    def to_meta(self) -> dict:
+        return {"replicas_to_aggregate": self.replicas_to_aggregate, "total_num_replicas": self.total_num_replicas,
+                "timeout_s": self.timeout_s, "on_missing": self.on_missing}
+
+    @classmethod
+    def from_meta(cls, meta: object) -> "SyncOptions":
+        if not isinstance(meta, dict):
+            raise InvalidArgumentError(f"sync options must be an object, got {meta!r:.100}")
+        try:
+            options = cls(**meta)
+        except TypeError as exc:
+            raise InvalidArgumentError(f"bad sync options {meta!r:.200}: {exc}") from None
+        options.check()
+        return options
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """Everything a shard holds, for checkpoints: values, optimizer slots, averages and counters."""
+
+    values: dict[str, torch.Tensor]
+    slots: dict[str, dict[str, torch.Tensor]]
+    averages: dict[str, torch.Tensor] | None
+    global_step: int
+    applied_updates: int
+
+    def flatten(self) -> dict[str, torch.Tensor]:
+        """One flat name per tensor: ``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``."""
+        flat = {f"value/{name}": value for name, value in self.values.items()}
+        for name, entries in self.slots.items():
+            flat.update({f"slot/{slot}/{name}": value for slot, value in entries.items()})
+        for name, value in (self.averages or {}).items():
+            flat[f"average/{name}"] = value
+        return flat
+
+    @classmethod
+    def unflatten(cls, flat: Mapping[str, torch.Tensor], *, global_step: int, applied_updates: int) -> "ShardState":
+        values: dict[str, torch.Tensor] = {}
+        slots: dict[str, dict[str, torch.Tensor]] = {}
+        averages: dict[str, torch.Tensor] = {}
+        for key, tensor in flat.items():
+            kind, _, rest = key.partition("/")
+            if kind == "value" and rest:
+                values[rest] = tensor
+            elif kind == "average" and rest:
+                averages[rest] = tensor
+            elif kind == "slot" and "/" in rest:
+                slot, _, name = rest.partition("/")
+                slots.setdefault(name, {})[slot] = tensor
+            else:
+                raise InvalidArgumentError(f"state tensor {key!r} is not value/<var>, slot/<slot>/<var> "
+                                           "or average/<var>")
+        stray = (set(slots) | set(averages)) - set(values)
+        if stray:
+            raise InvalidArgumentError(f"slots or averages for variable(s) with no value: {sorted(stray)[:5]}")
+        return cls(values, slots, averages or None, global_step, applied_updates)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Who sent a push: the worker (replica id), the incarnation of its process, and the push's sequence
+    number on this shard.  A later incarnation replaces an earlier one; a sequence number seen before
+    is a retry."""
+
+    worker: int
+    incarnation: int
+    seq: int
+
+
+
+    def to_meta(self) -> list[int]:
+        return [self.worker, self.incarnation, self.seq]
+
+    @classmethod
+    def from_meta(cls, value: Any) -> "Origin":
+        if (not isinstance(value, list) or len(value) != 3
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value)):
+            raise InvalidArgumentError(f"Push 'origin' must be [worker, incarnation, seq] (non-negative integers), "
+                                       f"got {value!r:.80}")
+        return cls(*value)
+
+
+# --- requests and replies --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class InitRequest:
+    """Init: the chief's initial values (or, with ``restore``, a checkpoint's shard state) and the job's specs.
+
+    Tensors: the shard's values, or with ``restore`` the flattened ``ShardState``.
+    """
+
+    optimizer: OptimizerSpec
+    sync: SyncOptions | None = None  # None: async
+    average_decay: float | None = None  # None: no moving averages
+    nonfinite: str = "reject"
+    restore: tuple[int, int] | None = None  # (global_step, applied_updates) of the checkpoint in the tensors
+    force: bool = False  # overwrite a live shard: only with ``restore`` (the recovery after a ps was lost)
+
+    @property
+    def mode(self) -> Mode:
+        return Mode.ASYNC if self.sync is None else Mode.SYNC
+
+    def __post_init__(self) -> None:
+        decay = self.average_decay
+        if decay is not None and (isinstance(decay, bool) or not isinstance(decay, (int, float))):
+            raise InvalidArgumentError(f"Init 'average_decay' must be a number, got {decay!r:.50}")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise InvalidArgumentError(f"Init 'nonfinite' must be one of {NONFINITE_POLICIES}, "
+                                       f"got {self.nonfinite!r:.50}")
+        if not isinstance(self.force, bool) or (self.force and self.restore is None):
+            raise InvalidArgumentError("Init 'force' must be a bool and needs 'restore': only a checkpoint "
+                                       "may overwrite a live shard")
+
+    def to_meta(self) -> dict[str, Any]:
+        meta = {"optimizer": self.optimizer.to_meta(), "sync": self.sync.to_meta() if self.sync else None,
+                "average_decay": self.average_decay, "force": self.force, "nonfinite": self.nonfinite}
+        if self.restore is not None:
+            meta["restore"] = {"global_step": self.restore[0], "applied_updates": self.restore[1]}
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "InitRequest":
+        restore = meta.get("restore")
+        if restore is not None:
+            if not isinstance(restore, dict):
+                raise InvalidArgumentError(f"Init 'restore' must be an object {{global_step, applied_updates}}, "
+                                           f"got {restore!r:.50}")
+            restore = (_count(restore, "global_step", "Init"), _count(restore, "applied_updates", "Init"))
+        return cls(optimizer=OptimizerSpec.from_meta(meta.get("optimizer")),
+                   sync=SyncOptions.from_meta(meta["sync"]) if meta.get("sync") is not None else None,
+                   average_decay=meta.get("average_decay"), nonfinite=meta.get("nonfinite", "reject"),
+                   restore=restore, force=meta.get("force", False))
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """Pull: the shard's values (or moving averages); the reply is a ``StepReply`` with every variable."""
+
+    averages: bool = False
+    wire_dtype: torch.dtype | None = None  # floating-point values travel narrowed to this (the ps stays fp32)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"averages": self.averages, **_wire_dtype_meta(self.wire_dtype)}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "PullRequest":
+        return cls(averages=_flag(meta, "averages", "Pull"), wire_dtype=_wire_dtype(meta))
+
+
+@dataclass(frozen=True)
+class PushRequest:
+    """Push: gradients for the shard's variables (the tensors), applied once.
+
+    Async: each push is applied on arrival; ``advance_step`` on exactly one shard's part (ps 0's)
+    counts the global step.  Sync (``step`` given): the gradients of the replicas for ``step`` (the
+    step of the values they were computed from) are averaged and applied once; the call returns
+    when the step is aggregated.  ``with_values``: the reply carries the values after the update (the
+    next pull, in the same round trip).  ``origin`` numbers the push for exactly-once delivery.
+    """
+
+    origin: Origin | None = None
+    with_values: bool = False
+    wire_dtype: torch.dtype | None = None
+    advance_step: bool = False  # async only
+    replica: int | None = None  # sync only: the replica id
+    step: int | None = None  # sync only: the step of the values the gradients were computed from
+
+    @property
+    def mode(self) -> Mode:
+        return Mode.ASYNC if self.step is None else Mode.SYNC
+
+    def to_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"values": self.with_values, **_wire_dtype_meta(self.wire_dtype)}
+        if self.origin is not None:
+            meta["origin"] = self.origin.to_meta()
+        if self.step is None:
+            meta["advance_step"] = self.advance_step
+        else:
+            meta["replica"], meta["step"] = self.replica, self.step
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "PushRequest":
+        common = dict(with_values=_flag(meta, "values", "Push"), wire_dtype=_wire_dtype(meta),
+                      origin=Origin.from_meta(meta["origin"]) if meta.get("origin") is not None else None)
+        if "step" in meta:
+            return cls(replica=_count(meta, "replica", "Push"), step=_count(meta, "step", "Push"), **common)
+        return cls(advance_step=_flag(meta, "advance_step", "Push"), **common)
+
+
+@dataclass(frozen=True)
+class StepReply:
+    """Pull's reply: the shard's step (with the values as tensors)."""
+
+    step: int
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "StepReply":
+        return cls(_count(meta, "step", "Pull reply"))
+
+
+@dataclass(frozen=True)
+class PushReply:
+    """Push's reply: the shard's step after the push (of its values, when they come along) and the outcome."""
+
+    step: int
+    outcome: Outcome
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"step": self.step, "outcome": self.outcome.value}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "PushReply":
+        try:
+            outcome = Outcome(meta.get("outcome"))
+        except ValueError:
+            raise InvalidArgumentError(f"Push reply 'outcome' {meta.get('outcome')!r:.30} is not one of "
+                                       f"{[o.value for o in Outcome]}") from None
+        return cls(_count(meta, "step", "Push reply"), outcome)
+
+
+@dataclass(frozen=True)
+class DoneRequest:
+    """Done: this replica has finished; a ps exits once every replica has."""
+
+    replica: int
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"replica": self.replica}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "DoneRequest":
+        return cls(_count(meta, "replica", "Done"))
+
+
+def _count(meta: Mapping[str, Any], name: str, method: str) -> int:
+    value = meta.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(f"{method} {name!r} must be a non-negative integer, got {value!r:.50}")
+    return value
+
+
+def _flag(meta: Mapping[str, Any], name: str, method: str) -> bool:
+    value = meta.get(name, False)
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{method} {name!r} must be a bool, got {value!r:.50}")
+    return value
+
+
+def _wire_dtype(meta: Mapping[str, Any]) -> torch.dtype | None:
+    """The narrower dtype floating-point tensors travel in (``wire_dtype``), or None: their own."""
+    name = meta.get("wire_dtype")
+    if name is None:
+        return None
+    allowed = [DTYPE_NAMES[dtype] for dtype in NARROW_DTYPES]
+    if name not in allowed:
+        raise InvalidArgumentError(f"'wire_dtype' {name!r:.30} is not one of {allowed} (or absent)")
+    return DTYPES[name]
+
+
+def _wire_dtype_meta(dtype: torch.dtype | None) -> dict[str, str]:
+    return {"wire_dtype": DTYPE_NAMES[dtype]} if dtype is not None else {}

@@ -1,0 +1,139 @@
+"""The worker <-> ps contract (ps/api.py) and the service that speaks it, without a socket.
+
+Requests round-trip through their wire meta; malformed fields are refused naming the method
+and the field; a push is one store transaction, validated once, before its body is read.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tensorfleet.errors import InvalidArgumentError, NotInitializedError
+from tensorfleet.ps import store as store_module
+from tensorfleet.ps.api import (DoneRequest, InitRequest, Mode, OptimizerSpec, Origin, Outcome, PullRequest,
+                                PushReply, PushRequest, SyncOptions)
+from tensorfleet.ps.service import PsService
+from tensorfleet.ps.store import VariableStore
+
+SGD = OptimizerSpec.sgd(lr=0.5)
+
+
+@pytest.mark.parametrize("request_", [
+    InitRequest(SGD), InitRequest(OptimizerSpec.adam(lr=0.01), SyncOptions(2, 3, 10.0), 0.99, "apply"),
+    InitRequest(SGD, restore=(7, 9), force=True),
+    PullRequest(), PullRequest(averages=True, wire_dtype=torch.bfloat16),
+    PushRequest(Origin(1, 5, 3), with_values=True, advance_step=True),
+    PushRequest(Origin(0, 1, 1), wire_dtype=torch.float16, replica=1, step=4), PushRequest(),
+    DoneRequest(2),
+])
+def test_every_request_round_trips_through_its_meta(request_):
+    assert type(request_).from_meta(request_.to_meta()) == request_
+
+
+def test_the_mode_of_a_push_is_whether_it_names_a_step():
+    assert PushRequest(step=0, replica=0).mode is Mode.SYNC and PushRequest().mode is Mode.ASYNC
+    assert InitRequest(SGD, SyncOptions(1, 1)).mode is Mode.SYNC and InitRequest(SGD).mode is Mode.ASYNC
+    assert PushReply.from_meta({"step": 3, "outcome": "stale"}).outcome.dropped
+    assert not Outcome.RETRIED.dropped and f"{Mode.SYNC}" == "sync"
+
+
+@pytest.mark.parametrize("cls, meta, says", [
+    (PushRequest, {"values": "yes"}, "Push 'values' must be a bool"),
+    (PushRequest, {"step": -1, "replica": 0}, "Push 'step' must be a non-negative integer"),
+    (PushRequest, {"step": 1}, "Push 'replica' must be a non-negative integer"),
+    (PushRequest, {"origin": [1, 2]}, "Push 'origin' must be [worker, incarnation, seq]"),
+    (PushRequest, {"wire_dtype": "int8"}, "'wire_dtype' 'int8' is not one of"),
+    (PushRequest, {"advance_step": 1}, "Push 'advance_step' must be a bool"),
+    (PullRequest, {"averages": 0}, "Pull 'averages' must be a bool"),
+    (DoneRequest, {"replica": True}, "Done 'replica' must be a non-negative integer"),
+    (InitRequest, {"optimizer": {"name": "lbfgs"}}, "unknown optimizer 'lbfgs'"),
+    (InitRequest, {"optimizer": {"name": "sgd"}, "force": True}, "'force' must be a bool and needs 'restore'"),
+    (InitRequest, {"optimizer": {"name": "sgd"}, "restore": [1, 2]}, "Init 'restore' must be an object"),
+    (InitRequest, {"optimizer": {"name": "sgd"}, "nonfinite": "ignore"}, "Init 'nonfinite' must be one of"),
+    (PushReply, {"step": 1, "outcome": "lost"}, "Push reply 'outcome' 'lost' is not one of"),
+])
+def test_a_malformed_field_is_refused_naming_the_method_and_the_field(cls, meta, says):
+    with pytest.raises(InvalidArgumentError) as caught:
+        cls.from_meta(meta)
+    assert says in str(caught.value)
+
+
+class FakeRequest:
+    """A data-plane request as the service sees it: meta, announced entries, and a body read on demand."""
+
+    def __init__(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        self.meta, self._tensors = meta, tensors
+        self.entries = [SimpleNamespace(name=n, dtype=t.dtype, shape=tuple(t.shape)) for n, t in tensors.items()]
+        self.body = None
+        self.received = False
+
+    def receive(self) -> dict[str, torch.Tensor]:
+        self.received = True
+        return dict(self._tensors)
+
+
+def service(sync: SyncOptions | None = None) -> PsService:
+    store = VariableStore(task="/job:ps/task:0", replica_names=["/job:worker/task:0"])
+    store.initialize({"w": torch.zeros(3)}, SGD, sync)
+    return PsService(store, num_workers=1)
+
+
+def test_a_push_is_validated_once_and_applied_in_one_transaction(monkeypatch):
+    checks = []
+    real = store_module.check_layout
+    monkeypatch.setattr(store_module, "check_layout", lambda *a, **k: (checks.append(1), real(*a, **k))[1])
+    ps = service()
+    reply = ps.push(FakeRequest(PushRequest(Origin(0, 1, 1), with_values=True, advance_step=True).to_meta(),
+                                {"w": torch.ones(3)}))
+    assert PushReply.from_meta(reply.meta) == PushReply(1, Outcome.APPLIED)
+    assert torch.equal(reply.tensors["w"], torch.full((3,), -0.5))
+    reply.release()
+    assert checks == [1]  # admitted before the body, never checked again
+
+
+@pytest.mark.parametrize("meta, tensors, says", [
+    (PushRequest(advance_step=True).to_meta(), {"v": torch.ones(3)}, "unknown variable 'v'"),
+    (PushRequest(advance_step=True).to_meta(), {"w": torch.ones(4)}, "gradient for 'w' is torch.float32 \\(4,\\)"),
+    (PushRequest(replica=0, step=0).to_meta(), {"w": torch.ones(3)}, "this ps runs in async mode"),
+])
+def test_a_bad_push_is_refused_before_its_body_is_read_and_changes_nothing(meta, tensors, says):
+    ps = service()
+    request = FakeRequest(meta, tensors)
+    with pytest.raises(InvalidArgumentError, match=says):
+        ps.push(request)
+    assert not request.received
+    values, step = ps.store.read()
+    assert step == 0 and torch.equal(values["w"], torch.zeros(3))
+
+
+def test_a_sync_push_missing_a_variable_is_refused_before_its_body():
+    ps = service(SyncOptions(1, 1))
+    ps.store.initialize({"w": torch.zeros(3), "b": torch.zeros(1)}, SGD, SyncOptions(1, 1), force=True,
+                        restore=ps.store.snapshot())
+    request = FakeRequest(PushRequest(replica=0, step=0).to_meta(), {"w": torch.ones(3)})
+    with pytest.raises(InvalidArgumentError, match="must carry every variable"):
+        ps.push(request)
+    assert not request.received
+
+
+def test_a_layout_replaced_between_admission_and_push_is_checked_again():
+    ps = service()
+    push = PushRequest(advance_step=True)
+    layout = ps.store.admit({"w": (torch.float32, (3,))}, push)
+    ps.store.initialize({"w": torch.zeros(5)}, SGD, force=True, restore=_state({"w": torch.zeros(5)}))
+    with pytest.raises(InvalidArgumentError, match="gradient for 'w' is torch.float32 \\(3,\\)"):
+        ps.store.push(push, {"w": torch.ones(3)}, layout)
+
+
+def test_nothing_is_admitted_before_the_chief_initializes():
+    store = VariableStore(task="/job:ps/task:0")
+    with pytest.raises(NotInitializedError):
+        store.admit({"w": (torch.float32, (3,))}, PushRequest())
+
+
+def _state(values):
+    from tensorfleet.ps.api import ShardState
+    return ShardState(values, {}, None, 0, 0)
