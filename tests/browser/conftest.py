@@ -20,7 +20,7 @@ from playwright.sync_api import Error as PlaywrightError
 from playwright.sync_api import Page, expect, sync_playwright
 
 from tensorfleet.dashboard import Dashboard
-from tensorfleet.testing.snapshots import SnapshotSource, serving
+from tensorfleet.testing.fake_monitor import FakeMonitor, serving
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -82,7 +82,7 @@ def save_screenshot(tmp_path: Path) -> Callable[[Page, str], Path]:
     return save
 
 
-def fake_snapshot(points: int = 60) -> dict:
+def fake_picture(points: int = 60) -> dict:
     """A realistic fleet: 2 ps and 3 workers (one restarting), ``points`` polls of history."""
     noise = random.Random(0)
     history = []
@@ -118,12 +118,12 @@ def fake_snapshot(points: int = 60) -> dict:
 
 
 @pytest.fixture
-def fleet() -> SnapshotSource:
-    return SnapshotSource(fake_snapshot())
+def fleet() -> FakeMonitor:
+    return FakeMonitor(fake_picture())
 
 
 @pytest.fixture
-def dashboard(fleet: SnapshotSource) -> Iterator[Dashboard]:
+def dashboard(fleet: FakeMonitor) -> Iterator[Dashboard]:
     """A real Dashboard on a free loopback port over ``fleet``."""
     with serving(fleet) as dashboard:
         yield dashboard

@@ -1,4 +1,4 @@
-"""The dashboard page in a real browser, over a real Dashboard whose snapshot the test changes.
+"""The dashboard page in a real browser, over a real Dashboard whose picture the test changes.
 
 These test the page against the data contract with a fake fleet; the end-to-end
 test over a real local cluster lives with the launcher.
@@ -76,7 +76,7 @@ def test_the_indicator_says_when_the_launcher_is_gone(browser_page: Page, dashbo
     expect(page.locator("#task-rows tr")).to_have_count(len(TASKS))
 
 
-def test_the_indicator_tells_a_failing_snapshot_from_a_lost_launcher(
+def test_the_indicator_tells_a_failing_picture_from_a_lost_launcher(
         browser_page: Page, dashboard: Dashboard, fleet):
     page = browser_page
     page.goto(dashboard.url)

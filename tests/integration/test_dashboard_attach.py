@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tensorfleet.cluster.environment import STATUS_DIR_ENV
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import UnauthenticatedError
 from tensorfleet.launch.local import local_cluster
@@ -21,7 +22,6 @@ from tensorfleet.testing.fleet import poll
 from tensorfleet.testing.local_cluster import REPO, LauncherProcess
 from tensorfleet.wire import auth
 from tensorfleet.wire.rpc import Channel, WireOptions
-from tensorfleet.worker.status import STATUS_DIR_ENV
 
 pytestmark = pytest.mark.cluster
 PACED = Path(__file__).resolve().parent / "paced_job.py"
@@ -49,12 +49,12 @@ def test_attached_dashboard_shows_a_fleet_started_elsewhere(tmp_path):
                                   json.dumps(cluster), "--name", "attached"], cwd=REPO, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, env=env)
         url = re.search(r"(http://127\.0\.0\.1:\d+/)", board.stdout.readline()).group(1)
-        snapshot = poll(lambda: (lambda s: s if all(t["state"] == "running" for t in s["tasks"])
+        picture = poll(lambda: (lambda s: s if all(t["state"] == "running" for t in s["tasks"])
                                  and s["job"]["global_step"] > 20 else None)(get_json(url + "api/status")),
                         60, "every task to answer the attached dashboard")
-        assert snapshot["job"]["name"] == "attached" and snapshot["job"]["mode"] == "async"
-        assert [t["role"] for t in snapshot["tasks"]] == ["ps", "chief", "worker"]
-        assert snapshot["job"]["target_step"] == 1200
+        assert picture["job"]["name"] == "attached" and picture["job"]["mode"] == "async"
+        assert [t["role"] for t in picture["tasks"]] == ["ps", "chief", "worker"]
+        assert picture["job"]["target_step"] == 1200
         metrics = urllib.request.urlopen(url + "metrics", timeout=10).read().decode()
         assert re.search(r'tensorfleet_task_up\{[^}]*task="worker:1"[^}]*\} 1\.0', metrics), metrics
         code, output = job.wait()
@@ -84,14 +84,14 @@ def test_an_attached_monitor_sees_a_fleet_started_by_hand_finish(tmp_path):
                     [sys.executable, str(PACED), "--last_step", "300", "--step_sleep_s", "0.01"], cwd=REPO,
                     env={**env, "TF_CONFIG": cluster.to_tf_config(TaskSpec(task.job_name, task.index))},
                     stdout=log, stderr=subprocess.STDOUT)
-        snapshot = poll(lambda: (lambda s: s if s["job"]["state"] != "running" else None)(monitor.snapshot()),
+        picture = poll(lambda: (lambda s: s if s["job"]["state"] != "running" else None)(monitor.picture()),
                         90, "the attached monitor to see the job end", interval_s=0.1)
-        assert snapshot["job"]["state"] == "succeeded", snapshot
-        assert {t["name"]: t["state"] for t in snapshot["tasks"]} == dict.fromkeys(processes, "done")
-        assert snapshot["job"]["global_step"] >= 300 and snapshot["job"]["eta_s"] is None
-        points = len(snapshot["history"])
+        assert picture["job"]["state"] == "succeeded", picture
+        assert {t["name"]: t["state"] for t in picture["tasks"]} == dict.fromkeys(processes, "done")
+        assert picture["job"]["global_step"] >= 300 and picture["job"]["eta_s"] is None
+        points = len(picture["history"])
         monitor.poll()  # a finished job gets no new chart points (and the monitor's thread stopped asking)
-        assert len(monitor.snapshot()["history"]) == points
+        assert len(monitor.picture()["history"]) == points
         for name, process in processes.items():
             assert process.wait(timeout=30) == 0, (tmp_path / f"{name.replace(':', '-')}.log").read_text()
     finally:

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tensorfleet.dashboard import Dashboard
 from tensorfleet.errors import LaunchError
-from tensorfleet.testing.snapshots import SnapshotSource, serving
+from tensorfleet.testing.fake_monitor import FakeMonitor, serving
 
 TIMEOUT_S = 5
 
@@ -40,12 +40,12 @@ def fake_state() -> dict:
 
 
 @pytest.fixture
-def fleet() -> SnapshotSource:
-    return SnapshotSource(fake_state())
+def fleet() -> FakeMonitor:
+    return FakeMonitor(fake_state())
 
 
 @pytest.fixture
-def dashboard(fleet: SnapshotSource) -> Iterator[Dashboard]:
+def dashboard(fleet: FakeMonitor) -> Iterator[Dashboard]:
     with serving(fleet) as dashboard:
         yield dashboard
 
@@ -80,24 +80,24 @@ def test_page_and_its_static_files(dashboard: Dashboard):
     assert missing.value.code == 404
 
 
-def test_api_status_is_the_current_snapshot(dashboard: Dashboard, fleet: SnapshotSource):
+def test_api_status_is_the_current_picture(dashboard: Dashboard, fleet: FakeMonitor):
     status, content_type, body = get(dashboard.url + "api/status")
     assert status == 200 and content_type == "application/json"
-    assert json.loads(body) == fleet.snapshot()
+    assert json.loads(body) == fleet.picture()
 
     with fleet.lock:
         fleet.state["job"]["global_step"] = 2000
         fleet.state["tasks"][1]["state"] = "restarting"
-    assert json.loads(get(dashboard.url + "api/status")[2]) == fleet.snapshot()
+    assert json.loads(get(dashboard.url + "api/status")[2]) == fleet.picture()
 
 
-def test_api_status_turns_a_nan_loss_into_null(dashboard: Dashboard, fleet: SnapshotSource):
+def test_api_status_turns_a_nan_loss_into_null(dashboard: Dashboard, fleet: FakeMonitor):
     with fleet.lock:
         fleet.state["tasks"][1]["loss"] = float("nan")
     assert json.loads(get(dashboard.url + "api/status")[2])["tasks"][1]["loss"] is None
 
 
-def test_metrics(dashboard: Dashboard, fleet: SnapshotSource):
+def test_metrics(dashboard: Dashboard, fleet: FakeMonitor):
     status, content_type, body = get(dashboard.url + "metrics")
     assert status == 200 and content_type.startswith("text/plain; version=")
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -114,9 +114,9 @@ def test_healthz(dashboard: Dashboard):
     assert get(dashboard.url + "healthz")[:2] == (200, "text/plain; charset=utf-8")
 
 
-def test_stop_closes_the_port_and_ends_the_thread(fleet: SnapshotSource):
+def test_stop_closes_the_port_and_ends_the_thread(fleet: FakeMonitor):
     before = set(threading.enumerate())
-    dashboard = Dashboard(fleet.snapshot)
+    dashboard = Dashboard(fleet.picture)
     assert dashboard.start() is dashboard
     url = dashboard.url
     port = int(url.rstrip("/").rsplit(":", 1)[1])
@@ -134,18 +134,18 @@ def test_stop_closes_the_port_and_ends_the_thread(fleet: SnapshotSource):
     dashboard.stop()  # twice is harmless
 
 
-def test_start_leaves_signal_handlers_alone(fleet: SnapshotSource):
+def test_start_leaves_signal_handlers_alone(fleet: FakeMonitor):
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    with Dashboard(fleet.snapshot) as dashboard:
+    with Dashboard(fleet.picture) as dashboard:
         get(dashboard.url + "healthz")
         assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
 
 
-def test_a_taken_port_fails_in_start(dashboard: Dashboard, fleet: SnapshotSource):
+def test_a_taken_port_fails_in_start(dashboard: Dashboard, fleet: FakeMonitor):
     port = int(dashboard.url.rstrip("/").rsplit(":", 1)[1])
     with pytest.raises(OSError):
-        Dashboard(fleet.snapshot, port=port).start()
+        Dashboard(fleet.picture, port=port).start()
 
 
 def test_start_twice_is_an_error(dashboard: Dashboard):

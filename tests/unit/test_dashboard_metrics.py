@@ -1,4 +1,4 @@
-"""The dashboard's /metrics text: parses back as Prometheus text, with the snapshot's values and labels."""
+"""The dashboard's /metrics text: parses back as Prometheus text, with the picture's values and labels."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tensorfleet.dashboard.metrics import TASK_STATES, render_metrics
 
 
-def _snapshot() -> dict:
+def _picture() -> dict:
     return {
         "job": {"name": "mnist_mlp", "mode": "sync", "state": "running", "global_step": 1234,
                 "target_step": 10000, "steps_per_sec": 512.5, "examples_per_sec": 51250.0, "eta_s": 17.25,
@@ -26,9 +26,9 @@ def _snapshot() -> dict:
     }
 
 
-def _samples(snapshot: dict) -> dict[str, list]:
+def _samples(picture: dict) -> dict[str, list]:
     """Every sample by its name (counters keep their ``_total``), as parsed back from the text."""
-    text = render_metrics(snapshot).decode()
+    text = render_metrics(picture).decode()
     samples: dict[str, list] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -44,7 +44,7 @@ def _value(samples: dict[str, list], metric: str, /, **labels: str) -> float:
 
 
 def test_job_values():
-    samples = _samples(_snapshot())
+    samples = _samples(_picture())
     assert _value(samples, "tensorfleet_global_step") == 1234
     assert _value(samples, "tensorfleet_target_step") == 10000
     assert _value(samples, "tensorfleet_steps_per_second") == 512.5
@@ -59,7 +59,7 @@ def test_job_values():
 
 
 def test_counters_are_typed_as_counters():
-    text = render_metrics(_snapshot()).decode()
+    text = render_metrics(_picture()).decode()
     types = {f.name: f.type for f in text_string_to_metric_families(text)}
     assert types["tensorfleet_task_restarts"] == "counter"
     assert types["tensorfleet_dropped_stale_gradients"] == "counter"
@@ -67,7 +67,7 @@ def test_counters_are_typed_as_counters():
 
 
 def test_task_values_and_labels():
-    samples = _samples(_snapshot())
+    samples = _samples(_picture())
     ps = {"task": "ps:0", "role": "ps"}
     worker = {"task": "worker:1", "role": "worker"}
     assert _value(samples, "tensorfleet_task_up", **ps) == 1
@@ -82,7 +82,7 @@ def test_task_values_and_labels():
 
 
 def test_task_state_is_one_series_per_state_with_the_current_one_at_1():
-    samples = _samples(_snapshot())
+    samples = _samples(_picture())
     states = {s.labels["state"]: s.value for s in samples["tensorfleet_task_state"] if s.labels["task"] == "worker:1"}
     assert set(states) == set(TASK_STATES)
     assert states["restarting"] == 1
@@ -90,22 +90,22 @@ def test_task_state_is_one_series_per_state_with_the_current_one_at_1():
 
 
 def test_an_unknown_state_gets_its_own_series():
-    snapshot = _snapshot()
-    snapshot["tasks"][0]["state"] = "rebalancing"
-    samples = _samples(snapshot)
+    picture = _picture()
+    picture["tasks"][0]["state"] = "rebalancing"
+    samples = _samples(picture)
     assert _value(samples, "tensorfleet_task_state", task="ps:0", state="rebalancing") == 1
     assert _value(samples, "tensorfleet_task_state", task="ps:0", state="running") == 0
 
 
 def test_null_values_are_skipped():
-    samples = _samples(_snapshot())
+    samples = _samples(_picture())
     assert [s.labels["task"] for s in samples["tensorfleet_task_loss"]] == ["worker:1"]
     assert [s.labels["task"] for s in samples["tensorfleet_task_heartbeat_age_seconds"]] == ["ps:0"]
     assert [s.labels["task"] for s in samples["tensorfleet_task_examples_per_second"]] == ["worker:1"]
 
-    snapshot = _snapshot()
-    snapshot["job"].update(target_step=None, eta_s=None, steps_per_sec=None, examples_per_sec=None, mode=None)
-    samples = _samples(snapshot)
+    picture = _picture()
+    picture["job"].update(target_step=None, eta_s=None, steps_per_sec=None, examples_per_sec=None, mode=None)
+    samples = _samples(picture)
     for name in ("tensorfleet_target_step", "tensorfleet_eta_seconds", "tensorfleet_steps_per_second",
                  "tensorfleet_examples_per_second"):
         assert name not in samples
@@ -113,20 +113,20 @@ def test_null_values_are_skipped():
 
 
 def test_label_values_are_escaped():
-    snapshot = _snapshot()
-    snapshot["tasks"][0]["name"] = 'ps:"0"\\\n'
-    samples = _samples(snapshot)
+    picture = _picture()
+    picture["tasks"][0]["name"] = 'ps:"0"\\\n'
+    samples = _samples(picture)
     assert _value(samples, "tensorfleet_task_up", task='ps:"0"\\\n') == 1
 
 
 def test_a_nan_loss_is_exported_as_nan():
-    snapshot = _snapshot()
-    snapshot["tasks"][1]["loss"] = float("nan")
-    samples = _samples(snapshot)
+    picture = _picture()
+    picture["tasks"][1]["loss"] = float("nan")
+    samples = _samples(picture)
     assert math.isnan(_value(samples, "tensorfleet_task_loss", task="worker:1"))
 
 
-def test_an_empty_snapshot_renders():
+def test_an_empty_picture_renders():
     samples = _samples({"job": {}, "tasks": [], "history": []})
     assert "tensorfleet_global_step" not in samples
     assert "tensorfleet_task_up" not in samples

@@ -3,7 +3,7 @@
 import pytest
 
 from tensorfleet.cluster.spec import TaskSpec
-from tensorfleet.launch.supervisor import RestartPolicy, Supervisor, TaskRecord, describe_exit, exit_label
+from tensorfleet.launch.supervisor import Decision, RestartPolicy, Supervisor, TaskRecord, describe_exit, exit_label
 
 
 class Clock:
@@ -48,7 +48,7 @@ def test_starting_becomes_running_only_on_an_answer_after_the_latest_start():
 def test_a_crash_is_restarted_after_its_backoff_until_the_limit_then_fails():
     clock = Clock()
     supervisor = fleet(RestartPolicy(max_restarts=2, backoff_s=1.0), clock)
-    assert supervisor.exited("worker:1", -9) == "restart"
+    assert supervisor.exited("worker:1", -9) is Decision.RESTART
     record = supervisor.by_name["worker:1"]
     assert record.state == "restarting" and record.restarts == 1 and record.restart_at == clock.now + 1.0
     assert supervisor.due() == []
@@ -57,11 +57,11 @@ def test_a_crash_is_restarted_after_its_backoff_until_the_limit_then_fails():
     supervisor.started("worker:1", 99)
     assert record.state == "starting" and record.exit_code is None and supervisor.due() == []
     supervisor.answered("worker:1", since=clock.now)
-    assert supervisor.exited("worker:1", 1) == "restart" and record.restart_at == clock.now + 2.0
+    assert supervisor.exited("worker:1", 1) is Decision.RESTART and record.restart_at == clock.now + 2.0
     clock.now += 2.0
     supervisor.started("worker:1", 100)
     supervisor.answered("worker:1", since=clock.now)
-    assert supervisor.exited("worker:1", 1) == "failed"
+    assert supervisor.exited("worker:1", 1) is Decision.FAILED
     assert record.state == "failed" and record.restarts == 2 and supervisor.failed() == [record]
     assert "already restarted 2 time(s) (--max-restarts 2)" in supervisor.events[-1]["reason"]
     assert supervisor.total_restarts == 2
@@ -69,18 +69,18 @@ def test_a_crash_is_restarted_after_its_backoff_until_the_limit_then_fails():
 
 def test_policy_never_and_exit_code_2_are_not_restarted():
     supervisor = fleet(RestartPolicy(mode="never"))
-    assert supervisor.exited("worker:1", -9) == "failed"
+    assert supervisor.exited("worker:1", -9) is Decision.FAILED
     assert supervisor.events[-1]["reason"] == "the restart policy is 'never'"
     supervisor = fleet()
-    assert supervisor.exited("worker:0", 2) == "failed"
+    assert supervisor.exited("worker:0", 2) is Decision.FAILED
     assert "bad flags" in supervisor.events[-1]["reason"]
 
 
 def test_exit_0_is_done_and_the_job_is_done_when_every_worker_is():
     supervisor = fleet()
-    assert supervisor.exited("worker:0", 0) == "done"
+    assert supervisor.exited("worker:0", 0) is Decision.DONE
     assert not supervisor.workers_done()
-    assert supervisor.exited("worker:1", 0) == "done"
+    assert supervisor.exited("worker:1", 0) is Decision.DONE
     assert supervisor.workers_done()  # the ps is not a worker: it exits by itself afterwards
 
 
@@ -89,7 +89,7 @@ def test_after_stop_all_exits_are_stops_and_pending_restarts_are_cancelled():
     supervisor.exited("worker:1", 1)
     supervisor.stop_all()
     assert supervisor.by_name["worker:1"].state == "stopped" and supervisor.due() == []
-    assert supervisor.exited("ps:0", -15) == "stopped"
+    assert supervisor.exited("ps:0", -15) is Decision.STOPPED
     assert supervisor.by_name["ps:0"].state == "stopped"
 
 
@@ -115,11 +115,11 @@ def test_exits_are_described_in_words():
 def test_the_same_crash_at_start_up_twice_in_a_row_is_not_restarted_again():
     clock = Clock()
     supervisor = fleet(RestartPolicy(max_restarts=3), clock)
-    assert supervisor.exited("worker:1", 1) == "restart"  # never answered: maybe the machine, try once more
+    assert supervisor.exited("worker:1", 1) is Decision.RESTART  # never answered: maybe the machine, try once more
     assert supervisor.crashed_at_startup("worker:1")
     clock.now += 1.0
     supervisor.started("worker:1", 99)
-    assert supervisor.exited("worker:1", 1) == "failed"
+    assert supervisor.exited("worker:1", 1) is Decision.FAILED
     assert "at start-up twice in a row" in supervisor.events[-1]["reason"]
     assert supervisor.by_name["worker:1"].restarts == 1
 
@@ -128,20 +128,20 @@ def test_the_same_crash_at_start_up_twice_in_a_row_is_not_restarted_again():
 def test_a_signal_or_another_exit_code_at_start_up_is_not_the_same_crash(second):
     clock = Clock()
     supervisor = fleet(RestartPolicy(max_restarts=3), clock)
-    assert supervisor.exited("worker:1", 1) == "restart"
+    assert supervisor.exited("worker:1", 1) is Decision.RESTART
     supervisor.started("worker:1", 99)
-    assert supervisor.exited("worker:1", second) == "restart"
+    assert supervisor.exited("worker:1", second) is Decision.RESTART
 
 
 def test_a_task_that_answered_in_between_starts_counting_afresh():
     clock = Clock()
     supervisor = fleet(RestartPolicy(max_restarts=3), clock)
-    assert supervisor.exited("worker:1", 1) == "restart"
+    assert supervisor.exited("worker:1", 1) is Decision.RESTART
     supervisor.started("worker:1", 99)
     supervisor.answered("worker:1", since=clock.now)
     assert not supervisor.crashed_at_startup("worker:1")
-    assert supervisor.exited("worker:1", 1) == "restart"  # it ran: an ordinary crash, max_restarts applies
+    assert supervisor.exited("worker:1", 1) is Decision.RESTART  # it ran: an ordinary crash, max_restarts applies
     supervisor.started("worker:1", 100)
-    assert supervisor.exited("worker:1", 1) == "restart"  # a first crash at start-up again
+    assert supervisor.exited("worker:1", 1) is Decision.RESTART  # a first crash at start-up again
     supervisor.started("worker:1", 101)
-    assert supervisor.exited("worker:1", 1) == "failed"  # ... and its repeat
+    assert supervisor.exited("worker:1", 1) is Decision.FAILED  # ... and its repeat

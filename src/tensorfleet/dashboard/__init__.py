@@ -1,7 +1,8 @@
-"""The live dashboard: a web page, JSON and Prometheus metrics over the fleet monitor's snapshot.
+"""The live dashboard: a web page, JSON and Prometheus metrics over the fleet monitor's picture.
 
-The dashboard never talks to the tasks.  It is given ``snapshot()``, a cheap,
-thread-safe callable that returns a fresh JSON-ready dict each call::
+The dashboard never talks to the tasks.  It is given ``picture()`` (a ``PictureSource``,
+``FleetMonitor.picture`` in the launcher), a cheap, thread-safe callable that returns a
+fresh JSON-ready dict (a ``FleetPicture``) each call; ``/api/status`` serves it as is::
 
     {
       "job": {"name", "mode": "async" | "sync" | None, "state": "running" | "succeeded" | "failed",
@@ -17,12 +18,12 @@ thread-safe callable that returns a fresh JSON-ready dict each call::
 
 Example:
     >>> from tensorfleet.dashboard import Dashboard
-    >>> with Dashboard(monitor.snapshot) as dashboard:
+    >>> with Dashboard(monitor.picture) as dashboard:
     ...     print(f"dashboard: {dashboard.url}")
     ...     supervise()
 """
 
 from tensorfleet.dashboard.metrics import render_metrics
-from tensorfleet.dashboard.server import Dashboard, Snapshot, create_app
+from tensorfleet.dashboard.server import Dashboard, FleetPicture, PictureSource, create_app
 
-__all__ = ["Dashboard", "Snapshot", "create_app", "render_metrics"]
+__all__ = ["Dashboard", "FleetPicture", "PictureSource", "create_app", "render_metrics"]

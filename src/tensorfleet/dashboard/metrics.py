@@ -1,9 +1,9 @@
-"""The fleet snapshot in Prometheus' text format, for ``/metrics``.
+"""The fleet picture in Prometheus' text format, for ``/metrics``.
 
-The snapshot is already the state of the fleet, so there is nothing to
+The picture is already the state of the fleet, so there is nothing to
 accumulate between scrapes: each scrape builds a fresh ``CollectorRegistry``
-holding one collector over that scrape's snapshot, and prometheus_client writes
-the text.  Values that are null in the snapshot (no target, no loss yet, a task
+holding one collector over that scrape's picture, and prometheus_client writes
+the text.  Values that are null in the picture (no target, no loss yet, a task
 that never answered) are left out rather than exported as 0, which would read
 as a real measurement.
 
@@ -19,7 +19,7 @@ from typing import Any, Iterator, Mapping
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-__all__ = ["CONTENT_TYPE", "JOB_STATES", "TASK_STATES", "SnapshotCollector", "render_metrics"]
+__all__ = ["CONTENT_TYPE", "JOB_STATES", "TASK_STATES", "PictureCollector", "render_metrics"]
 
 CONTENT_TYPE: str = CONTENT_TYPE_LATEST
 
@@ -42,12 +42,12 @@ def _states(current: str | None, known: tuple[str, ...]) -> list[tuple[str, floa
     return [(state, 1.0 if state == current else 0.0) for state in states]
 
 
-class SnapshotCollector:
-    """A prometheus_client collector over one snapshot (see ``tensorfleet.dashboard`` for its shape)."""
+class PictureCollector:
+    """A prometheus_client collector over one picture (see ``tensorfleet.dashboard`` for its shape)."""
 
-    def __init__(self, snapshot: Mapping[str, Any]) -> None:
-        self._job = snapshot.get("job") or {}
-        self._tasks = snapshot.get("tasks") or []
+    def __init__(self, picture: Mapping[str, Any]) -> None:
+        self._job = picture.get("job") or {}
+        self._tasks = picture.get("tasks") or []
 
     def collect(self) -> Iterator[Metric]:
         yield from self._job_metrics()
@@ -123,8 +123,8 @@ class SnapshotCollector:
         yield from gauges.values()
 
 
-def render_metrics(snapshot: Mapping[str, Any]) -> bytes:
-    """The snapshot in Prometheus' text format (serve it with ``CONTENT_TYPE``).
+def render_metrics(picture: Mapping[str, Any]) -> bytes:
+    """The picture in Prometheus' text format (serve it with ``CONTENT_TYPE``).
 
     Example:
         >>> text = render_metrics({"job": {"global_step": 7}, "tasks": []}).decode()
@@ -132,5 +132,5 @@ def render_metrics(snapshot: Mapping[str, Any]) -> bytes:
         True
     """
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(snapshot))
+    registry.register(PictureCollector(picture))
     return generate_latest(registry)

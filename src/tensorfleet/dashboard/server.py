@@ -1,6 +1,6 @@
 """The dashboard's web app, and a uvicorn server for it in a background thread.
 
-The app only reads: every request calls the ``snapshot()`` it was given (the
+The app only reads: every request calls the ``picture()`` it was given (the
 fleet monitor's latest view of every task, see ``tensorfleet.dashboard``) and
 renders it as the page's JSON, as Prometheus metrics, or not at all (the page
 and its static files).  Nothing here talks to the tasks.
@@ -33,9 +33,14 @@ from starlette.staticfiles import StaticFiles
 from tensorfleet.dashboard.metrics import CONTENT_TYPE, render_metrics
 from tensorfleet.errors import LaunchError
 
-__all__ = ["Dashboard", "Snapshot", "create_app"]
+__all__ = ["Dashboard", "FleetPicture", "PictureSource", "create_app"]
 
-Snapshot = Callable[[], dict[str, Any]]
+# The fleet as the dashboard shows it, a JSON-ready dict (its shape: see ``tensorfleet.dashboard``).
+# A "picture", not a "snapshot": that is a ps shard's state taken for a checkpoint (the Snapshot RPC).
+FleetPicture = dict[str, Any]
+# Where the dashboard gets it: ``FleetMonitor.picture`` (or a test's stand-in); cheap, thread-safe,
+# a fresh dict each call.
+PictureSource = Callable[[], FleetPicture]
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +69,13 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def create_app(snapshot: Snapshot) -> Starlette:
-    """The dashboard's ASGI app over ``snapshot``, a cheap thread-safe callable returning a fresh dict.
+def create_app(picture: PictureSource) -> Starlette:
+    """The dashboard's ASGI app over ``picture``, a cheap thread-safe callable returning a fresh dict.
 
-    Routes: ``/`` the page, ``/static/...`` its files, ``/api/status`` the snapshot as
+    Routes: ``/`` the page, ``/static/...`` its files, ``/api/status`` the picture as
     JSON, ``/metrics`` Prometheus text, ``/healthz``.  The endpoints that call
-    ``snapshot`` are plain functions, so Starlette runs them in its thread pool and a
-    snapshot that briefly waits on a lock never stalls the event loop.
+    ``picture`` are plain functions, so Starlette runs them in its thread pool and a
+    ``picture()`` that briefly waits on a lock never stalls the event loop.
 
     Example:
         >>> app = create_app(lambda: {"job": {"name": "demo"}, "tasks": [], "history": []})
@@ -81,10 +86,10 @@ def create_app(snapshot: Snapshot) -> Starlette:
         return Response(page, media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
 
     def status(request: Request) -> Response:
-        return JSONResponse(_finite(snapshot()), headers={"Cache-Control": "no-store"})
+        return JSONResponse(_finite(picture()), headers={"Cache-Control": "no-store"})
 
     def metrics(request: Request) -> Response:
-        return Response(render_metrics(snapshot()), media_type=CONTENT_TYPE)
+        return Response(render_metrics(picture()), media_type=CONTENT_TYPE)
 
     def healthz(request: Request) -> Response:
         return PlainTextResponse("ok\n")
@@ -122,21 +127,21 @@ def _url_host(host: str) -> str:
 
 
 class Dashboard:
-    """Serves the dashboard for ``snapshot`` from a background thread.
+    """Serves the dashboard for ``picture`` from a background thread.
 
     Args:
-        snapshot: returns the fleet's state as a fresh JSON-ready dict; cheap and thread-safe.
+        picture: returns the fleet's state as a fresh JSON-ready dict; cheap and thread-safe.
         host: the address to bind; loopback by default, since the page has no authentication.
         port: the port; 0 picks a free one (``url`` tells which).
 
     Example:
-        >>> dashboard = Dashboard(monitor.snapshot).start()
+        >>> dashboard = Dashboard(monitor.picture).start()
         >>> print(f"dashboard: {dashboard.url}")
         >>> dashboard.stop()
     """
 
-    def __init__(self, snapshot: Snapshot, *, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._snapshot = snapshot
+    def __init__(self, picture: PictureSource, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._picture = picture
         self._host = host
         self._port = port
         self._socket: socket.socket | None = None
@@ -164,8 +169,8 @@ class Dashboard:
         self._bound_port = self._socket.getsockname()[1]
         config = uvicorn.Config(
             # log_config=None leaves the launcher's logging alone; uvicorn's own INFO lines would only
-            # repeat the URL, so warnings and errors (a snapshot that raised) are all it reports.
-            create_app(self._snapshot), loop="asyncio", http="h11", lifespan="off", log_config=None,
+            # repeat the URL, so warnings and errors (a ``picture()`` that raised) are all it reports.
+            create_app(self._picture), loop="asyncio", http="h11", lifespan="off", log_config=None,
             log_level="warning", access_log=False, timeout_graceful_shutdown=1, timeout_keep_alive=5)
         self._server = _ThreadServer(config)
         self._thread = threading.Thread(

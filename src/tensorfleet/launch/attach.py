@@ -44,7 +44,7 @@ def serve_dashboard(args: argparse.Namespace, environ: dict[str, str] | None = N
     cluster = cluster_of(args, dict(os.environ) if environ is None else environ)
     monitor = FleetMonitor(cluster, job_name=args.name)
     try:
-        dashboard = Dashboard(monitor.snapshot, host=args.host, port=args.port).start()
+        dashboard = Dashboard(monitor.picture, host=args.host, port=args.port).start()
     except OSError as exc:
         raise ConfigError(f"cannot serve the dashboard on {args.host}:{args.port}: {exc.strerror}; choose "
                           "another --port (0: a free one)") from None

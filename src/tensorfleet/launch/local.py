@@ -31,16 +31,16 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from tensorfleet.cluster.environment import LOGDIR_ENV, STATUS_DIR_ENV
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch.config import JobConfig
 from tensorfleet.launch.console import Console
 from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks, progress_line, task_role
 from tensorfleet.launch.output import TaskOutput
-from tensorfleet.launch.supervisor import Supervisor, TaskRecord, describe_exit
+from tensorfleet.launch.supervisor import Decision, Supervisor, TaskRecord, describe_exit
 from tensorfleet.wire import auth
 from tensorfleet.wire.rpc import BUSY_POLL_ENV, WireOptions
-from tensorfleet.worker.status import LOGDIR_ENV, STATUS_DIR_ENV
 
 PS_EXIT_GRACE_S = 10.0
 KILL_GRACE_S = 5.0
@@ -235,13 +235,13 @@ class LocalLauncher:
             record = self.supervisor.by_name[name]
             decision = self.supervisor.exited(name, code)
             self._show_output_of_exit(record)
-            if decision == "restart":
+            if decision is Decision.RESTART:
                 self.console.line(f"[launch] {name} {describe_exit(code)}; restarting in "
                                   f"{record.restart_at - time.monotonic():.1f} s "
                                   f"(restart {record.restarts} of {self.config.max_restarts})")
-            elif decision == "failed":
+            elif decision is Decision.FAILED:
                 failed.append(record)
-            elif decision == "done" and code == 0 and record.role == "ps" and not self.supervisor.workers_done():
+            elif decision is Decision.DONE and code == 0 and record.role == "ps" and not self.supervisor.workers_done():
                 self.console.line(f"[launch] {name} exited: every worker reported done")
         return failed
 
@@ -309,9 +309,9 @@ class LocalLauncher:
             now = time.monotonic()
             if now - last_progress >= 1.0:
                 last_progress = now
-                snapshot = self.monitor.snapshot()
-                if snapshot["job"]["global_step"] > 0:  # nothing to say before training starts
-                    self.console.progress(progress_line(snapshot))
+                picture = self.monitor.picture()
+                if picture["job"]["global_step"] > 0:  # nothing to say before training starts
+                    self.console.progress(progress_line(picture))
             time.sleep(LOOP_S)
         self.console.line(f"[launch] received {self._interrupted}; stopping every task")
         return []
@@ -350,7 +350,7 @@ class LocalLauncher:
             return
         from tensorfleet.dashboard.server import Dashboard  # the web stack loads only when asked for
         try:
-            self.dashboard = Dashboard(self.monitor.snapshot, port=self.config.dashboard).start()
+            self.dashboard = Dashboard(self.monitor.picture, port=self.config.dashboard).start()
         except OSError as exc:
             raise ConfigError(f"cannot serve the dashboard on 127.0.0.1:{self.config.dashboard}: {exc.strerror}; "
                               "choose another port, or --dashboard without one for a free port") from None
@@ -369,7 +369,7 @@ class LocalLauncher:
             outcome = "succeeded" if code == 0 else "FAILED"
         restarts = self.supervisor.total_restarts
         say(f"[launch] job {self.config.job_name} {outcome} after {elapsed:.1f} s (exit code {code}), "
-            f"{restarts} restart{'s' if restarts != 1 else ''}, global step {self.monitor.snapshot()['job']['global_step']}")
+            f"{restarts} restart{'s' if restarts != 1 else ''}, global step {self.monitor.picture()['job']['global_step']}")
         for record in failed:
             event = next(e for e in reversed(self.supervisor.events) if e["task"] == record.name)
             say(f"[launch] {record.name} failed: {event['how']}; not restarted because {event['reason']}")

@@ -1,6 +1,6 @@
 """The fleet as the launcher and the dashboard see it: every task's Status RPC, polled about once a second.
 
-``FleetMonitor.snapshot()`` is the one picture every view reads (the progress line,
+``FleetMonitor.picture()`` is the one picture every view reads (the progress line,
 the dashboard page, ``/metrics``): the job's global step, target, steps and examples
 per second, ETA and dropped stale gradients; each task's role, address, state,
 restarts, step, loss and heartbeat age; and a bounded history for the charts.
@@ -75,7 +75,8 @@ class FleetMonitor:
 
     def __init__(self, cluster: ClusterSpec, *, job_name: str, mode: str | None = None,
                  supervisor: Supervisor | None = None, interval_s: float = 1.0,
-                 final_status_dir: Path | None = None, options: WireOptions = WireOptions()) -> None:
+                 final_status_dir: Path | None = None, options: WireOptions | None = None) -> None:
+        options = options or WireOptions()  # from the environment now, not when the module loaded
         self.cluster, self.job_name, self.mode = cluster, job_name, mode
         self.supervisor = supervisor
         self.final_status_dir = final_status_dir
@@ -224,8 +225,10 @@ class FleetMonitor:
                 states[name] = "unreachable" if seen.ever else "starting"
         return states
 
-    def snapshot(self) -> dict[str, Any]:
-        """The whole picture as a JSON-ready dict (the dashboard's ``/api/status``)."""
+    def picture(self) -> dict[str, Any]:
+        """The whole picture as a JSON-ready dict (the dashboard's ``/api/status``).
+
+        Called a picture, not a snapshot: a ps shard's ``Snapshot`` is its state for a checkpoint."""
         now = time.monotonic()
         with self._lock:
             rates = self._rates()
@@ -268,9 +271,9 @@ class FleetMonitor:
             return {"job": job, "tasks": tasks, "history": list(self._history)}
 
 
-def progress_line(snapshot: dict[str, Any]) -> str:
+def progress_line(picture: dict[str, Any]) -> str:
     """``step 4,200/10,000 (42%) | 51,300 ex/s | 513 steps/s | ETA 11s | 3/3 tasks running | 1 restart``"""
-    job = snapshot["job"]
+    job = picture["job"]
     step, target = job["global_step"], job["target_step"]
     parts = [f"step {step:,}/{target:,} ({100 * step / target:.0f}%)" if target else f"step {step:,}"]
     if job["examples_per_sec"] is not None:
@@ -279,7 +282,7 @@ def progress_line(snapshot: dict[str, Any]) -> str:
         parts.append(f"{job['steps_per_sec']:,.0f} steps/s")
     if job["eta_s"] is not None:
         parts.append(f"ETA {format_seconds(job['eta_s'])}")
-    tasks = snapshot["tasks"]
+    tasks = picture["tasks"]
     running = sum(t["state"] == "running" for t in tasks)
     parts.append(f"{running}/{len(tasks)} tasks running")
     others = collections.Counter(t["state"] for t in tasks if t["state"] not in ("running", "done"))

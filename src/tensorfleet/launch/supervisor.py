@@ -26,6 +26,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Callable, Sequence
 
 from tensorfleet.cluster.spec import TaskSpec
@@ -33,6 +34,19 @@ from tensorfleet.cluster.spec import TaskSpec
 STATES = ("starting", "running", "restarting", "done", "failed", "stopped")
 RESTART_MODES = ("on-failure", "never")
 USAGE_EXIT_CODE = 2  # argparse and run_task exit 2 for bad flags or TF_CONFIG: the same command fails again
+
+
+class Decision(Enum):
+    """What happens next to a task that exited: the answer of ``Supervisor.exited``, which the launcher acts on.
+
+    A plain ``Enum``, not strings: a caller comparing with ``"restart"`` would be silently never true, so
+    callers compare with the members.  (A task's *state* stays a string of ``STATES``: it goes to JSON.)
+    """
+
+    DONE = "done"  # exit 0: the task finished
+    RESTART = "restart"  # start it again at its record's ``restart_at``
+    FAILED = "failed"  # no restart: the job fails
+    STOPPED = "stopped"  # the launcher is stopping everything: an exit it asked for
 
 
 @dataclass(frozen=True)
@@ -147,9 +161,9 @@ class Supervisor:
                 record.state, record.answered, record.startup_exit = "running", True, None
                 self._event(record, "running")
 
-    def exited(self, name: str, code: int) -> str:
-        """Record an exit; return what happens next: ``done``, ``restart`` (at ``restart_at``), ``failed``
-        or ``stopped``."""
+    def exited(self, name: str, code: int) -> Decision:
+        """Record an exit; return what happens next: ``DONE``, ``RESTART`` (at ``restart_at``), ``FAILED``
+        or ``STOPPED``."""
         with self._lock:
             record = self.by_name[name]
             now = self.clock()
@@ -157,11 +171,11 @@ class Supervisor:
             if code == 0:
                 record.state, record.ended = "done", now
                 self._event(record, "exited", code=code)
-                return "done"
+                return Decision.DONE
             if self.stopping:
                 record.state, record.ended = "stopped", now
                 self._event(record, "stopped", code=code)
-                return "stopped"
+                return Decision.STOPPED
             why = self._no_restart_reason(record, code)
             record.startup_exit = code if code > 0 and not record.answered else None
             if why is None:
@@ -170,10 +184,10 @@ class Supervisor:
                 record.state, record.restart_at = "restarting", now + delay
                 self._event(record, "exited", code=code, how=describe_exit(code), restart=record.restarts,
                             delay_s=delay)
-                return "restart"
+                return Decision.RESTART
             record.state, record.ended = "failed", now
             self._event(record, "failed", code=code, how=describe_exit(code), reason=why)
-            return "failed"
+            return Decision.FAILED
 
     def _no_restart_reason(self, record: TaskRecord, code: int) -> str | None:
         if self.policy.mode == "never":

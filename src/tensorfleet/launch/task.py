@@ -16,10 +16,11 @@ from typing import Callable
 
 import torch
 
+from tensorfleet.cluster.environment import finished_linger_s
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, cluster_from_flags
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.ps.server import Server
-from tensorfleet.worker.status import PROCESS_STATUS, finished_linger_s, serve_status, write_final_status
+from tensorfleet.worker.status import PROCESS_STATUS, serve_status, write_final_status
 
 TrainFn = Callable[[argparse.Namespace, ClusterSpec, TaskSpec], None]
 

@@ -10,10 +10,10 @@ import argparse
 import logging
 import sys
 
+from tensorfleet.cluster.environment import finished_linger_s
 from tensorfleet.cluster.spec import add_cluster_flags, cluster_from_flags
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.ps.server import Server
-from tensorfleet.worker.status import finished_linger_s
 
 
 def main(argv: list[str] | None = None) -> int:

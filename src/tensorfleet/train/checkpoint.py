@@ -37,8 +37,8 @@ from tensorfleet.cluster.placement import Part, Placement
 from tensorfleet.errors import DataError, InvalidArgumentError
 from tensorfleet.ps.api import ShardState
 from tensorfleet.train.manifest import FORMAT, MANIFEST, checkpoint_name, latest_checkpoint, parse_header, read_manifest
-from tensorfleet.train.manifest import list_checkpoints  # noqa: F401 (part of this module's API)
-from tensorfleet.worker.replica import Replica
+from tensorfleet.train.manifest import list_checkpoints  # noqa: F401 (re-exported: part of this module's API)
+from tensorfleet.worker.protocol import TrainingReplica
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,7 @@ class Checkpointer:
         self.directory = Path(directory)
         self.max_to_keep = max_to_keep
 
-    def start(self, replica: Replica) -> Replica:
+    def start(self, replica: TrainingReplica) -> TrainingReplica:
         """Start ``replica``; the chief restores the latest checkpoint (if any) instead of initializing.
 
         A ps that already holds variables keeps them: a restarted chief never rolls training back.
@@ -245,7 +245,7 @@ class Checkpointer:
             restore = split(saved.state, replica.placement, replica.num_ps, sync=replica.sync is not None)
         return replica.start(restore=restore)
 
-    def save(self, replica: Replica) -> Path:
+    def save(self, replica: TrainingReplica) -> Path:
         """Write every shard's state as one checkpoint named by the global step; return its path."""
         whole = gather(replica.placement, replica.client.snapshot())
         info = {"optimizer": replica.optimizer.to_meta(), "mode": replica.mode,

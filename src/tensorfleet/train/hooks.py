@@ -146,7 +146,7 @@ class CheckpointSaverHook(Hook):
         if not session.replica.is_chief:
             return
         try:
-            step = session.replica.client.global_step() if step is None else step  # never touch the model
+            step = session.fetch_global_step() if step is None else step  # never touch the model
             if step == self._timer.last_step:
                 return
             path = self.checkpointer.save(session.replica)

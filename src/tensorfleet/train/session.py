@@ -41,11 +41,11 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
+from tensorfleet.cluster.environment import LOGDIR_ENV
 from tensorfleet.errors import NanLossError, NotInitializedError, UnavailableError
 from tensorfleet.train.checkpoint import Checkpointer, latest_checkpoint, load, split
 from tensorfleet.train.hooks import CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult
-from tensorfleet.worker.replica import Replica
-from tensorfleet.worker.status import LOGDIR_ENV
+from tensorfleet.worker.protocol import TrainingReplica
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class TrainingSession:
         recovery_timeout_s: how long a step waits for a lost ps to come back before failing.
     """
 
-    def __init__(self, replica: Replica, *, hooks: Sequence[Hook] = (), chief_only_hooks: Sequence[Hook] = (),
+    def __init__(self, replica: TrainingReplica, *, hooks: Sequence[Hook] = (), chief_only_hooks: Sequence[Hook] = (),
                  checkpoint_dir: str | Path | None = None, save_checkpoint_steps: int | None = None,
                  save_checkpoint_secs: float | None = None, max_to_keep: int = 5,
                  log_step_count_steps: int | None = 100, summary_dir: str | Path | Literal[False] | None = None,
@@ -141,7 +141,28 @@ class TrainingSession:
 
     @property
     def global_step(self) -> int:
+        """The global step as of this worker's last pull or push (no RPC)."""
         return self.replica.global_step
+
+    # --- what hooks ask the ps, without touching the model ------------------------------------------
+    # Both reach through the replica's client to ps 0: for now this is the one place that does (the
+    # Replica is to get methods of its own for them); hooks call these, never ``replica.client``.
+
+    def fetch_global_step(self) -> int:
+        """ps 0's global step now, asked over the control plane: nothing is pulled, the model stays as is.
+
+        Raises:
+            UnavailableError, NotInitializedError: ps 0 is down or restarting.
+        """
+        return self.replica.client.global_step()
+
+    def fetch_dropped_stale_gradients(self) -> int:
+        """How many stale gradients ps 0 has dropped (sync mode), from its Status; nothing is pulled.
+
+        Raises:
+            UnavailableError, NotInitializedError: ps 0 is down or restarting.
+        """
+        return self.replica.client.channels[0].call("Status")[0]["dropped_stale"]
 
     def should_stop(self) -> bool:
         return self._stop_requested

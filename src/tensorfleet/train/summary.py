@@ -67,8 +67,8 @@ class SummaryHook(Hook):
             self._writer.add_scalar("examples_per_sec", self._examples / self._seconds, step)
         if session.replica.sync is not None:  # only sync mode drops stale gradients: async saves the RPC
             try:
-                status = session.replica.client.channels[0].call("Status")[0]  # no pull: the model stays as is
-                self._writer.add_scalar("dropped_stale_gradients", status["dropped_stale"], step)
+                dropped = session.fetch_dropped_stale_gradients()  # no pull: the model stays as is
+                self._writer.add_scalar("dropped_stale_gradients", dropped, step)
             except (UnavailableError, NotInitializedError):
                 pass  # the ps is restarting: the next step recovers; this one summary goes without the count
         if histograms:

@@ -168,7 +168,8 @@ class DataServer:
     """
 
     def __init__(self, host: str, methods: Mapping[str, Method], *, task: str,
-                 options: WireOptions = WireOptions(), port: int = 0, gate: auth.Gate | None = None) -> None:
+                 options: WireOptions | None = None, port: int = 0, gate: auth.Gate | None = None) -> None:
+        options = options or WireOptions()  # from the environment now, not when the module loaded
         self.methods, self.task, self.options = dict(methods), task, options
         self.gate = gate if gate is not None else auth.Gate(options.token)
         try:
@@ -352,8 +353,8 @@ class DataChannel:
         >>> meta, values = channel.call("Pull", into=params)                 # doctest: +SKIP
     """
 
-    def __init__(self, *, task: str, options: WireOptions = WireOptions()) -> None:
-        self.task, self.options = task, options
+    def __init__(self, *, task: str, options: WireOptions | None = None) -> None:
+        self.task, self.options = task, options or WireOptions()  # from the environment now, not at import
         self.address: tuple[str, int] | None = None
         self._sock: socket.socket | None = None
         self._sock_address: tuple[str, int] | None = None  # where _sock leads
@@ -385,11 +386,14 @@ class DataChannel:
             TensorfleetError: the error the task answered with, as its own class.
         """
         with self._lock:
-            with self._guard(timeout):
+            try:
                 sock = self._connected(timeout)
                 nbytes = sum(t.numel() * t.element_size() for t in tensors.values()) if tensors else 0
                 frame.send_message(sock, method, meta, tensors, area=self._shared_area(nbytes))
                 reply = self._read_reply(into)
+            except BaseException as exc:
+                self._connection_failed(exc, timeout)
+                raise
         return reply.result(self.task)
 
     @property
@@ -399,19 +403,60 @@ class DataChannel:
 
     def stream(self, method: str, meta: Mapping[str, Any], entries: list[TensorEntry], *,
                timeout: float | None = None) -> "Stream":
-        """Start a request whose tensors (``entries``, in order) will be sent as they become ready."""
+        """Start a request whose tensors (``entries``, in order) will be sent as they become ready.
+
+        The channel stays locked until the stream ends (``stream_end``, through the Stream's
+        ``finish`` or ``abort``): no other request can come between its parts.
+        """
         self._lock.acquire()
         try:
-            with self._guard(timeout):
+            try:
                 sock, nbytes = self._connected(timeout), frame.body_size(entries)
                 area = self._shared_area(nbytes) if nbytes else None
                 if area is not None:  # the body goes in place first, its head last
                     return Stream(self, entries, timeout, shared=(area, method, meta))
                 frame.send_buffers(sock, [memoryview(frame.encode_head(method, meta, entries))])
+            except BaseException as exc:
+                self._connection_failed(exc, timeout)
+                raise
         except BaseException:
             self._lock.release()
             raise
         return Stream(self, entries, timeout)
+
+    # --- a Stream's side of the channel ------------------------------------------------------------
+    # Between ``stream()`` and ``stream_end()`` the lock is held for the Stream, which sends its
+    # request's parts and reads its reply through these methods only (one call each, no more per
+    # message); they fail like ``call`` does, dropping a connection that is no longer in step.
+
+    def stream_send(self, buffers: list[memoryview], timeout: float | None) -> None:
+        """Send the next bytes of the streamed request over the socket."""
+        try:
+            frame.send_buffers(self._sock, buffers)
+        except BaseException as exc:
+            self._connection_failed(exc, timeout)
+            raise
+
+    def stream_reply(self, into: Mapping[str, torch.Tensor] | None, timeout: float | None, *,
+                     head_last: tuple[str, Mapping[str, Any], list[TensorEntry]] | None = None) -> "_Reply":
+        """Read the streamed request's reply (tensors into ``into`` where shape and dtype match), first
+        sending its head if it goes last (``head_last``: method, meta and entries of a body that is in
+        shared memory already)."""
+        try:
+            if head_last is not None:
+                method, meta, entries = head_last
+                frame.send_buffers(self._sock, [memoryview(frame.encode_head(method, meta, entries, shared=True))])
+            return self._read_reply(into)
+        except BaseException as exc:
+            self._connection_failed(exc, timeout)
+            raise
+
+    def stream_end(self, *, drop_connection: bool = False) -> None:
+        """The stream is over: unlock the channel, first closing the connection if the request stopped
+        mid-message (the task then sees a truncated message and applies nothing).  Once per stream."""
+        if drop_connection:
+            self._close()
+        self._lock.release()
 
     # --- internals ---------------------------------------------------------------------------------
 
@@ -493,8 +538,19 @@ class DataChannel:
             tensors = read_tensors(self._reader, head.entries, into, allocate)
         return _Reply(head.kind, head.meta, tensors)
 
-    def _guard(self, timeout: float | None) -> "_ConnectionGuard":
-        return _ConnectionGuard(self, timeout or self.options.deadline_s)
+    def _connection_failed(self, exc: BaseException, timeout: float | None) -> None:
+        """A request failed mid-message with ``exc``: drop the connection (whatever failed, it is no longer
+        in step) and raise what the caller sees instead: a deadline, UNAVAILABLE, or the task's error
+        naming the task.  Returns for anything else, which the caller re-raises as it is."""
+        self._close()
+        if isinstance(exc, (TimeoutError, BlockingIOError)):  # BlockingIOError: the kernel's bound (EAGAIN)
+            raise errors.DeadlineExceededError(
+                f"no progress on the data connection for {timeout or self.options.deadline_s:g} s",
+                task=self.task) from None
+        if isinstance(exc, OSError):
+            raise errors.UnavailableError(f"the data connection broke: {exc}", task=self.task) from None
+        if isinstance(exc, errors.TensorfleetError) and exc.task is None:
+            raise type(exc)(exc.message, task=self.task) from None
 
     def _close(self) -> None:
         if self._sock is not None:
@@ -534,30 +590,6 @@ class _Reply:
         return self.meta, self.tensors
 
 
-class _ConnectionGuard:
-    """Drops a connection that failed mid-message and turns socket failures into tensorfleet errors."""
-
-    def __init__(self, channel: DataChannel, timeout: float) -> None:
-        self.channel, self.timeout = channel, timeout
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> bool:
-        if exc is None:
-            return False
-        self.channel._close()  # whatever failed, the stream is no longer in step
-        task = self.channel.task
-        if isinstance(exc, (TimeoutError, BlockingIOError)):  # BlockingIOError: the kernel's bound (EAGAIN)
-            raise errors.DeadlineExceededError(f"no progress on the data connection for {self.timeout:g} s",
-                                               task=task) from None
-        if isinstance(exc, OSError):
-            raise errors.UnavailableError(f"the data connection broke: {exc}", task=task) from None
-        if isinstance(exc, errors.TensorfleetError) and exc.task is None:
-            raise type(exc)(exc.message, task=task) from None
-        return False
-
-
 class Stream:
     """A request being sent piecewise: ``send(i, tensor)`` in entry order, then ``finish()`` for the reply.
 
@@ -585,10 +617,9 @@ class Stream:
             if self._shared is not None:
                 self._shared[0].write(self._layout, [tensor], start=self._next)
             else:
-                with self._channel._guard(self._timeout):
-                    frame.send_buffers(self._channel._sock, [frame.tensor_bytes(tensor)])
+                self._channel.stream_send([frame.tensor_bytes(tensor)], self._timeout)
         except BaseException:
-            self._release()
+            self._end()
             raise
         self._next += 1
 
@@ -598,26 +629,23 @@ class Stream:
             self.abort()
             raise errors.InvalidArgumentError(f"stream finished after {self._next} of {len(self._entries)} tensors",
                                               task=self._channel.task)
+        head_last = None  # through shared memory the head leaves now, after the body
+        if self._shared is not None:
+            _, method, meta = self._shared
+            head_last = (method, meta, self._entries)
         try:
-            with self._channel._guard(self._timeout):
-                if self._shared is not None:
-                    _, method, meta = self._shared
-                    frame.send_buffers(self._channel._sock,
-                                       [memoryview(frame.encode_head(method, meta, self._entries, shared=True))])
-                reply = self._channel._read_reply(into)
+            reply = self._channel.stream_reply(into, self._timeout, head_last=head_last)
         finally:
-            self._release()
+            self._end()
         return reply.result(self._channel.task)
 
     def abort(self) -> None:
         """Give up: close the connection mid-message (through shared memory nothing was sent yet), so
         nothing of this request is applied."""
-        if self._open:
-            if self._shared is None:
-                self._channel._close()
-            self._release()
+        self._end(drop_connection=self._shared is None)
 
-    def _release(self) -> None:
+    def _end(self, *, drop_connection: bool = False) -> None:
+        """Hand the channel back, once (a failed send already did, and ``abort`` after it does nothing)."""
         if self._open:
             self._open = False
-            self._channel._lock.release()
+            self._channel.stream_end(drop_connection=drop_connection)

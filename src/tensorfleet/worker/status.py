@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import torch
 
+from tensorfleet.cluster.environment import STATUS_DIR_ENV
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, bind_address
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.wire import rpc
@@ -74,20 +75,6 @@ class TaskStatus:
 
 
 PROCESS_STATUS = TaskStatus()
-STATUS_DIR_ENV = "TENSORFLEET_STATUS_DIR"
-# The job's --logdir, set by `tensorfleet launch` for every task: where the chief writes TensorBoard summaries.
-LOGDIR_ENV = "TENSORFLEET_LOGDIR"
-
-
-# How long a finished ps keeps answering Status ("done") when no launcher is there to read its final
-# status file: a dashboard attached by hand polls about once a second, and must see the end.
-FINISHED_LINGER_S = 2.0
-
-
-def finished_linger_s() -> float:
-    """``FINISHED_LINGER_S``, or 0 under ``tensorfleet launch``: its supervisor sees every exit (and the
-    final status file), and lingering there would only delay the end of every job."""
-    return 0.0 if os.environ.get(STATUS_DIR_ENV) else FINISHED_LINGER_S
 
 
 def final_status_path(directory: str | Path, task: TaskSpec) -> Path:

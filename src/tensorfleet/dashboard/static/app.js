@@ -5,7 +5,7 @@
 // scripts: #global-step (data-value holds the raw number), #connection (data-state is
 // "connecting", "ok", "finished" (the job is over: nothing will change) or "lost"), and
 // one <tr data-task="NAME"> per task whose cells are
-// <td data-field="FIELD" data-value="RAW">, FIELD being the snapshot's key for that column.
+// <td data-field="FIELD" data-value="RAW">, FIELD being the picture's key for that column.
 "use strict";
 
 (() => {
@@ -249,7 +249,7 @@
 
   class HttpError extends Error {}
 
-  // ok: the snapshot came; then jobState says whether it is still live or the job is over.
+  // ok: the picture came; then jobState says whether it is still live or the job is over.
   function setConnection(ok, reason, jobState) {
     const indicator = byId("connection");
     document.body.classList.toggle("disconnected", !ok);
@@ -262,16 +262,16 @@
     }
     indicator.dataset.state = "lost";
     const since = lastSuccess === null ? "" : ` · last update ${formatDuration((Date.now() - lastSuccess) / 1000)} ago`;
-    // An HTTP error means the launcher is up but its snapshot failed: say so, it is a different problem.
+    // An HTTP error means the launcher is up but its picture failed: say so, it is a different problem.
     const problem = reason instanceof HttpError ? `The launcher answered ${reason.message}` : "Cannot reach the launcher";
     indicator.textContent = `${problem} — retrying${since}`;
     indicator.title = String(reason);
   }
 
-  function render(snapshot) {
-    renderJob(snapshot.job || {});
-    renderTasks(snapshot.tasks || []);
-    renderHistory(snapshot.history || []);
+  function render(picture) {
+    renderJob(picture.job || {});
+    renderTasks(picture.tasks || []);
+    renderHistory(picture.history || []);
   }
 
   async function fetchStatus() {
@@ -287,17 +287,17 @@
   }
 
   async function poll() {
-    let snapshot = null;
+    let picture = null;
     try {
-      snapshot = await fetchStatus();
+      picture = await fetchStatus();
     } catch (error) {
       setConnection(false, error);
     }
-    if (snapshot) {
+    if (picture) {
       lastSuccess = Date.now();
-      setConnection(true, null, snapshot.job && snapshot.job.state);
+      setConnection(true, null, picture.job && picture.job.state);
       try {
-        render(snapshot);
+        render(picture);
       } catch (error) {
         console.error("tensorfleet dashboard: cannot render the snapshot", error);
       }

@@ -1,4 +1,4 @@
-"""A stand-in for the fleet monitor's ``snapshot()``, so the dashboard's page and routes can be tested on
+"""A stand-in for the fleet monitor's ``picture()``, so the dashboard's page and routes can be tested on
 a picture the test controls (the real monitor over a real fleet is tested end to end elsewhere)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any, Iterator
 from tensorfleet.dashboard import Dashboard
 
 
-class SnapshotSource:
-    """``snapshot()`` returns a copy of ``state``; edit it inside ``with source.lock``.
+class FakeMonitor:
+    """``picture()`` returns a copy of ``state``; edit it inside ``with source.lock``.
 
-    ``broken = True`` makes ``snapshot()`` raise, as a monitor with a bug would.
+    ``broken = True`` makes ``picture()`` raise, as a monitor with a bug would.
     """
 
     def __init__(self, state: dict[str, Any]) -> None:
@@ -22,17 +22,17 @@ class SnapshotSource:
         self.state = state
         self.broken = False
 
-    def snapshot(self) -> dict[str, Any]:
+    def picture(self) -> dict[str, Any]:
         with self.lock:
             if self.broken:
-                raise RuntimeError("the snapshot source is broken on purpose")
+                raise RuntimeError("the fake monitor is broken on purpose")
             return copy.deepcopy(self.state)
 
 
 @contextlib.contextmanager
-def serving(source: SnapshotSource) -> Iterator[Dashboard]:
+def serving(source: FakeMonitor) -> Iterator[Dashboard]:
     """A real Dashboard on a free loopback port over ``source``, stopped on exit."""
-    dashboard = Dashboard(source.snapshot)
+    dashboard = Dashboard(source.picture)
     dashboard.start()
     try:
         yield dashboard

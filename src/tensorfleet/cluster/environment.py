@@ -1,0 +1,34 @@
+"""What a task learns from the environment the launcher gives it.
+
+``tensorfleet launch`` (``launch/local.py``) starts every task with, besides ``TF_CONFIG``:
+
+* ``TENSORFLEET_STATUS_DIR``: the job's log directory, where a task leaves its last Status as it
+  exits (``worker/status.py``, ``write_final_status``), so that the launcher's summary and
+  dashboard show the final step.  Its presence also says that a supervisor is watching every
+  exit: a finished ps then need not linger (``finished_linger_s``).
+* ``TENSORFLEET_LOGDIR``: the job's ``--logdir``, where the chief writes its TensorBoard
+  summaries (``train/session.py``, ``default_summary_dir``).
+
+A task started by other means (by hand, by Kubernetes) has neither, and works without them.
+They live here, low in the layers, because both a ps and a worker read them (and a ps must not
+import the worker layer).  Read when asked, never at import.
+"""
+
+from __future__ import annotations
+
+import os
+
+STATUS_DIR_ENV = "TENSORFLEET_STATUS_DIR"
+# The job's --logdir, set by `tensorfleet launch` for every task: where the chief writes TensorBoard summaries.
+LOGDIR_ENV = "TENSORFLEET_LOGDIR"
+
+
+# How long a finished ps keeps answering Status ("done") when no launcher is there to read its final
+# status file: a dashboard attached by hand polls about once a second, and must see the end.
+FINISHED_LINGER_S = 2.0
+
+
+def finished_linger_s() -> float:
+    """``FINISHED_LINGER_S``, or 0 under ``tensorfleet launch``: its supervisor sees every exit (and the
+    final status file), and lingering there would only delay the end of every job."""
+    return 0.0 if os.environ.get(STATUS_DIR_ENV) else FINISHED_LINGER_S

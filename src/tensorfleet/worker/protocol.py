@@ -1,0 +1,83 @@
+"""``TrainingReplica``: what the training loop needs of a replica, so that it can drive either kind.
+
+``TrainingSession``, its hooks and the ``Checkpointer`` use exactly these members; ``Replica``
+(one device) and ``tensorfleet.parallel.TowerReplica`` (K towers, one push per worker) both
+implement them. On a ``TowerReplica``, the ps side (``client``, ``placement``, ``optimizer``,
+``mode``, ...) lives on tower 0 only: the other towers raise ``AttributeError`` for it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from tensorfleet.cluster.placement import Placement
+    from tensorfleet.cluster.spec import TaskSpec
+    from tensorfleet.ps.api import Mode, OptimizerSpec, ShardState, SyncOptions
+    from tensorfleet.worker.client import PsClient
+
+
+@runtime_checkable
+class TrainingReplica(Protocol):
+    """A worker's model bound to the ps, as the training loop drives it (see ``Replica`` for each member)."""
+
+    # --- every worker (every tower) ---------------------------------------------------------------
+
+    @property
+    def task(self) -> TaskSpec: ...
+
+    @property
+    def is_chief(self) -> bool: ...
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def global_step(self) -> int: ...
+
+    @property
+    def dropped_gradients(self) -> int: ...
+
+    def start(self, *, restore: Sequence[ShardState] | None = None) -> TrainingReplica: ...
+
+    def recover(self, *, restore: Sequence[ShardState] | None, timeout_s: float) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def pull(self) -> int: ...
+
+    def push(self) -> int: ...
+
+    def load_averages(self) -> int: ...
+
+    def report(self, *, loss: float | None = None, examples: int = 0, target_step: int | None = None) -> None: ...
+
+    # --- the ps side (a TowerReplica's tower 0 only) ----------------------------------------------
+
+    @property
+    def client(self) -> PsClient: ...
+
+    @property
+    def placement(self) -> Placement: ...
+
+    @property
+    def num_ps(self) -> int: ...
+
+    @property
+    def optimizer(self) -> OptimizerSpec: ...
+
+    @property
+    def mode(self) -> Mode: ...
+
+    @property
+    def sync(self) -> SyncOptions | None: ...
+
+    @property
+    def average_decay(self) -> float | None: ...
+
+    @property
+    def prefetch(self) -> bool: ...
+
+    def settle(self) -> int: ...
