@@ -31,6 +31,8 @@ _EXPORTS: dict[str, str] = {
     "WireOptions": "tensorfleet.wire.rpc",
     **dict.fromkeys(("add_training_flags", "training_options"), "tensorfleet.worker.flags"),
     "Replica": "tensorfleet.worker.replica",
+    "ReplicaOptions": "tensorfleet.worker.options",
+    "TrainingReplica": "tensorfleet.worker.protocol",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -66,4 +68,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from tensorfleet.train.summary import SummaryHook
     from tensorfleet.wire.rpc import WireOptions
     from tensorfleet.worker.flags import add_training_flags, training_options
+    from tensorfleet.worker.options import ReplicaOptions
+    from tensorfleet.worker.protocol import TrainingReplica
     from tensorfleet.worker.replica import Replica

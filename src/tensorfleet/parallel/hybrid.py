@@ -3,9 +3,9 @@
 A worker machine with K devices is one replica of the job: the ps sees one push
 per worker and step (M pushes for M workers, not M*K), as a worker with one device
 would send. ``TowerReplica`` is built around a ``Replica`` (composition, no change to
-it) and has the same verbs, so ``TrainingSession`` and its hooks drive it unchanged.
-Every tower calls the same verbs in the same order (SPMD); only tower 0 has ps
-connections:
+it) and implements the same ``TrainingReplica`` protocol, so ``TrainingSession`` and its
+hooks drive it unchanged. Every tower calls the same verbs in the same order (SPMD);
+only tower 0 has ps connections:
 
 1. ``pull()``: tower 0 pulls (free right after its push, which brought the new
    values back) and broadcasts a small header (global step, or tower 0's failure)
@@ -31,16 +31,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generic, Sequence, TypeVar, overload
 
 import torch
 from torch import nn
 
+from tensorfleet.cluster.placement import Placement, PlacementStrategy, RowPartitioner
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import (DeadlineExceededError, InvalidArgumentError, NotInitializedError, TensorfleetError,
                                 UnavailableError)
 from tensorfleet.parallel.towers import Towers
-from tensorfleet.ps.api import ShardState
+from tensorfleet.ps.api import Mode, OptimizerSpec, ShardState, SyncOptions
+from tensorfleet.wire.rpc import WireOptions
+from tensorfleet.worker.client import PsClient
+from tensorfleet.worker.options import DEFAULT_PLACEMENT, ReplicaOptions
 from tensorfleet.worker.replica import Replica
 
 # What tower 0's failure becomes on the other towers: the recoverable ones keep their class, so
@@ -54,6 +58,27 @@ def _failure_kind(exc: BaseException) -> int:
     return 1 + next((i for i, cls in enumerate(_FAILURES) if isinstance(exc, cls)), len(_FAILURES) - 1)
 
 
+T = TypeVar("T")
+
+
+class _OnTower0(Generic[T]):
+    """An attribute of tower 0's ``Replica``, read through the ``TowerReplica`` (the other towers have none)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, instance: None, owner: type) -> _OnTower0[T]: ...
+
+    @overload
+    def __get__(self, instance: TowerReplica, owner: type) -> T: ...
+
+    def __get__(self, instance: TowerReplica | None, owner: type) -> T | _OnTower0[T]:
+        if instance is None:
+            return self
+        return getattr(instance._tower_0(self._name), self._name)
+
+
 class TowerReplica:
     """A worker's towers bound to the ps: the verbs of ``Replica``, one push per worker and step.
 
@@ -61,11 +86,15 @@ class TowerReplica:
         towers: this tower's ``Towers`` (from ``run_towers``).
         module: the model, already on ``towers.device``; tower 0's initial values are what the chief sends.
         cluster, task: the cluster and this worker's task (the same on every tower of the worker).
-        **replica_options: ``Replica``'s keyword arguments (``optimizer=``, ``mode=``, ...; see
-            ``training_options``), used by tower 0. ``overlap=True`` is refused with several towers: it
-            would stream each gradient before the towers have averaged it; so is ``prefetch=True``.
+        optimizer, mode, ..., prefetch, config: ``Replica``'s keyword arguments (see ``training_options``), used
+            by tower 0 and checked on every tower. ``overlap=True`` is refused with several towers: it would
+            stream each gradient before the towers have averaged it; so is ``prefetch=True``.
 
     Attributes:
+        options: the ``ReplicaOptions`` (every tower).
+        replica: tower 0's ``Replica`` (None on the other towers). Its ps side (``client``, ``placement``,
+            ``optimizer``, ``mode``, ``sync``, ``settle()``, ...) is readable here on tower 0; the other towers
+            raise ``AttributeError`` for it.
         model: forward through this (``DistributedDataParallel`` around ``module``; ``module`` itself
             for one tower): its backward averages the gradients over the towers.
 
@@ -80,12 +109,22 @@ class TowerReplica:
         >>> run_towers(train, args, cluster, task, options=TowerOptions(num_towers=2))  # doctest: +SKIP
     """
 
-    def __init__(self, towers: Towers, module: nn.Module, cluster: ClusterSpec, task: TaskSpec,
-                 **replica_options: Any) -> None:
-        if replica_options.get("overlap") and towers.num_towers > 1:
+    def __init__(self, towers: Towers, module: nn.Module, cluster: ClusterSpec, task: TaskSpec, *,
+                 optimizer: OptimizerSpec, mode: Mode | str = Mode.ASYNC, sync: SyncOptions | None = None,
+                 placement: PlacementStrategy = DEFAULT_PLACEMENT, partitioner: RowPartitioner | None = None,
+                 average_decay: float | None = None, options: WireOptions | None = None,
+                 init_timeout_s: float = 300.0, log_placement: bool = False, overlap: bool = False,
+                 wire_dtype: torch.dtype | None = None, nonfinite_gradients: str = "reject",
+                 prefetch: bool = False, config: ReplicaOptions | None = None) -> None:
+        # Checked on every tower, so that they all refuse bad options alike; tower 0's Replica uses them.
+        self.options = ReplicaOptions.merge(
+            config, mode=mode, sync=sync, placement=placement, partitioner=partitioner, average_decay=average_decay,
+            options=options, init_timeout_s=init_timeout_s, log_placement=log_placement, overlap=overlap,
+            wire_dtype=wire_dtype, nonfinite_gradients=nonfinite_gradients, prefetch=prefetch)
+        if self.options.overlap and towers.num_towers > 1:
             raise InvalidArgumentError("overlap=True streams each gradient during backward, before the towers have "
                                        "averaged it: use towers or --overlap, not both")
-        if replica_options.get("prefetch") and towers.num_towers > 1:
+        if self.options.prefetch and towers.num_towers > 1:
             raise InvalidArgumentError("prefetch=True with several towers is not supported: the towers take tower "
                                        "0's values after each push; use towers or --prefetch, not both")
         self.towers = towers
@@ -105,15 +144,33 @@ class TowerReplica:
         if towers.index == 0:
             if next(module.parameters()).device.type != "cpu":  # the ps's values arrive in host memory
                 self._host = copy.deepcopy(module).to("cpu")
-            self.replica = Replica(self._host, cluster, task, **replica_options)
+            self.replica = Replica(self._host, cluster, task, optimizer=optimizer, config=self.options)
 
-    def __getattr__(self, name: str) -> Any:
-        """Tower 0's ``Replica`` attributes (``client``, ``placement``, ``optimizer``, ``sync``, ...)."""
-        replica = self.__dict__.get("replica")
-        if replica is None:
+    # --- the ps side: tower 0's Replica ----------------------------------------------------------
+
+    client: _OnTower0[PsClient] = _OnTower0()
+    placement: _OnTower0[Placement] = _OnTower0()  # where the variables live (not the placement strategy)
+    num_ps: _OnTower0[int] = _OnTower0()
+    optimizer: _OnTower0[OptimizerSpec] = _OnTower0()
+    mode: _OnTower0[Mode] = _OnTower0()
+    sync: _OnTower0[SyncOptions | None] = _OnTower0()
+    average_decay: _OnTower0[float | None] = _OnTower0()
+    nonfinite_gradients: _OnTower0[str] = _OnTower0()
+    init_timeout_s: _OnTower0[float] = _OnTower0()
+    overlap: _OnTower0[bool] = _OnTower0()
+    prefetch: _OnTower0[bool] = _OnTower0()
+    shard_steps: _OnTower0[tuple[int, ...]] = _OnTower0()
+
+    def settle(self) -> int:
+        """Tower 0: ``Replica.settle`` (prefetch, which needs a single tower)."""
+        return self._tower_0("settle").settle()
+
+    def _tower_0(self, name: str) -> Replica:
+        """Tower 0's ``Replica``; on another tower, the error that says where ``name`` lives."""
+        if self.replica is None:
             raise AttributeError(f"{type(self).__name__} has no {name!r} on this tower: the ps side of a worker "
                                  "(client, placement, optimizer, ...) lives on tower 0 only")
-        return getattr(replica, name)
+        return self.replica
 
     # --- lifecycle -------------------------------------------------------------------------------
 

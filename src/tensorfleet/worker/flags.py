@@ -28,7 +28,6 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 from typing import Any
 
@@ -37,6 +36,7 @@ import torch
 from tensorfleet.cluster.placement import STRATEGIES, RowPartitioner
 from tensorfleet.ps.api import NONFINITE_POLICIES, SyncOptions
 from tensorfleet.wire.codec import DTYPE_NAMES, NARROW_DTYPES
+from tensorfleet.worker.options import ReplicaOptions
 
 # --wire_dtype choices: float32 (tensors travel as they are) or one of the codec's narrow dtypes.
 WIRE_DTYPES: dict[str, torch.dtype | None] = {"float32": None, **{DTYPE_NAMES[d]: d for d in NARROW_DTYPES}}
@@ -87,7 +87,7 @@ def add_training_flags(parser: argparse.ArgumentParser, *, default_mode: str = "
 
 
 def training_options(args: argparse.Namespace, **explicit: Any) -> dict[str, Any]:
-    """Keyword arguments for ``Replica`` from the flags above, composable with arguments of your own.
+    """Keyword arguments for ``Replica`` (or ``TowerReplica``) from the flags above, composable with your own.
 
     Only the options a flag sets away from ``Replica``'s own default are in the dict, so
     ``Replica(..., average_decay=0.99, **training_options(args))`` works; should the flag set
@@ -95,7 +95,6 @@ def training_options(args: argparse.Namespace, **explicit: Any) -> dict[str, Any
     keyword given twice.  To let your value win over any flag, pass it here instead:
     ``Replica(..., **training_options(args, average_decay=0.99))``.
     """
-    from tensorfleet.worker.replica import Replica  # Replica's defaults are the baseline
     options = {
         "mode": args.mode,
         "sync": SyncOptions(args.replicas_to_aggregate, args.total_num_replicas, args.sync_timeout_s),
@@ -108,7 +107,7 @@ def training_options(args: argparse.Namespace, **explicit: Any) -> dict[str, Any
         "wire_dtype": WIRE_DTYPES[args.wire_dtype],
         "nonfinite_gradients": args.nonfinite_gradients,
     }
-    defaults = {name: p.default for name, p in inspect.signature(Replica.__init__).parameters.items()}
+    defaults = ReplicaOptions.defaults()  # Replica's (and TowerReplica's) defaults are the baseline
     defaults["sync"] = SyncOptions()  # Replica's None means these
     chosen = {name: value for name, value in options.items() if not _same(value, defaults[name])}
     if args.mode != "sync":

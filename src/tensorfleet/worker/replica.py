@@ -36,22 +36,22 @@ On leaving, the replica tells the ps it is done, so the ps can exit.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 from torch import nn
 
-from tensorfleet.cluster.placement import PlacementStrategy, RoundRobin, RowPartitioner, VariableInfo, place
+from tensorfleet.cluster.placement import PlacementStrategy, RowPartitioner, VariableInfo, place
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.ps.api import Mode, OptimizerSpec, ShardState, SyncOptions
 from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import Gathered, PsClient, Pulled, Pushed, PushStreams
+from tensorfleet.worker.options import DEFAULT_PLACEMENT, ReplicaOptions
 from tensorfleet.worker.status import PROCESS_STATUS
 
 log = logging.getLogger(__name__)
-
 
 
 class Replica:
@@ -79,6 +79,11 @@ class Replica:
             (the default: counted in its Status, logged, ``dropped_gradients`` here) or ``"apply"`` it.
         prefetch: async mode: let each push travel while the next step computes (see the module
             docstring); an error of that push is raised by the next ``push()``, ``pull()`` or ``settle()``.
+        config: all of the options above as one ``ReplicaOptions``, instead of keywords (not both).
+
+    Attributes:
+        options: the options, validated (``ReplicaOptions``); ``mode``, ``overlap``, ``prefetch``, ... read them.
+        sync: the sync options in force: resolved against the cluster, then the job's (the chief's) once started.
 
     Example:
         >>> with Replica(model, cluster, task, optimizer=OptimizerSpec.adam(lr=0.01)) as replica:  # doctest: +SKIP
@@ -90,59 +95,73 @@ class Replica:
 
     def __init__(self, module: nn.Module, cluster: ClusterSpec, task: TaskSpec, *, optimizer: OptimizerSpec,
                  mode: Mode | str = Mode.ASYNC, sync: SyncOptions | None = None,
-                 placement: PlacementStrategy = RoundRobin(), partitioner: RowPartitioner | None = None,
+                 placement: PlacementStrategy = DEFAULT_PLACEMENT, partitioner: RowPartitioner | None = None,
                  average_decay: float | None = None, options: WireOptions | None = None,
                  init_timeout_s: float = 300.0, log_placement: bool = False, overlap: bool = False,
                  wire_dtype: torch.dtype | None = None, nonfinite_gradients: str = "reject",
-                 prefetch: bool = False) -> None:
-        if mode not in tuple(Mode):
-            raise InvalidArgumentError(f"mode={mode!r}: choose 'async' or 'sync'")
-        mode = Mode(mode)
-        if prefetch and mode is not Mode.ASYNC:
-            raise InvalidArgumentError("prefetch=True needs async mode: in sync mode the next step's values exist "
-                                       "only once every replica has pushed")
+                 prefetch: bool = False, config: ReplicaOptions | None = None) -> None:
+        self.options = ReplicaOptions.merge(
+            config, mode=mode, sync=sync, placement=placement, partitioner=partitioner, average_decay=average_decay,
+            options=options, init_timeout_s=init_timeout_s, log_placement=log_placement, overlap=overlap,
+            wire_dtype=wire_dtype, nonfinite_gradients=nonfinite_gradients, prefetch=prefetch)
         self.module = module
         self.task = task
         self.replica_id = cluster.replica_id(task)
         self.is_chief = cluster.is_chief(task)
         self.optimizer = optimizer
-        self.mode = mode
-        # The sync options, resolved against the cluster; None in async mode (``self.mode`` says which).
-        self.sync = (sync or SyncOptions()).resolve(len(cluster.replicas)) if mode is Mode.SYNC else None
-        self.average_decay = average_decay
-        self.nonfinite_gradients = nonfinite_gradients
+        # The sync options, resolved against the cluster (the job's replace them at start); None in async mode.
+        self.sync = ((self.options.sync or SyncOptions()).resolve(len(cluster.replicas))
+                     if self.mode is Mode.SYNC else None)
         self.num_ps = len(cluster.ps_addresses)
         self._started = False
-        self.init_timeout_s = init_timeout_s
         self.global_step = 0
         self.dropped_gradients = 0
         self._params = dict(module.named_parameters())
         if not self._params:
             raise InvalidArgumentError("the module has no parameters to train")
         infos = [VariableInfo(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in self._params.items()]
-        self.placement = place(infos, len(cluster.ps_addresses), strategy=placement, partitioner=partitioner)
-        if log_placement:
+        self.placement = place(infos, len(cluster.ps_addresses), strategy=self.options.placement,
+                               partitioner=self.options.partitioner)
+        if self.options.log_placement:
             log.info("variable placement (%s):\n%s", task.name, self.placement.describe())
-        self.client = PsClient(cluster, self.placement.shard_map(), options=options, wire_dtype=wire_dtype)
+        self.client = PsClient(cluster, self.placement.shard_map(), options=self.options.options,
+                               wire_dtype=self.options.wire_dtype)
         self._param_views = self.placement.views({n: p.data for n, p in self._params.items()})
         self._shard_steps = [0] * len(cluster.ps_addresses)
         self._prefetched: list[int] | None = None  # param versions right after a push brought values back
-        self._streams: PushStreams | None = None
-        self._streamed: set[str] = set()
-        self._overlap_misuse: str | None = None
-        self._hooks: list = []
-        self.overlap = overlap
-        self.prefetch = prefetch
         self._in_flight: Gathered | None = None  # prefetch: the push travelling while the next step computes
         self._landing: dict[str, torch.Tensor] = {}  # prefetch: where its values land (copied in later)
-        if prefetch:
+        if self.prefetch:
             landing = {name: torch.empty_like(p.data) for name, p in self._params.items()}
             self._landing = self.placement.views(landing)
-        if overlap:
-            # backward produces gradients from the last layer to the first: stream them in that order
-            self._stream_layout = dict(reversed(list(self._param_views.items())))
-            self._hooks = [param.register_post_accumulate_grad_hook(lambda p, name=name: self._on_gradient(name, p))
-                           for name, param in self._params.items()]
+        # overlap: the push this step's backward opened, gradient by gradient (None: overlap is off)
+        self._streaming = _GradientStreams(self) if self.overlap else None
+
+    # --- the options (read-only: set at construction, ``self.options``) ----------------------------
+
+    @property
+    def mode(self) -> Mode:
+        return cast(Mode, self.options.mode)  # ReplicaOptions made it a Mode
+
+    @property
+    def average_decay(self) -> float | None:
+        return self.options.average_decay
+
+    @property
+    def nonfinite_gradients(self) -> str:
+        return self.options.nonfinite_gradients
+
+    @property
+    def init_timeout_s(self) -> float:
+        return self.options.init_timeout_s
+
+    @property
+    def overlap(self) -> bool:
+        return self.options.overlap
+
+    @property
+    def prefetch(self) -> bool:
+        return self.options.prefetch
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -223,9 +242,8 @@ class Replica:
 
     def finish(self) -> None:
         """Tell the ps this worker is done (the ps exits when every worker is), and close the channels."""
-        for hook in self._hooks:  # a backward after training (evaluation, a new Replica) must not stream
-            hook.remove()
-        self._hooks = []
+        if self._streaming is not None:  # a backward after training (evaluation, a new Replica) must not stream
+            self._streaming.remove_hooks()
         PROCESS_STATUS.finished()
         try:
             self._drop_streams()
@@ -329,8 +347,8 @@ class Replica:
         self._prefetched = None
         if self.prefetch:
             return self._push_in_flight()
-        if self._streams is not None:  # opened during backward, tagged then
-            pushed = self._finish_streams(into=self._param_views).result()
+        if self._streaming is not None and self._streaming.open:  # opened during backward, tagged then
+            pushed = self._streaming.finish(into=self._param_views).result()
         else:
             sync_steps, timeout = self._push_tags()
             pushed = self.client.push(self._gradients(), sync_steps=sync_steps, replica=self.replica_id,
@@ -349,8 +367,8 @@ class Replica:
     def _push_in_flight(self) -> int:
         """Prefetch: take the previous push's values, then send this one and return without its reply."""
         self.settle()  # normally long done: it travelled during this step's compute
-        if self._streams is not None:
-            self._in_flight = self._finish_streams(into=self._landing)
+        if self._streaming is not None and self._streaming.open:
+            self._in_flight = self._streaming.finish(into=self._landing)
         else:
             self._in_flight = self.client.push_async(self._gradients(), replica=self.replica_id, into=self._landing)
         for param in self._params.values():  # the push holds the gradients; the next backward makes new ones
@@ -371,37 +389,72 @@ class Replica:
             return None, None
         return list(self._shard_steps), self.sync.timeout_s + 60.0
 
-    # --- overlap: gradients leave during backward ----------------------------------------------------
+    def _drop_streams(self) -> None:
+        """Abandon a streamed push (backward ran but push() did not follow): the ps applies none of it."""
+        if self._streaming is not None:
+            self._streaming.drop()
+
+
+class _GradientStreams:
+    """overlap=True: each gradient leaves for its shard as soon as backward produces it (a gradient hook).
+
+    The step's first gradient opens one push per shard (tagged then, as ``push()`` would tag it);
+    ``finish`` sends what is left and ``drop`` abandons it. One backward per push: a gradient
+    produced twice is refused at ``finish``, since its first copy has already left.
+    """
+
+    def __init__(self, replica: Replica) -> None:
+        self._replica = replica
+        # backward produces gradients from the last layer to the first: stream them in that order
+        self._layout = dict(reversed(list(replica._param_views.items())))
+        self._streams: PushStreams | None = None
+        self._streamed: set[str] = set()
+        self._misuse: str | None = None
+        self._hooks = [param.register_post_accumulate_grad_hook(lambda p, name=name: self._on_gradient(name, p))
+                       for name, param in replica._params.items()]
+
+    @property
+    def open(self) -> bool:
+        """This step's backward has opened a push."""
+        return self._streams is not None
 
     def _on_gradient(self, name: str, param: torch.Tensor) -> None:
         if name in self._streamed:
-            self._overlap_misuse = (f"the gradient of {name!r} was produced twice before push(): overlap=True "
-                                    "needs exactly one backward per push")
+            self._misuse = (f"the gradient of {name!r} was produced twice before push(): overlap=True "
+                            "needs exactly one backward per push")
             return
+        replica = self._replica
         if self._streams is None:
-            sync_steps, timeout = self._push_tags()
-            self._streams = self.client.push_streams(self._stream_layout, sync_steps=sync_steps,
-                                                     replica=self.replica_id, timeout_s=timeout)
+            sync_steps, timeout = replica._push_tags()
+            self._streams = replica.client.push_streams(self._layout, sync_steps=sync_steps,
+                                                        replica=replica.replica_id, timeout_s=timeout)
         self._streamed.add(name)
-        for part, view in self.placement.views_of(name, param.grad).items():
+        for part, view in replica.placement.views_of(name, param.grad).items():
             self._streams.send(part, view)
 
-    def _finish_streams(self, *, into: dict[str, torch.Tensor]) -> Gathered:
-        """Send what is left of the streamed push, its values to land in ``into``; ``result()`` is the ``Pushed``."""
-        streams, misuse = self._streams, self._overlap_misuse
+    def finish(self, *, into: dict[str, torch.Tensor]) -> Gathered:
+        """Send what is left of the open push, its values to land in ``into``; ``result()`` is the ``Pushed``."""
+        streams, misuse = self._streams, self._misuse
         if misuse is not None:
-            self._drop_streams()
+            self.drop()
             raise InvalidArgumentError(f"{misuse}; nothing was pushed")
-        for name, param in self._params.items():  # parameters that got no gradient this step: zeros
+        assert streams is not None, "finish() without an open push"
+        placement = self._replica.placement
+        for name, param in self._replica._params.items():  # parameters that got no gradient this step: zeros
             if name not in self._streamed:
                 param.grad = torch.zeros_like(param)
-                for part, view in self.placement.views_of(name, param.grad).items():
+                for part, view in placement.views_of(name, param.grad).items():
                     streams.send(part, view)
         self._streams, self._streamed = None, set()
         return streams.finish_async(into=into)
 
-    def _drop_streams(self) -> None:
-        """Abandon a push in flight (backward ran but push() did not follow): the ps applies none of it."""
+    def drop(self) -> None:
+        """Abandon the open push, if any: the ps applies none of it."""
         if self._streams is not None:
             self._streams.abort()
-        self._streams, self._streamed, self._overlap_misuse = None, set(), None
+        self._streams, self._streamed, self._misuse = None, set(), None
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
