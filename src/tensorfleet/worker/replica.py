@@ -49,7 +49,7 @@ from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import Gathered, PsClient, Pulled, Pushed, PushStreams
 from tensorfleet.worker.options import DEFAULT_PLACEMENT, ReplicaOptions
-from tensorfleet.worker.status import PROCESS_STATUS
+from tensorfleet.worker.status import PROCESS_STATUS, TaskStatus
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,9 @@ class Replica:
         self.sync = ((self.options.sync or SyncOptions()).resolve(len(cluster.replicas))
                      if self.mode is Mode.SYNC else None)
         self.num_ps = len(cluster.ps_addresses)
+        # Where this replica reports its step, drops and loss: the task's Status record, which run_task
+        # serves to the launcher and dashboards (one per process). An attribute, so a test can give its own.
+        self.status: TaskStatus = PROCESS_STATUS
         self._started = False
         self.global_step = 0
         self.dropped_gradients = 0
@@ -187,8 +190,8 @@ class Replica:
             self.sync = SyncOptions.from_meta(status["sync"])  # the job's options win
         self.pull()
         self._started = True
-        PROCESS_STATUS.begin(self.task, is_chief=self.is_chief)
-        PROCESS_STATUS.global_step = self.global_step
+        self.status.begin(self.task, is_chief=self.is_chief)
+        self.status.global_step = self.global_step
         return self
 
     def recover(self, *, restore: Sequence[ShardState] | None, timeout_s: float) -> None:
@@ -244,7 +247,7 @@ class Replica:
         """Tell the ps this worker is done (the ps exits when every worker is), and close the channels."""
         if self._streaming is not None:  # a backward after training (evaluation, a new Replica) must not stream
             self._streaming.remove_hooks()
-        PROCESS_STATUS.finished()
+        self.status.finished()
         try:
             self._drop_streams()
             self.settle()
@@ -306,7 +309,7 @@ class Replica:
         self.global_step, self._shard_steps = pushed.pulled.global_step, pushed.pulled.shard_steps
         if pushed.dropped:
             self.dropped_gradients += 1
-        PROCESS_STATUS.pushed(self.global_step, self.dropped_gradients)
+        self.status.pushed(self.global_step, self.dropped_gradients)
 
     def _abandon_in_flight(self) -> None:
         """Recovery: the push in flight failed or will be resent by no one; wait for it to end, quietly."""
@@ -382,7 +385,7 @@ class Replica:
         dashboard and ``/metrics`` read.  Steps and the global step are recorded by ``push()``.
         ``TrainingSession`` calls this for you.
         """
-        PROCESS_STATUS.report(loss=loss, examples=examples, target_step=target_step)
+        self.status.report(loss=loss, examples=examples, target_step=target_step)
 
     def _push_tags(self) -> tuple[list[int] | None, float | None]:
         if self.mode is Mode.ASYNC:
