@@ -143,7 +143,7 @@ def test_prefetch_push_returns_before_the_reply_and_settle_takes_it(fakes):
     before = values(model)
     backward(model)
     assert replica.push() == 0  # the step before this push's
-    in_flight = replica._in_flight
+    in_flight = replica._in_flight._gathered
     assert in_flight is not None and not in_flight.waited  # nobody waited for the reply
     assert all(p.grad is None for p in model.parameters())
     assert_values(values(model), before)  # the next step computes on the values held
@@ -151,7 +151,7 @@ def test_prefetch_push_returns_before_the_reply_and_settle_takes_it(fakes):
     assert not in_flight.waited
 
     assert replica.settle() == 1
-    assert in_flight.waited and replica._in_flight is None
+    assert in_flight.waited and not replica._in_flight.travelling
     sent = [call for name, call in ps.calls if name == "push"][-1]
     assert_values(values(model), {name: before[name] - LR * sent["gradients"][name] for name in before})
     assert replica.settle() == 1  # nothing in flight: a no-op
@@ -162,7 +162,7 @@ def test_prefetch_takes_the_previous_reply_at_the_next_push(fakes):
     replica.start()
     backward(model)
     replica.push()
-    first = replica._in_flight
+    first = replica._in_flight._gathered
     backward(model)
     replica.push()
     assert first.waited and replica.global_step == 1  # the first push landed; the second travels

@@ -132,13 +132,10 @@ class Replica:
         self._param_views = self.placement.views({n: p.data for n, p in self._params.items()})
         self._shard_steps = [0] * len(cluster.ps_addresses)
         self._prefetched: list[int] | None = None  # param versions right after a push brought values back
-        self._in_flight: Gathered | None = None  # prefetch: the push travelling while the next step computes
-        self._landing: dict[str, torch.Tensor] = {}  # prefetch: where its values land (copied in later)
-        if self.prefetch:
-            landing = {name: torch.empty_like(p.data) for name, p in self._params.items()}
-            self._landing = self.placement.views(landing)
-        # overlap: the push this step's backward opened, gradient by gradient (None: overlap is off)
+        # A push is two choices, each a small piece: how its gradients leave (overlap: streamed during
+        # backward, else all at push()) and when its reply lands (prefetch: during the next step, else now).
         self._streaming = _GradientStreams(self) if self.overlap else None
+        self._in_flight = _PushInFlight(self) if self.prefetch else None
 
     # --- the options (read-only: set at construction, ``self.options``) ----------------------------
 
@@ -208,7 +205,8 @@ class Replica:
         """
         for param in self._params.values():  # the failed step's: a step run again must not add to them
             param.grad = None
-        self._abandon_in_flight()
+        if self._in_flight is not None:
+            self._in_flight.abandon()
         log.warning("%s: lost contact with the ps; waiting up to %.0f s for every ps to answer",
                     self.task.name, timeout_s)
         statuses = self.client.wait_for_shards(timeout_s)
@@ -275,8 +273,8 @@ class Replica:
         (unless the module's parameters were changed in place since; then they are fetched again).
         """
         self._drop_streams()
-        if self._in_flight is not None:  # prefetch: this step computes on the values held; the push lands later
-            return self.global_step
+        if self._in_flight is not None and self._in_flight.travelling:
+            return self.global_step  # prefetch: this step computes on the values held; the push lands later
         if self._prefetched is not None and self._prefetched == self._versions():
             self._prefetched = None  # untouched since the push brought them: they are the pull's values
             return self.global_step
@@ -298,9 +296,9 @@ class Replica:
 
         Returns the global step. Raises what that push raised (the session then recovers).
         """
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
-            self._landed(in_flight.result())
+        pushed = self._in_flight.land() if self._in_flight is not None else None
+        if pushed is not None:
+            self._landed(pushed)
         return self.global_step
 
     def _landed(self, pushed: Pushed) -> None:
@@ -310,15 +308,6 @@ class Replica:
         if pushed.dropped:
             self.dropped_gradients += 1
         self.status.pushed(self.global_step, self.dropped_gradients)
-
-    def _abandon_in_flight(self) -> None:
-        """Recovery: the push in flight failed or will be resent by no one; wait for it to end, quietly."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            try:
-                in_flight.result()
-            except Exception:  # noqa: BLE001 - its failure is what is being recovered from
-                pass
 
     def _versions(self) -> list[int]:
         """Autograd's version counters: any in-place change to a parameter bumps its counter."""
@@ -348,35 +337,31 @@ class Replica:
         The reply brings the ps's values after the update into the module (see ``pull``).
         """
         self._prefetched = None
-        if self.prefetch:
-            return self._push_in_flight()
-        if self._streaming is not None and self._streaming.open:  # opened during backward, tagged then
-            pushed = self._streaming.finish(into=self._param_views).result()
-        else:
-            sync_steps, timeout = self._push_tags()
-            pushed = self.client.push(self._gradients(), sync_steps=sync_steps, replica=self.replica_id,
-                                      timeout_s=timeout, into=self._param_views)
-        self._landed(pushed)
-        self._prefetched = self._versions()
-        for param in self._params.values():
+        if self._in_flight is not None:  # the reply lands during the next step
+            self.settle()  # the previous push's: normally long done, it travelled during this step's compute
+            self._in_flight.send(self._send(into=self._in_flight.landing))
+        else:  # the reply lands now, straight into the parameters
+            self._landed(self._send(into=self._param_views, wait=True))
+            self._prefetched = self._versions()
+        for param in self._params.values():  # the push holds the gradients; the next backward makes new ones
             param.grad = None
         return self.global_step
+
+    def _send(self, *, into: dict[str, torch.Tensor], wait: bool = False) -> Any:
+        """This step's gradients to the ps: the streams backward opened (overlap, tagged then), or all of
+        them now. ``wait``: return the ``Pushed`` (one shard's part sent from this thread); else a
+        ``Gathered`` to wait on later."""
+        if self._streaming is not None and self._streaming.open:
+            gathered = self._streaming.finish(into=into)
+            return gathered.result() if wait else gathered
+        sync_steps, timeout = self._push_tags()
+        send = self.client.push if wait else self.client.push_async
+        return send(self._gradients(), sync_steps=sync_steps, replica=self.replica_id, timeout_s=timeout, into=into)
 
     def _gradients(self) -> dict[str, torch.Tensor]:
         """This step's gradients as the placement splits them; zeros for a parameter that got none."""
         grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._params.items()}
         return self.placement.views(grads)
-
-    def _push_in_flight(self) -> int:
-        """Prefetch: take the previous push's values, then send this one and return without its reply."""
-        self.settle()  # normally long done: it travelled during this step's compute
-        if self._streaming is not None and self._streaming.open:
-            self._in_flight = self._streaming.finish(into=self._landing)
-        else:
-            self._in_flight = self.client.push_async(self._gradients(), replica=self.replica_id, into=self._landing)
-        for param in self._params.values():  # the push holds the gradients; the next backward makes new ones
-            param.grad = None
-        return self.global_step
 
     def report(self, *, loss: float | None = None, examples: int = 0, target_step: int | None = None) -> None:
         """Tell the fleet how training goes: the step's loss, examples it used, the step training ends at.
@@ -396,6 +381,38 @@ class Replica:
         """Abandon a streamed push (backward ran but push() did not follow): the ps applies none of it."""
         if self._streaming is not None:
             self._streaming.drop()
+
+
+class _PushInFlight:
+    """prefetch=True: the push travelling while the next step computes, and where its values land.
+
+    ``send`` hands over a push without waiting for it; ``land`` waits for it (normally long done)
+    and returns its ``Pushed``, raising what it raised; ``abandon`` waits for it quietly (recovery:
+    its failure is what is being recovered from). Its values arrive in ``landing``, not in the
+    parameters: the step computing meanwhile must not see them change under it.
+    """
+
+    def __init__(self, replica: Replica) -> None:
+        self.landing = replica.placement.views({name: torch.empty_like(p.data)
+                                                for name, p in replica._params.items()})
+        self._gathered: Gathered | None = None
+
+    @property
+    def travelling(self) -> bool:
+        return self._gathered is not None
+
+    def send(self, gathered: Gathered) -> None:
+        self._gathered = gathered
+
+    def land(self) -> Pushed | None:
+        gathered, self._gathered = self._gathered, None
+        return None if gathered is None else gathered.result()
+
+    def abandon(self) -> None:
+        try:
+            self.land()
+        except Exception:  # noqa: BLE001 - its failure is what is being recovered from
+            pass
 
 
 class _GradientStreams:
