@@ -61,7 +61,7 @@ class Applier:
     def apply(self, gradients: Mapping[str, torch.Tensor], *, step: int = 0) -> None:
         """Apply update number ``step`` with ``gradients`` (a subset of the variables may be given).
 
-        The caller validates names, shapes and dtypes first (``check_gradients``),
+        The caller validates names, shapes and dtypes first (``check_layout``),
         so a bad request never reaches this point and changes nothing.
         """
         if self.spec.schedule is not None:
@@ -169,15 +169,9 @@ class MovingAverage:
                 shadow.lerp_(self._variables[name], 1.0 - decay)
 
 
-def check_gradients(variables: Mapping[str, torch.Tensor], gradients: Mapping[str, torch.Tensor],
-                    *, task: str | None = None) -> None:
-    """Raise InvalidArgumentError unless every gradient names a variable here and matches its shape and dtype."""
-    check_layout(variables, {name: (grad.dtype, tuple(grad.shape)) for name, grad in gradients.items()}, task=task)
-
-
 def check_layout(variables: Mapping[str, torch.Tensor], layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
                  *, task: str | None = None, wire_dtype: torch.dtype | None = None) -> None:
-    """As ``check_gradients``, for (dtype, shape) pairs announced before the tensors themselves arrive.
+    """Raise InvalidArgumentError unless every (dtype, shape) entry names a variable here and matches it.
 
     With ``wire_dtype``, gradients of floating-point variables travel in that dtype instead.
     """

@@ -45,8 +45,8 @@ class ShardLayout:
     num_replicas: int  # sync: replica ids run 0..num_replicas-1
 
     def check(self, entries: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], push: PushRequest, *,
-              task: str, wire_dtype: bool = True) -> None:
-        """Raise InvalidArgumentError unless the push fits this shard (``wire_dtype=False``: the entries
+              task: str, as_sent: bool = True) -> None:
+        """Raise InvalidArgumentError unless the push fits this shard (``as_sent=False``: the entries
         are already in the variables' dtypes)."""
         if push.mode is not self.mode:
             raise InvalidArgumentError(
@@ -60,7 +60,7 @@ class ShardLayout:
             if missing:
                 raise InvalidArgumentError(f"a sync push must carry every variable of the shard; missing "
                                            f"{sorted(missing)[:5]}", task=task)
-        check_layout(self.variables, entries, task=task, wire_dtype=push.wire_dtype if wire_dtype else None)
+        check_layout(self.variables, entries, task=task, wire_dtype=push.wire_dtype if as_sent else None)
 
     def upcast(self, gradients: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Gradients that travelled in a narrower dtype, in their variables' dtypes (fp32 accumulation)."""
@@ -267,7 +267,7 @@ class VariableStore:
             self._require_initialized()
             if layout is None or layout is not self._layout:
                 self._layout.check({n: (g.dtype, tuple(g.shape)) for n, g in gradients.items()}, push,
-                                   task=self.task, wire_dtype=False)
+                                   task=self.task, as_sent=False)
             if push.step is None:
                 step, outcome = self._apply_async(push, gradients)
             else:
@@ -363,7 +363,7 @@ class VariableStore:
         return len(contributed) + len(could_still_push) < sync.options.replicas_to_aggregate
 
     def _aggregate(self) -> None:
-        self._exclusive()  # a no-op after push_sync's; needed when a timeout aggregates what arrived
+        self._exclusive()  # a no-op after push's; needed when a timeout aggregates what arrived
         self._apply(self._sync.take_mean())
         self._global_step += 1
         self._cond.notify_all()
