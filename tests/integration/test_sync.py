@@ -16,7 +16,7 @@ from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError
 from tensorfleet.ps.api import OptimizerSpec, SyncOptions
 from tensorfleet.testing.local_cluster import ps_servers
-from tensorfleet.testing.models import seeded_mlp, sgd_on_union_batches
+from tensorfleet.testing.models import run_workers, seeded_mlp, sgd_on_union_batches
 from tensorfleet.worker.replica import Replica
 
 STEPS, BATCH, LR = 20, 8, 0.1
@@ -33,27 +33,6 @@ def make_model() -> nn.Module:
 def batch_for(step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 * step + worker)
     return torch.randn(BATCH, 12, generator=generator), torch.randint(0, 3, (BATCH,), generator=generator)
-
-
-def run_workers(num_workers: int, body, *, timeout_s: float = 60.0) -> list:
-    """Run ``body(index)`` in one thread per worker; re-raise the first error; return their results."""
-    results, errors = [None] * num_workers, []
-
-    def target(index):
-        try:
-            results[index] = body(index)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(num_workers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout_s)
-    assert not any(t.is_alive() for t in threads), "a worker thread hung"
-    if errors:
-        raise errors[0]
-    return results
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["after-backward", "overlap"])

@@ -58,7 +58,9 @@ class FakePsClient:
     instances: list[FakePsClient] = []
 
     def __init__(self, cluster: ClusterSpec, placement: Mapping[str, int], *, options: Any = None,
-                 wire_dtype: torch.dtype | None = None) -> None:
+                 wire_dtype: torch.dtype | None = None, tables: Sequence[Any] = ()) -> None:
+        assert not tables, "the fake ps holds no embedding tables (tests/integration/test_embedding_tables.py does)"
+        self.tables: dict[str, Any] = {}
         self.placement = dict(placement)
         self.num_shards = len(cluster.ps_addresses)
         self.calls: list[tuple[str, dict[str, Any]]] = []
@@ -140,8 +142,9 @@ class FakePsClient:
 
     def _apply(self, gradients: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
                replica: int = 0, timeout_s: float | None = None,
-               into: Mapping[str, torch.Tensor] | None = None) -> Pushed:
+               into: Mapping[str, torch.Tensor] | None = None, rows: Mapping[str, Any] | None = None) -> Pushed:
         """One push as the ps answers it: SGD on every part (unless scripted as dropped), steps, values back."""
+        assert not rows, "the fake ps holds no embedding tables"
         assert set(gradients) == set(self.values), "a push is one complete update: every variable's gradient"
         self.calls.append(("push", {"gradients": {n: g.detach().clone() for n, g in gradients.items()},
                                     "sync_steps": None if sync_steps is None else list(sync_steps),

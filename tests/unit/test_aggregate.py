@@ -17,7 +17,7 @@ def test_mean_of_r_gradients_then_next_step():
     acc = SyncAccumulator(SyncOptions(2, 3))
     assert acc.offer(0, 0, {"w": torch.tensor([1.0, 2.0])}) is Outcome.ACCEPTED
     assert acc.offer(2, 0, {"w": torch.tensor([3.0, 6.0])}) is Outcome.COMPLETE
-    assert torch.equal(acc.take_mean()["w"], torch.tensor([2.0, 4.0]))
+    assert torch.equal(acc.take_mean()[0]["w"], torch.tensor([2.0, 4.0]))
     assert acc.step == 1 and acc.contributors == ()
 
 

@@ -34,7 +34,8 @@ def checkpoint_dir(tmp_path):
     for s, store in enumerate(stores):
         store.initialize({p.name: views[p.name] for p in placement.parts if p.shard == s}, SPEC, average_decay=0.9)
     replica = SimpleNamespace(placement=placement, optimizer=SPEC, mode="async", sync=None, average_decay=0.9,
-                              num_ps=2, client=SimpleNamespace(snapshot=lambda: [s.snapshot() for s in stores]))
+                              num_ps=2, client=SimpleNamespace(snapshot=lambda: [s.snapshot() for s in stores],
+                                               tables={}))
     saver = Checkpointer(tmp_path / "run", max_to_keep=2)
     for _ in range(3):
         for s, store in enumerate(stores):

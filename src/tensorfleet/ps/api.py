@@ -6,6 +6,9 @@ Everything that crosses between a worker (``tensorfleet.worker``, ``train``,
 * the specs a job is made of: ``Mode``, ``OptimizerSpec`` (with its learning-rate
   schedule), ``SyncOptions``, the NaN/Inf policy, a shard's whole state
   (``ShardState``, what checkpoints hold) and a push's ``Origin`` (exactly once);
+* the second kind of variable, embedding tables whose rows the ps keeps by int64 id
+  (``TableSpec``, ``RowInitializer``, ``TableState``): rows travel as (ids, rows) pairs
+  named ``ids_key(table)`` / ``grads_key(table)`` beside the dense tensors of a push;
 * one typed request per method, and the typed replies the worker reads:
 
   ===========  =====================  ==================  ========================
@@ -13,6 +16,7 @@ Everything that crosses between a worker (``tensorfleet.worker``, ``train``,
   ===========  =====================  ==================  ========================
   Init         ``InitRequest``        ``InitReply``       control (gRPC)
   Pull         ``PullRequest``        ``StepReply``       data (TCP/shared memory)
+  Lookup       ``LookupRequest``      ``StepReply``       data (rows of embedding tables)
   Push         ``PushRequest``        ``PushReply``       data
   Snapshot     -                      ``ShardState``      control
   Status       -                      a dict (see ps/service.py)
@@ -32,18 +36,27 @@ the ps side imports this module, never the other way round.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Mapping
 
 import torch
 
+from tensorfleet.cluster import idhash
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.wire.codec import DTYPE_NAMES, DTYPES, NARROW_DTYPES
 
 NONFINITE_POLICIES = ("reject", "apply")  # what a ps does with NaN/Inf gradients: refuse the push, or apply it
 ON_MISSING = ("error", "continue")  # sync: when a step times out, fail naming the missing replicas, or apply
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "adagrad", "rmsprop")  # torch.optim classes the ps can run
+# Per-row rules the ps runs for embedding tables (adam: lazy Adam, moments and step count per row), with the
+# options each takes.
+TABLE_OPTIMIZERS: dict[str, frozenset[str]] = {
+    "sgd": frozenset({"lr"}),
+    "adagrad": frozenset({"lr", "eps", "initial_accumulator_value"}),
+    "adam": frozenset({"lr", "betas", "eps"}),
+}
 # Implementation switches of torch.optim that make no sense coming from a remote client.
 _FORBIDDEN_OPTIONS = {"foreach", "fused", "capturable", "differentiable"}
 
@@ -248,6 +261,167 @@ class SyncOptions:
         return options
 
 
+# --- embedding tables: the second kind of variable -------------------------------------------------------------
+TABLE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+TABLE_KEY_PREFIX = "@"  # never in a dense variable's name (module attribute paths): a table's part of a message
+MAX_TABLE_DIM = 65536
+INITIALIZER_KINDS = ("normal", "uniform", "constant")
+
+
+def ids_key(table: str) -> str:
+    """The wire name of a table's ids in a Push (unique int64, 1-D)."""
+    return f"{TABLE_KEY_PREFIX}ids/{table}"
+
+
+def grads_key(table: str) -> str:
+    """The wire name of a table's row gradients in a Push (one row per id, same order)."""
+    return f"{TABLE_KEY_PREFIX}grads/{table}"
+
+
+def table_key(name: str) -> tuple[str, str] | None:
+    """("ids" | "grads", table) for a table's part of a push, None for a dense variable."""
+    if not name.startswith(TABLE_KEY_PREFIX):
+        return None
+    kind, _, table = name[1:].partition("/")
+    return (kind, table) if kind in ("ids", "grads") and table else ("?", name)
+
+
+@dataclass(frozen=True)
+class RowInitializer:
+    """How a new row starts: a pure function of (seed, id, column), so a row's first value is the same
+    whichever ps creates it, in whatever order, and a lookup of an id never seen returns exactly the
+    row that its first update will start from.
+
+    ``normal``: mean ``a``, standard deviation ``b``; ``uniform``: in [``a``, ``b``); ``constant``: ``a``.
+    """
+
+    kind: str = "normal"
+    a: float = 0.0
+    b: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in INITIALIZER_KINDS:
+            raise InvalidArgumentError(f"row initializer {self.kind!r:.30}: choose one of {INITIALIZER_KINDS}")
+        if not (_finite_number(self.a) and _finite_number(self.b)):
+            raise InvalidArgumentError(f"row initializer parameters must be finite numbers, got {self.a!r:.30}, "
+                                       f"{self.b!r:.30}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
+            raise InvalidArgumentError(f"row initializer seed must be an integer in 0..2**63-1, got {self.seed!r:.30}")
+        if self.kind == "normal" and self.b < 0 or self.kind == "uniform" and self.b < self.a:
+            raise InvalidArgumentError(f"row initializer {self.kind}({self.a}, {self.b}): "
+                                       "need std >= 0 (normal) or low <= high (uniform)")
+
+    @classmethod
+    def normal(cls, std: float, mean: float = 0.0, *, seed: int = 0) -> "RowInitializer":
+        return cls("normal", mean, std, seed)
+
+    @classmethod
+    def uniform(cls, low: float, high: float, *, seed: int = 0) -> "RowInitializer":
+        return cls("uniform", low, high, seed)
+
+    @classmethod
+    def constant(cls, value: float = 0.0) -> "RowInitializer":
+        return cls("constant", value, 0.0, 0)
+
+    def rows(self, ids: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The initial rows of ``ids`` (len(ids), dim)."""
+        if self.kind == "constant" or ids.numel() == 0:
+            return torch.full((ids.numel(), dim), float(self.a), dtype=dtype)
+        if self.kind == "normal":
+            raw = idhash.normal(ids, dim, self.seed) * self.b + self.a
+        else:
+            raw = idhash.uniform(ids, dim, self.seed) * (self.b - self.a) + self.a
+        return torch.from_numpy(raw).to(dtype)
+
+    def to_meta(self) -> list:
+        return [self.kind, self.a, self.b, self.seed]
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> "RowInitializer":
+        if not isinstance(meta, list) or len(meta) != 4:
+            raise InvalidArgumentError(f"row initializer must be [kind, a, b, seed], got {meta!r:.80}")
+        return cls(*meta)
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """An embedding table whose rows the ps keeps by int64 id.
+
+    Args:
+        name: unique in the job; letters, digits, ``_``, ``.``, ``-``.
+        dim: the row width.
+        num_rows: a fixed size: ids must be in 0..num_rows-1. None: any int64 id, the table grows as
+            new ids arrive.
+        initializer: where a row starts (``RowInitializer``).
+        optimizer: the per-row rule the ps runs (``sgd``, ``adagrad`` or lazy ``adam``; see
+            ``TABLE_OPTIMIZERS`` for the options each takes).
+        dtype: the rows' dtype on the ps (floating point).
+    """
+
+    name: str
+    dim: int
+    optimizer: OptimizerSpec
+    num_rows: int | None = None
+    initializer: RowInitializer = field(default_factory=RowInitializer)
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not TABLE_NAME.fullmatch(self.name):
+            raise InvalidArgumentError(f"table name {self.name!r:.60} must be 1-128 letters, digits, '_', '.' "
+                                       "or '-' (not starting with '.' or '-')")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or not 1 <= self.dim <= MAX_TABLE_DIM:
+            raise InvalidArgumentError(f"table {self.name!r}: dim={self.dim!r:.30} must be an integer in "
+                                       f"1..{MAX_TABLE_DIM}")
+        rows = self.num_rows
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise InvalidArgumentError(f"table {self.name!r}: num_rows={rows!r:.30} must be a positive integer "
+                                       "(or None: any int64 id, growing)")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise InvalidArgumentError(f"table {self.name!r}: dtype {self.dtype} must be floating point")
+        allowed = TABLE_OPTIMIZERS.get(self.optimizer.name)
+        if allowed is None:
+            raise InvalidArgumentError(f"table {self.name!r}: the ps runs {', '.join(TABLE_OPTIMIZERS)} per row, "
+                                       f"not {self.optimizer.name!r}: give the table optimizer=OptimizerSpec(...)")
+        extra = sorted(set(self.optimizer.options) - allowed)
+        if extra:
+            raise InvalidArgumentError(f"table {self.name!r}: per-row {self.optimizer.name} takes "
+                                       f"{sorted(allowed)}, not {extra}")
+        if self.optimizer.name == "adam" and "betas" in self.optimizer.options:
+            betas = self.optimizer.options["betas"]
+            if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+                raise InvalidArgumentError(f"table {self.name!r}: adam betas {betas!r:.40} must be two numbers "
+                                           "in [0, 1)")
+
+    def check_ids(self, ids: torch.Tensor, *, task: str | None = None) -> None:
+        """Refuse ids outside a fixed-size table's range (a growing table takes any int64)."""
+        if self.num_rows is not None and ids.numel():
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self.num_rows:
+                bad = low if low < 0 else high
+                raise InvalidArgumentError(f"table {self.name!r} has {self.num_rows} rows (ids 0.."
+                                           f"{self.num_rows - 1}); got id {bad}", task=task)
+
+    def row_bytes(self) -> int:
+        return self.dim * torch.empty(0, dtype=self.dtype).element_size()
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"name": self.name, "dim": self.dim, "num_rows": self.num_rows,
+                "initializer": self.initializer.to_meta(), "optimizer": self.optimizer.to_meta(),
+                "dtype": DTYPE_NAMES[self.dtype]}
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> "TableSpec":
+        if not isinstance(meta, dict):
+            raise InvalidArgumentError(f"a table spec must be an object, got {meta!r:.80}")
+        dtype = DTYPES.get(meta.get("dtype", "float32")) if isinstance(meta.get("dtype", "float32"), str) else None
+        if dtype is None:
+            raise InvalidArgumentError(f"table dtype {meta.get('dtype')!r:.30} is not one of {list(DTYPES)}")
+        return cls(name=meta.get("name"), dim=meta.get("dim"), num_rows=meta.get("num_rows"),
+                   initializer=RowInitializer.from_meta(meta.get("initializer")),
+                   optimizer=OptimizerSpec.from_meta(meta.get("optimizer")), dtype=dtype)
+
+
 @dataclass(frozen=True)
 class ShardState:
     """Everything a shard holds, for checkpoints: values, optimizer slots, averages and counters."""
@@ -257,14 +431,19 @@ class ShardState:
     averages: dict[str, torch.Tensor] | None
     global_step: int
     applied_updates: int
+    tables: dict[str, "TableState"] = field(default_factory=dict)
 
     def flatten(self) -> dict[str, torch.Tensor]:
-        """One flat name per tensor: ``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``."""
+        """One flat name per tensor: ``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``, and per embedding
+        table ``table/<table>/ids``, ``table/<table>/values``, ``table/<table>/slot/<slot>``."""
         flat = {f"value/{name}": value for name, value in self.values.items()}
         for name, entries in self.slots.items():
             flat.update({f"slot/{slot}/{name}": value for slot, value in entries.items()})
         for name, value in (self.averages or {}).items():
             flat[f"average/{name}"] = value
+        for name, table in self.tables.items():
+            flat[f"table/{name}/ids"], flat[f"table/{name}/values"] = table.ids, table.values
+            flat.update({f"table/{name}/slot/{slot}": value for slot, value in table.slots.items()})
         return flat
 
     @classmethod
@@ -272,9 +451,13 @@ class ShardState:
         values: dict[str, torch.Tensor] = {}
         slots: dict[str, dict[str, torch.Tensor]] = {}
         averages: dict[str, torch.Tensor] = {}
+        table_parts: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in flat.items():
             kind, _, rest = key.partition("/")
-            if kind == "value" and rest:
+            if kind == "table" and "/" in rest:
+                table, _, part = rest.partition("/")
+                table_parts.setdefault(table, {})[part] = tensor
+            elif kind == "value" and rest:
                 values[rest] = tensor
             elif kind == "average" and rest:
                 averages[rest] = tensor
@@ -287,7 +470,56 @@ class ShardState:
         stray = (set(slots) | set(averages)) - set(values)
         if stray:
             raise InvalidArgumentError(f"slots or averages for variable(s) with no value: {sorted(stray)[:5]}")
-        return cls(values, slots, averages or None, global_step, applied_updates)
+        tables = {name: TableState.from_parts(name, parts) for name, parts in table_parts.items()}
+        return cls(values, slots, averages or None, global_step, applied_updates, tables)
+
+
+@dataclass(frozen=True)
+class TableState:
+    """The rows of one embedding table (on one shard, or a whole table in a checkpoint): ``ids`` (int64, unique),
+    ``values`` (one row per id) and the optimizer's per-row ``slots`` (first dimension: one per id)."""
+
+    ids: torch.Tensor
+    values: torch.Tensor
+    slots: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = self.ids.shape[0] if self.ids.dim() == 1 else -1
+        if self.ids.dtype != torch.int64 or n < 0:
+            raise InvalidArgumentError(f"table ids must be a 1-D int64 tensor, got {self.ids.dtype} "
+                                       f"{tuple(self.ids.shape)}")
+        if self.values.dim() != 2 or self.values.shape[0] != n:
+            raise InvalidArgumentError(f"table values must be one row per id ({n}), got {tuple(self.values.shape)}")
+        for slot, value in self.slots.items():
+            if value.dim() < 1 or value.shape[0] != n:
+                raise InvalidArgumentError(f"table slot {slot!r} must have one entry per id ({n}), "
+                                           f"got {tuple(value.shape)}")
+
+    @classmethod
+    def from_parts(cls, table: str, parts: Mapping[str, torch.Tensor]) -> "TableState":
+        """From the ``ids``, ``values`` and ``slot/<slot>`` tensors of ``ShardState.flatten``."""
+        if "ids" not in parts or "values" not in parts:
+            raise InvalidArgumentError(f"table {table!r} needs both table/{table}/ids and table/{table}/values")
+        slots = {}
+        for part, tensor in parts.items():
+            if part.startswith("slot/") and len(part) > 5:
+                slots[part[5:]] = tensor
+            elif part not in ("ids", "values"):
+                raise InvalidArgumentError(f"table tensor table/{table}/{part} is not ids, values or slot/<slot>")
+        return cls(parts["ids"], parts["values"], slots)
+
+    def select(self, mask: torch.Tensor) -> "TableState":
+        """The rows where ``mask`` is true (resharding: the rows one shard keeps)."""
+        return TableState(self.ids[mask], self.values[mask], {k: v[mask] for k, v in self.slots.items()})
+
+    @classmethod
+    def concat(cls, parts: "list[TableState]") -> "TableState":
+        """The rows of several shards as one table (their ids are disjoint: each id lives on one shard)."""
+        slots = set(parts[0].slots)
+        if any(set(p.slots) != slots for p in parts):
+            raise InvalidArgumentError("shards of one table hold different optimizer slots")
+        return cls(torch.cat([p.ids for p in parts]), torch.cat([p.values for p in parts]),
+                   {k: torch.cat([p.slots[k] for p in parts]) for k in sorted(slots)})
 
 
 @dataclass(frozen=True)
@@ -329,6 +561,7 @@ class InitRequest:
     nonfinite: str = "reject"
     restore: tuple[int, int] | None = None  # (global_step, applied_updates) of the checkpoint in the tensors
     force: bool = False  # overwrite a live shard: only with ``restore`` (the recovery after a ps was lost)
+    tables: tuple[TableSpec, ...] = ()  # embedding tables: every shard holds the rows of its ids
 
     @property
     def mode(self) -> Mode:
@@ -344,10 +577,15 @@ class InitRequest:
         if not isinstance(self.force, bool) or (self.force and self.restore is None):
             raise InvalidArgumentError("Init 'force' must be a bool and needs 'restore': only a checkpoint "
                                        "may overwrite a live shard")
+        names = [table.name for table in self.tables]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(f"Init 'tables': two tables share a name in {names}")
 
     def to_meta(self) -> dict[str, Any]:
         meta = {"optimizer": self.optimizer.to_meta(), "sync": self.sync.to_meta() if self.sync else None,
                 "average_decay": self.average_decay, "force": self.force, "nonfinite": self.nonfinite}
+        if self.tables:
+            meta["tables"] = [table.to_meta() for table in self.tables]
         if self.restore is not None:
             meta["restore"] = {"global_step": self.restore[0], "applied_updates": self.restore[1]}
         return meta
@@ -360,7 +598,11 @@ class InitRequest:
                 raise InvalidArgumentError(f"Init 'restore' must be an object {{global_step, applied_updates}}, "
                                            f"got {restore!r:.50}")
             restore = (_count(restore, "global_step", "Init"), _count(restore, "applied_updates", "Init"))
-        return cls(optimizer=OptimizerSpec.from_meta(meta.get("optimizer")),
+        tables = meta.get("tables", [])
+        if not isinstance(tables, list):
+            raise InvalidArgumentError(f"Init 'tables' must be a list of table specs, got {tables!r:.50}")
+        return cls(tables=tuple(TableSpec.from_meta(table) for table in tables),
+                   optimizer=OptimizerSpec.from_meta(meta.get("optimizer")),
                    sync=SyncOptions.from_meta(meta["sync"]) if meta.get("sync") is not None else None,
                    average_decay=meta.get("average_decay"), nonfinite=meta.get("nonfinite", "reject"),
                    restore=restore, force=meta.get("force", False))
@@ -382,8 +624,29 @@ class PullRequest:
 
 
 @dataclass(frozen=True)
+class LookupRequest:
+    """Lookup: rows of embedding tables by id. Tensors: per table, its unique ids (int64, 1-D) under the
+    table's name; the reply (a ``StepReply``) holds the rows under the same names, in the same order.
+
+    A lookup creates nothing: an id the shard has never updated is answered with its initial row.
+    """
+
+    wire_dtype: torch.dtype | None = None  # rows travel narrowed to this
+
+    def to_meta(self) -> dict[str, Any]:
+        return _wire_dtype_meta(self.wire_dtype)
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "LookupRequest":
+        return cls(wire_dtype=_wire_dtype(meta))
+
+
+@dataclass(frozen=True)
 class PushRequest:
     """Push: gradients for the shard's variables (the tensors), applied once.
+
+    Embedding tables' gradients travel as (``ids_key(t)``, ``grads_key(t)``) pairs of tensors: unique ids
+    of this shard and one row gradient per id (summed over the batch's occurrences).
 
     Async: each push is applied on arrival; ``advance_step`` on exactly one shard's part (ps 0's)
     counts the global step.  Sync (``step`` given): the gradients of the replicas for ``step`` (the

@@ -40,7 +40,8 @@ class Server:
         self.task = TaskSpec(job_name, task_index)
         cluster.check_task(self.task)
         replicas = cluster.replicas
-        self.store = VariableStore(task=self.task.name, replica_names=[r.name for r in replicas])
+        self.store = VariableStore(task=self.task.name, replica_names=[r.name for r in replicas],
+                                   shard=(task_index, len(cluster.ps_addresses)))
         self.service = PsService(self.store, num_workers=len(replicas))
         address = bind_address(cluster.task_address(job_name, task_index))
         options = options or rpc.WireOptions()  # from the environment now, not when the module loaded

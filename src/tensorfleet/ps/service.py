@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.ps.api import DoneRequest, InitRequest, PullRequest, PushRequest, ShardState, StepReply
+from tensorfleet.ps.api import (DoneRequest, InitRequest, LookupRequest, PullRequest, PushRequest, ShardState,
+                                StepReply)
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.wire import auth
 from tensorfleet.wire.dataplane import Method, Reply, Request
@@ -53,8 +54,8 @@ class PsService:
         return {"Init": self.init, "Snapshot": self.snapshot, "Status": self.status, "Done": self.done}
 
     def data_methods(self) -> dict[str, Method]:
-        """The data plane's methods: the two calls of every training step."""
-        return {"Pull": self.pull, "Push": self.push}
+        """The data plane's methods: the calls of every training step."""
+        return {"Pull": self.pull, "Push": self.push, "Lookup": self.lookup}
 
     def init(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         init = InitRequest.from_meta(meta)
@@ -64,9 +65,14 @@ class PsService:
             restore = ShardState.unflatten(tensors, global_step=global_step, applied_updates=applied_updates)
             tensors = restore.values
         created = self.store.initialize(tensors, init.optimizer, init.sync, init.average_decay, restore,
-                                        force=init.force, nonfinite=init.nonfinite)
+                                        force=init.force, nonfinite=init.nonfinite, tables=init.tables)
         spec, sync = init.optimizer, init.sync
         if created:
+            for table in init.tables:
+                rows = len(restore.tables[table.name].ids) if restore and table.name in restore.tables else 0
+                log.info("%s: embedding table %r: dim %d, %s, %s %s, %d row(s) here", self.store.task, table.name,
+                         table.dim, f"{table.num_rows} rows" if table.num_rows else "any int64 id (growing)",
+                         table.optimizer.name, dict(table.optimizer.options), rows)
             log.info("%s: initialized %d variable(s)%s, optimizer %s %s, %s", self.store.task, len(tensors),
                      f" from a checkpoint at step {restore.global_step}" if restore else "",
                      spec.name, dict(spec.options), f"sync {sync.to_meta()}" if sync else "async")
@@ -80,6 +86,18 @@ class PsService:
         pull = PullRequest.from_meta(request.meta)
         values, step, release = self.store.read_live(averages=pull.averages)
         return _reply_with_values(StepReply(step).to_meta(), values, release, pull.wire_dtype)
+
+    def lookup(self, request: Request) -> Reply:
+        lookup = LookupRequest.from_meta(request.meta)
+        layout = self.store.layout
+        layout.check_lookup({e.name: (e.dtype, e.shape) for e in request.entries}, task=self.store.task)
+        ids = request.receive()
+        for table, table_ids in ids.items():
+            layout.check_ids(table, table_ids, task=self.store.task, unique=False)
+        rows, step = self.store.lookup(ids)
+        if lookup.wire_dtype is not None:
+            rows = {name: value.to(lookup.wire_dtype) for name, value in rows.items()}
+        return Reply(StepReply(step).to_meta(), rows)
 
     def push(self, request: Request) -> Reply:
         push = PushRequest.from_meta(request.meta)

@@ -19,16 +19,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError, StaleIncarnationError
-from tensorfleet.ps.aggregate import SyncAccumulator
+from tensorfleet.ps.aggregate import Rows, SyncAccumulator
 from tensorfleet.ps.api import (NONFINITE_POLICIES, Mode, OptimizerSpec, Origin, Outcome, PushReply, PushRequest,
-                                ShardState, SyncOptions)
+                                ShardState, SyncOptions, TableSpec, TableState, grads_key, ids_key, table_key)
 from tensorfleet.ps.apply import Applier, MovingAverage, check_layout
+from tensorfleet.ps.table import EmbeddingShard, unique_ids_error
+
+# Rows of one table in one request at most: a bound on what one message can make a shard allocate or send.
+MAX_IDS_PER_REQUEST = 1 << 24
+MAX_REPLY_ROW_BYTES = 1 << 30  # rows one lookup's reply may carry
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +42,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ShardLayout:
     """What a push is checked against before its body is read: the variables (their names, dtypes and
-    shapes), the mode and the NaN/Inf policy.  Immutable; an initialization replaces it whole, so it
-    can be read without the store's lock."""
+    shapes), the embedding tables, the mode and the NaN/Inf policy.  Immutable; an initialization
+    replaces it whole, so it can be read without the store's lock."""
 
     variables: Mapping[str, torch.Tensor]
     mode: Mode
     nonfinite: str
     num_replicas: int  # sync: replica ids run 0..num_replicas-1
+    tables: Mapping[str, TableSpec] = field(default_factory=dict)
+    shard: tuple[int, int] = (0, 1)  # (this shard's index, the number of shards): where each id lives
 
     def check(self, entries: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], push: PushRequest, *,
               task: str, as_sent: bool = True) -> None:
@@ -53,19 +61,111 @@ class ShardLayout:
                 "this ps runs in sync mode: a push must carry the replica and the step of the parameters it was "
                 "computed from" if self.mode is Mode.SYNC else "this ps runs in async mode: push without a step",
                 task=task)
+        dense = {name: entry for name, entry in entries.items() if table_key(name) is None}
+        if len(dense) != len(entries):
+            self._check_table_entries(entries, push.wire_dtype if as_sent else None, task=task)
         if self.mode is Mode.SYNC:
             if not 0 <= push.replica < self.num_replicas:
                 raise InvalidArgumentError(f"replica {push.replica} is not in 0..{self.num_replicas - 1}", task=task)
-            missing = set(self.variables) - set(entries)
+            missing = set(self.variables) - set(dense)
             if missing:
                 raise InvalidArgumentError(f"a sync push must carry every variable of the shard; missing "
                                            f"{sorted(missing)[:5]}", task=task)
-        check_layout(self.variables, entries, task=task, wire_dtype=push.wire_dtype if as_sent else None)
+        check_layout(self.variables, dense, task=task, wire_dtype=push.wire_dtype if as_sent else None)
+
+    def _check_table_entries(self, entries: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+                             wire_dtype: torch.dtype | None, *, task: str) -> None:
+        """Each table's part is a pair: unique ids (int64, n) and their row gradients (n, dim)."""
+        tables = {}
+        for name, (dtype, shape) in entries.items():
+            key = table_key(name)
+            if key is None:
+                continue
+            kind, table = key
+            spec = self.tables.get(table)
+            if kind == "?" or spec is None:
+                known = ", ".join(sorted(self.tables)) or "none"
+                raise InvalidArgumentError(f"{name!r} names no embedding table of this shard (tables: {known})",
+                                           task=task)
+            tables.setdefault(table, {})[kind] = (dtype, tuple(shape))
+        for table, parts in tables.items():
+            spec = self.tables[table]
+            if set(parts) != {"ids", "grads"}:
+                raise InvalidArgumentError(f"table {table!r}: a push carries both {ids_key(table)!r} and "
+                                           f"{grads_key(table)!r}", task=task)
+            (ids_dtype, ids_shape), (grads_dtype, grads_shape) = parts["ids"], parts["grads"]
+            if ids_dtype != torch.int64 or len(ids_shape) != 1:
+                raise InvalidArgumentError(f"table {table!r}: ids must be int64 of one dimension, got {ids_dtype} "
+                                           f"{ids_shape}", task=task)
+            expected = wire_dtype or spec.dtype
+            if grads_shape != (ids_shape[0], spec.dim) or grads_dtype != expected:
+                raise InvalidArgumentError(f"table {table!r}: {ids_shape[0]} ids need {expected} gradients of "
+                                           f"shape ({ids_shape[0]}, {spec.dim}), got {grads_dtype} {grads_shape}",
+                                           task=task)
+            if ids_shape[0] > MAX_IDS_PER_REQUEST:
+                raise InvalidArgumentError(f"table {table!r}: {ids_shape[0]} ids in one push; at most "
+                                           f"{MAX_IDS_PER_REQUEST}", task=task)
+
+    def check_lookup(self, entries: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], *, task: str) -> None:
+        """Refuse, before its body is read, a lookup naming unknown tables, ids that are not int64 of one
+        dimension, or more rows than one reply may hold."""
+        for name, (dtype, shape) in entries.items():
+            spec = self.tables.get(name)
+            if spec is None:
+                known = ", ".join(sorted(self.tables)) or "none"
+                raise InvalidArgumentError(f"Lookup: {name!r} is no embedding table of this shard (tables: {known})",
+                                           task=task)
+            if dtype != torch.int64 or len(shape) != 1:
+                raise InvalidArgumentError(f"Lookup: ids of table {name!r} must be int64 of one dimension, got "
+                                           f"{dtype} {tuple(shape)}", task=task)
+            if shape[0] > MAX_IDS_PER_REQUEST or shape[0] * spec.row_bytes() > MAX_REPLY_ROW_BYTES:
+                raise InvalidArgumentError(f"Lookup: {shape[0]} ids of table {name!r} in one request; at most "
+                                           f"{min(MAX_IDS_PER_REQUEST, MAX_REPLY_ROW_BYTES // spec.row_bytes())}",
+                                           task=task)
+
+    def check_ids(self, table: str, ids: torch.Tensor, *, task: str, unique: bool) -> None:
+        """Refuse ids a table cannot hold (outside a fixed size), that live on another shard, or (``unique``)
+        that repeat; raise InvalidArgumentError naming the first bad id."""
+        spec = self.tables[table]
+        spec.check_ids(ids, task=task)
+        index, count = self.shard
+        if count > 1 and ids.numel():
+            elsewhere = shard_of(ids, count) != index
+            if elsewhere.any():
+                stray = int(ids[torch.from_numpy(elsewhere)][0])
+                home = int(shard_of(torch.tensor([stray]), count)[0])
+                raise InvalidArgumentError(f"table {table!r}: id {stray} lives on ps {home}, not on this shard "
+                                           f"({index} of {count}): route ids by tensorfleet.cluster.idhash.shard_of",
+                                           task=task)
+        if unique:
+            duplicate = unique_ids_error(ids)
+            if duplicate:
+                raise InvalidArgumentError(f"table {table!r}: {duplicate}", task=task)
+
+    def split(self, gradients: Mapping[str, torch.Tensor], *, task: str,
+              check: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """A push's tensors as (dense gradients, {table: (ids, row gradients)}), the ids checked."""
+        dense, sparse = {}, {}
+        for name, tensor in gradients.items():
+            key = table_key(name)
+            if key is None:
+                dense[name] = tensor
+            elif key[0] == "ids":
+                sparse[key[1]] = (tensor, gradients[grads_key(key[1])])
+        if check:
+            for table, (ids, _) in sparse.items():
+                self.check_ids(table, ids, task=task, unique=True)
+        return dense, sparse
 
     def upcast(self, gradients: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Gradients that travelled in a narrower dtype, in their variables' dtypes (fp32 accumulation)."""
-        return {name: grad if self.variables[name].dtype == grad.dtype else grad.to(self.variables[name].dtype)
-                for name, grad in gradients.items()}
+        upcast = {}
+        for name, grad in gradients.items():
+            key = table_key(name)
+            dtype = self.variables[name].dtype if key is None else (
+                torch.int64 if key[0] == "ids" else self.tables[key[1]].dtype)
+            upcast[name] = grad if grad.dtype == dtype else grad.to(dtype)
+        return upcast
 
 
 @dataclass(frozen=True)
@@ -92,6 +192,7 @@ class StoreStatus:
     accepted_pushes: int  # pushes taken for the first time since then (applied, or offered to a sync step)
     retried_pushes: int  # pushes received again after a lost reply: recognized, not applied twice
     rejected_nonfinite: int  # pushes refused for NaN/Inf gradients
+    tables: dict[str, dict[str, float]] = field(default_factory=dict)  # per table: rows, rows_created, bytes, ...
 
 
 class VariableStore:
@@ -100,10 +201,13 @@ class VariableStore:
     Args:
         task: this shard's task name, for messages.
         replica_names: task names of the training replicas by replica id, to name missing ones.
+        shard: (this shard's index, the number of ps shards): the rows of embedding tables it may hold.
     """
 
-    def __init__(self, *, task: str, replica_names: Sequence[str] = ()) -> None:
+    def __init__(self, *, task: str, replica_names: Sequence[str] = (), shard: tuple[int, int] = (0, 1)) -> None:
         self.task = task
+        self.shard = shard
+        self._tables: dict[str, EmbeddingShard] = {}
         self.replica_names = list(replica_names)
         self._cond = threading.Condition()
         self._variables: dict[str, torch.Tensor] = {}
@@ -126,9 +230,11 @@ class VariableStore:
 
     def initialize(self, values: Mapping[str, torch.Tensor], spec: OptimizerSpec,
                    sync: SyncOptions | None = None, average_decay: float | None = None,
-                   restore: ShardState | None = None, force: bool = False, nonfinite: str = "reject") -> bool:
-        """Take initial values (copied), the optimizer, the mode and the moving-average decay (None: no averages);
-        with ``restore``, also the optimizer slots, averages and counters of a checkpoint.
+                   restore: ShardState | None = None, force: bool = False, nonfinite: str = "reject",
+                   tables: Sequence[TableSpec] = ()) -> bool:
+        """Take initial values (copied), the optimizer, the mode and the moving-average decay (None: no averages),
+        and the embedding tables (empty; rows are created by their first update); with ``restore``, also the
+        optimizer slots, averages, counters and tables' rows of a checkpoint.
 
         Return False, changing nothing, if already initialized: a second initialization
         (a restarted chief) must never overwrite trained values.  ``force`` is the one
@@ -142,7 +248,12 @@ class VariableStore:
         applier = Applier(spec, owned)  # validates everything before anything is stored
         accumulator = SyncAccumulator(sync) if sync is not None else None
         average = MovingAverage(average_decay, owned) if average_decay is not None else None
+        layout = ShardLayout(owned, Mode.ASYNC if sync is None else Mode.SYNC, nonfinite,
+                             sync.total_num_replicas if sync is not None else 0,
+                             {spec.name: spec for spec in tables}, self.shard)
+        shards = {spec.name: EmbeddingShard(spec) for spec in tables}
         if restore is not None:
+            self._restore_tables(layout, shards, restore.tables)
             applier.load_slots(restore.slots)
             if average is not None and restore.averages is not None:
                 for name, shadow in average.shadows.items():
@@ -158,15 +269,27 @@ class VariableStore:
             if self._applier is not None and not force:
                 return False
             self._variables, self._applier, self._sync, self._average = owned, applier, accumulator, average
-            self.nonfinite = nonfinite
-            self._layout = ShardLayout(owned, Mode.ASYNC if sync is None else Mode.SYNC, nonfinite,
-                                       sync.total_num_replicas if sync is not None else 0)
+            self.nonfinite, self._layout, self._tables = nonfinite, layout, shards
             self._global_step = restore.global_step if restore is not None else 0
             self._applied_updates = restore.applied_updates if restore is not None else 0
             self._initial_updates, self._accepted_pushes = self._applied_updates, 0
             self._generation += 1
             self._cond.notify_all()
             return True
+
+    def _restore_tables(self, layout: ShardLayout, shards: Mapping[str, EmbeddingShard],
+                        saved: Mapping[str, TableState]) -> None:
+        """Load a checkpoint's rows into new (not yet live) table shards, each id checked to belong here."""
+        unknown = sorted(set(saved) - set(shards))
+        if unknown:
+            raise InvalidArgumentError(f"the checkpoint holds table(s) {unknown} that this job does not declare",
+                                       task=self.task)
+        for name, state in saved.items():
+            layout.check_ids(name, state.ids, task=self.task, unique=True)
+            try:
+                shards[name].load(state)
+            except ValueError as exc:
+                raise InvalidArgumentError(str(exc), task=self.task) from None
 
     def snapshot(self) -> ShardState:
         """A consistent copy of the whole shard, taken under the lock."""
@@ -176,7 +299,23 @@ class VariableStore:
                 values={name: value.clone() for name, value in self._variables.items()},
                 slots=self._applier.slots(),
                 averages={n: v.clone() for n, v in self._average.shadows.items()} if self._average else None,
-                global_step=self._global_step, applied_updates=self._applied_updates)
+                global_step=self._global_step, applied_updates=self._applied_updates,
+                tables={name: table.state() for name, table in self._tables.items()})
+
+    def lookup(self, ids: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+        """The current rows of each table's ``ids`` (new tensors; initial rows for ids never updated), and
+        the shard's step. The ids were checked (``ShardLayout.check_ids``) by the caller."""
+        with self._cond:
+            self._require_initialized()
+            return {name: self._tables[name].lookup(table_ids) for name, table_ids in ids.items()}, self._global_step
+
+    @property
+    def layout(self) -> ShardLayout:
+        """What requests are checked against now (raises NotInitializedError before the chief's Init)."""
+        layout = self._layout
+        if layout is None:
+            self._require_initialized()
+        return layout
 
     @property
     def sync_options(self) -> SyncOptions | None:
@@ -262,38 +401,45 @@ class VariableStore:
             DeadlineExceededError: sync: the step did not gather enough gradients in time
                 (``on_missing="error"``); the message names the replicas that did not push.
         """
+        entries = {n: (g.dtype, tuple(g.shape)) for n, g in gradients.items()}
+        if layout is None:
+            layout = self.layout
+            layout.check(entries, push, task=self.task, as_sent=False)
+        dense, rows = layout.split(gradients, task=self.task)  # ids checked here, without the lock
         with self._cond:
             self._exclusive()  # first: from here on the lock is never released until the update is done
             self._require_initialized()
-            if layout is None or layout is not self._layout:
-                self._layout.check({n: (g.dtype, tuple(g.shape)) for n, g in gradients.items()}, push,
-                                   task=self.task, as_sent=False)
+            if layout is not self._layout:  # an Init replaced the layout since: check against the new one
+                self._layout.check(entries, push, task=self.task, as_sent=False)
+                dense, rows = self._layout.split(gradients, task=self.task)
             if push.step is None:
-                step, outcome = self._apply_async(push, gradients)
+                step, outcome = self._apply_async(push, dense, rows)
             else:
-                step, outcome = self._offer_sync(push, gradients)
+                step, outcome = self._offer_sync(push, dense, rows)
             if not push.with_values:
                 return PushResult(PushReply(step, outcome))
             values, step, release = self._hold_live(averages=False)  # the step the values belong to
             return PushResult(PushReply(step, outcome), values, release)
 
-    def _apply_async(self, push: PushRequest, gradients: Mapping[str, torch.Tensor]) -> tuple[int, Outcome]:
+    def _apply_async(self, push: PushRequest, gradients: Mapping[str, torch.Tensor], rows: Rows
+                     ) -> tuple[int, Outcome]:
         if not self._admit(push.origin):
             return self._global_step, Outcome.RETRIED
-        if gradients:
-            self._apply(gradients)
+        if gradients or self._tables:  # with tables every push is an update of every shard (rows or not)
+            self._apply(gradients, rows)
         if push.advance_step:
             self._global_step += 1
         return self._global_step, Outcome.APPLIED
 
-    def _offer_sync(self, push: PushRequest, gradients: Mapping[str, torch.Tensor]) -> tuple[int, Outcome]:
+    def _offer_sync(self, push: PushRequest, gradients: Mapping[str, torch.Tensor], rows: Rows
+                    ) -> tuple[int, Outcome]:
         sync, replica, step = self._sync, push.replica, push.step
         sync.check_step(step)  # every refusal comes before _admit: a refused push is not "accepted"
         if not self._admit(push.origin):  # a retry: the first copy was offered; wait for its step like it
             if sync.step <= step:
                 self._wait_for_step(step)
             return self._global_step, Outcome.RETRIED
-        offer = sync.offer(replica, step, gradients)
+        offer = sync.offer(replica, step, gradients, rows)
         if offer is Outcome.COMPLETE:
             self._aggregate()
         elif offer is Outcome.ACCEPTED:
@@ -364,13 +510,17 @@ class VariableStore:
 
     def _aggregate(self) -> None:
         self._exclusive()  # a no-op after push's; needed when a timeout aggregates what arrived
-        self._apply(self._sync.take_mean())
+        self._apply(*self._sync.take_mean())
         self._global_step += 1
         self._cond.notify_all()
 
-    def _apply(self, gradients: Mapping[str, torch.Tensor]) -> None:
-        """One update (async push, or a sync aggregation): optimizer, then the moving averages."""
-        self._applier.apply(gradients, step=self._applied_updates)
+    def _apply(self, gradients: Mapping[str, torch.Tensor], rows: Rows | None = None) -> None:
+        """One update (async push, or a sync aggregation): optimizer, tables' rows, then the moving averages."""
+        if gradients:
+            self._applier.apply(gradients, step=self._applied_updates)
+        for name, (ids, grads) in (rows or {}).items():
+            table = self._tables[name]
+            table.apply(ids, grads, table.spec.optimizer.learning_rate(self._applied_updates))
         if self._average is not None:
             self._average.update(self._applied_updates)
         self._applied_updates += 1
@@ -432,7 +582,8 @@ class VariableStore:
                 num_bytes=sum(v.numel() * v.element_size() for v in self._variables.values()),
                 initial_updates=self._initial_updates, accepted_pushes=self._accepted_pushes,
                 retried_pushes=self._retried_pushes,
-                rejected_nonfinite=self._rejected_nonfinite)
+                rejected_nonfinite=self._rejected_nonfinite,
+                tables={name: table.status() for name, table in self._tables.items()})
 
     def _require_initialized(self) -> None:
         if self._applier is None:

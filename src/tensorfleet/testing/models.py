@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import threading
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -33,3 +34,24 @@ def sgd_on_union_batches(model: nn.Module, batch_for: Callable[[int, int], tuple
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
     return model
+
+
+def run_workers(num_workers: int, body: Callable[[int], Any], *, timeout_s: float = 60.0) -> list:
+    """Run ``body(index)`` in one thread per worker; re-raise the first error; return their results."""
+    results, errors = [None] * num_workers, []
+
+    def target(index):
+        try:
+            results[index] = body(index)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(num_workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), "a worker thread hung"
+    if errors:
+        raise errors[0]
+    return results

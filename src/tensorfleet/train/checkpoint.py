@@ -2,11 +2,13 @@
 
 One checkpoint is one safetensors file (no pickle) holding every variable under its
 *model* name (partitioned variables reassembled), its optimizer slots and its moving
-average, with the global step, the optimizer, the mode and the placement it was
-saved from in the file's metadata.  Because it is stored by model variable and not
-by shard, a checkpoint written with N ps restores into M ps: ``split`` cuts it
-along the new placement (row slots like their variables, scalar slots such as
-Adam's step copied to every part).
+average, and every embedding table by id (``table/<name>/ids``, ``.../values``,
+``.../slot/<slot>``: the rows of all shards together), with the global step, the
+optimizer, the mode, the tables' specs and the placement it was saved from in the
+file's metadata.  Because it is stored by model variable and by id, not by shard, a
+checkpoint written with N ps restores into M ps: ``split`` cuts it along the new
+placement (row slots like their variables, scalar slots such as Adam's step copied
+to every part) and sends each table row to the shard its id hashes to now.
 
 Files, in ``DIR``::
 
@@ -33,11 +35,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
+from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.cluster.placement import Part, Placement
 from tensorfleet.errors import DataError, InvalidArgumentError
-from tensorfleet.ps.api import ShardState
+from tensorfleet.ps.api import ShardState, TableState
 from tensorfleet.train.manifest import FORMAT, MANIFEST, checkpoint_name, latest_checkpoint, parse_header, read_manifest
 from tensorfleet.train.manifest import list_checkpoints  # noqa: F401 (re-exported: part of this module's API)
+from tensorfleet.worker.embedding import tables_of
 from tensorfleet.worker.protocol import TrainingReplica
 
 
@@ -72,7 +76,10 @@ def gather(placement: Placement, shards: list[ShardState]) -> ShardState:
                            for slot in slot_names}
         if held[parts[0].name].averages is not None:
             averages[variable] = _join([held[p.name].averages[p.name] for p in parts], parts)
-    return ShardState(values, slots, averages or None, shards[0].global_step, shards[0].applied_updates)
+    names = sorted({name for shard in shards for name in shard.tables})
+    tables = {name: TableState.concat([shard.tables[name] for shard in shards if name in shard.tables])
+              for name in names}
+    return ShardState(values, slots, averages or None, shards[0].global_step, shards[0].applied_updates, tables)
 
 
 def split(state: ShardState, placement: Placement, num_ps: int, *, sync: bool) -> list[ShardState]:
@@ -98,6 +105,10 @@ def split(state: ShardState, placement: Placement, num_ps: int, *, sync: bool) -
                                   for slot, value in state.slots.get(part.variable, {}).items()}
         if state.averages is not None:
             shard.averages[part.name] = _rows(part, state.averages[part.variable])
+    for name, table in state.tables.items():
+        owner = torch.from_numpy(shard_of(table.ids, num_ps))
+        for index, shard in enumerate(shards):
+            shard.tables[name] = table.select(owner == index)
     return shards
 
 
@@ -193,6 +204,10 @@ def load(path: str | Path) -> Checkpoint:
 def load_into_module(module: torch.nn.Module, path: str | Path, *, averages: bool = False) -> int:
     """Copy a checkpoint's variables (or their moving averages) into a plain module, no cluster needed.
 
+    The module's ``EmbeddingTable`` layers take their tables' rows: unbound from a cluster, they answer
+    from them (and an id without a row with its initial row, as the ps would). Moving averages are
+    kept for dense variables only; with ``averages`` the tables still load their rows.
+
     Returns:
         the global step of the checkpoint.
     Raises:
@@ -207,13 +222,27 @@ def load_into_module(module: torch.nn.Module, path: str | Path, *, averages: boo
     if missing or extra:
         raise InvalidArgumentError(f"{checkpoint.path} does not match the module: missing {missing[:5]}, "
                                    f"unexpected {extra[:5]}")
+    tables = tables_of(module)
+    if set(tables) != set(checkpoint.state.tables):
+        raise InvalidArgumentError(f"{checkpoint.path} holds embedding tables {sorted(checkpoint.state.tables)}, "
+                                   f"the module has {sorted(tables)}")
     with torch.no_grad():
         for name, param in params.items():
             if param.shape != source[name].shape:
                 raise InvalidArgumentError(f"{name}: the module has {tuple(param.shape)}, the checkpoint "
                                            f"{tuple(source[name].shape)}")
             param.copy_(source[name])
+    for name, table in tables.items():
+        table.load_rows(checkpoint.state.tables[name])
     return checkpoint.global_step
+
+
+def load_tables(path: str | Path) -> dict[str, TableState]:
+    """A checkpoint's embedding tables by name, each as (ids, values, slots), for serving or analysis
+    without the model: ``dict(zip(t.ids.tolist(), t.values))`` is a dict from id to row, and
+    ``nn.Embedding.from_pretrained(t.values)`` with ``{id: i for i, id in enumerate(t.ids.tolist())}`` a
+    dense embedding plus its id map."""
+    return load(path).state.tables
 
 
 class Checkpointer:
@@ -250,7 +279,7 @@ class Checkpointer:
         whole = gather(replica.placement, replica.client.snapshot())
         info = {"optimizer": replica.optimizer.to_meta(), "mode": replica.mode,
                 "sync": replica.sync.to_meta() if replica.sync else None, "average_decay": replica.average_decay,
-                "num_ps": replica.num_ps,
+                "num_ps": replica.num_ps, "tables": [spec.to_meta() for spec in replica.client.tables.values()],
                 "placement": [{"name": p.name, "variable": p.variable, "shard": p.shard, "rows": p.rows}
                               for p in replica.placement.parts]}
         return save(self.directory, whole, info=info, max_to_keep=self.max_to_keep)

@@ -4,7 +4,9 @@ Control calls (Init, Status, Snapshot, Done) go over gRPC; pull and push over
 the data plane, one connection per shard, each shard's calls run on a thread of
 its own so that all shards transfer at once (``x_async()`` returns a
 ``Gathered`` future; ``x()`` runs one shard's call on the calling thread and
-the others beside it).  Pulled values and the values a push brings back are
+the others beside it).  Rows of embedding tables are looked up by id from the
+shards their ids hash to (``lookup``), and their gradients ride in the same push
+as the dense ones, one (ids, rows) pair per table and shard.  Pulled values and the values a push brings back are
 received straight into the tensors the caller names (``into``: a model's
 parameters), with no copy.  ps task 0 also keeps the global step, so every push
 includes it (with ``advance_step``), even when it holds none of the pushed
@@ -17,14 +19,16 @@ import logging
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, overload
 
 import torch
 
+from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.cluster.spec import ClusterSpec, parse_address
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
-from tensorfleet.ps.api import (DoneRequest, InitRequest, OptimizerSpec, Origin, Outcome, PullRequest, PushReply,
-                                PushRequest, ShardState, StepReply, SyncOptions)
+from tensorfleet.ps.api import (DoneRequest, InitRequest, LookupRequest, OptimizerSpec, Origin, Outcome, PullRequest,
+                                PushReply, PushRequest, ShardState, StepReply, SyncOptions, TableSpec, grads_key,
+                                ids_key)
 from tensorfleet.wire.codec import NARROW_DTYPES, TensorEntry
 from tensorfleet.wire.dataplane import DataChannel, Stream
 from tensorfleet.wire.rpc import Channel, WireOptions
@@ -32,6 +36,7 @@ from tensorfleet.wire.rpc import Channel, WireOptions
 log = logging.getLogger(__name__)
 
 ShardCall = Callable[[], Any]
+Rows = Mapping[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (unique ids, one row gradient per id)
 STATUS_ATTEMPT_S = 2.0  # one Status attempt while waiting for a ps; then a fresh connection
 PUSH_ATTEMPTS = 3  # a push whose connection broke is sent again (same sequence number) this many times in all
 
@@ -64,10 +69,12 @@ class PsClient:
         options: limits and the default deadline of each RPC.
         wire_dtype: a narrower dtype (``torch.bfloat16``, ``torch.float16``) that floating-point
             gradients and values travel in; the ps keeps and accumulates its own dtype. None: as is.
+        tables: the job's embedding tables; their rows live on every shard (by a hash of the id).
     """
 
     def __init__(self, cluster: ClusterSpec, placement: Mapping[str, int], *,
-                 options: WireOptions | None = None, wire_dtype: torch.dtype | None = None) -> None:
+                 options: WireOptions | None = None, wire_dtype: torch.dtype | None = None,
+                 tables: Sequence[TableSpec] = ()) -> None:
         if wire_dtype is not None and wire_dtype not in NARROW_DTYPES:
             raise InvalidArgumentError(f"wire_dtype={wire_dtype}: use one of {NARROW_DTYPES} or None")
         self.wire_dtype = wire_dtype
@@ -85,6 +92,10 @@ class PsClient:
         self._names_by_shard: list[list[str]] = [[] for _ in self.channels]
         for name, shard in self.placement.items():
             self._names_by_shard[shard].append(name)
+        self.tables = {table.name: table for table in tables}
+        # Shards every pull and push reaches: those holding variables, ps 0 (the global step), and with tables
+        # all of them (each holds rows; in sync mode each must count every step).
+        self._active = [s for s, names in enumerate(self._names_by_shard) if names or s == 0 or self.tables]
 
     def _split(self, tensors: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         parts: list[dict[str, torch.Tensor]] = [{} for _ in self.channels]
@@ -128,7 +139,7 @@ class PsClient:
 
         Returns True if any shard took them, False if all already had values.
         """
-        init = InitRequest(optimizer, sync, average_decay, nonfinite)
+        init = InitRequest(optimizer, sync, average_decay, nonfinite, tables=tuple(self.tables.values()))
         if restore is None:
             requests = [(init.to_meta(), part) for part in self._split(values)]
         else:
@@ -163,12 +174,20 @@ class PsClient:
         """The global step as ps 0 counts it now (one Status call; nothing is pulled)."""
         return self.channels[0].call("Status")[0]["global_step"]
 
-    def snapshot(self) -> list[ShardState]:
-        """Every shard's whole state (values, optimizer slots, averages, counters), fetched concurrently."""
-        futures = [ch.call_async("Snapshot") for ch in self.channels]
-        return [ShardState.unflatten(tensors, global_step=meta["global_step"],
-                                     applied_updates=meta["applied_updates"])
-                for meta, tensors in (f.result() for f in futures)]
+    @overload
+    def snapshot(self) -> list[ShardState]: ...
+    @overload
+    def snapshot(self, *, shards: Sequence[int]) -> dict[int, ShardState]: ...
+
+    def snapshot(self, *, shards: Sequence[int] | None = None) -> list[ShardState] | dict[int, ShardState]:
+        """Every shard's whole state (values, optimizer slots, averages, counters, tables' rows), fetched
+        concurrently; with ``shards``, those shards' by index."""
+        wanted = range(len(self.channels)) if shards is None else shards
+        futures = {s: self.channels[s].call_async("Snapshot") for s in wanted}
+        states = {s: ShardState.unflatten(tensors, global_step=meta["global_step"],
+                                          applied_updates=meta["applied_updates"])
+                  for s, (meta, tensors) in ((s, f.result()) for s, f in futures.items())}
+        return list(states.values()) if shards is None else states
 
     def done(self, replica: int) -> None:
         """Tell every shard this replica finished; a ps exits once all replicas have."""
@@ -204,7 +223,7 @@ class PsClient:
 
     def _pull(self, averages: bool, into: Mapping[str, torch.Tensor] | None, *, inline: bool) -> Gathered:
         # ps 0 is always asked, even if it holds none of the variables: it keeps the global step.
-        shards = [s for s, names in enumerate(self._names_by_shard) if names or s == 0]
+        shards = self._active
         meta = PullRequest(averages, self.wire_dtype).to_meta()
         calls = [(s, lambda s=s: self.data[s].call("Pull", meta, into=into)) for s in shards]
         return Gathered(self._fan_out(calls, inline=inline), lambda r: _merge_replies(shards, r, len(self.channels)))
@@ -249,11 +268,44 @@ class PsClient:
         """The tensor as it travels (a narrowed copy, or the tensor itself)."""
         return tensor.to(self._travel_dtype(tensor))
 
+    def lookup(self, ids: Mapping[str, torch.Tensor], *, inline: bool = True) -> dict[str, torch.Tensor]:
+        """The current rows of each table's ``ids`` (unique int64), from the shards they hash to: one request
+        per shard holding any of them, all at once; ``inline``: one of them on the calling thread (not while
+        a push travels on the shard threads, prefetch's case)."""
+        owners = {table: torch.from_numpy(shard_of(table_ids, len(self.channels))) for table, table_ids in ids.items()}
+        parts: dict[int, dict[str, torch.Tensor]] = {}
+        for table, table_ids in ids.items():
+            for shard in torch.unique(owners[table]).tolist():
+                parts.setdefault(shard, {})[table] = table_ids[owners[table] == shard]
+        meta = LookupRequest(self.wire_dtype).to_meta()
+        shards = sorted(parts)
+        calls = [(s, lambda s=s: self.data[s].call("Lookup", meta, parts[s])[1]) for s in shards]
+        replies = Gathered(self._fan_out(calls, inline=inline and bool(calls)), list).result() if calls else []
+        rows = {table: torch.empty((table_ids.numel(), self.tables[table].dim), dtype=self.tables[table].dtype)
+                for table, table_ids in ids.items()}
+        for shard, reply in zip(shards, replies):
+            for table, value in reply.items():
+                rows[table][owners[table] == shard] = value.to(rows[table].dtype)
+        return rows
+
+    def _split_rows(self, rows: Rows) -> list[dict[str, torch.Tensor]]:
+        """Each table's (ids, row gradients) cut by the shard each id lives on, as push entries."""
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in self.channels]
+        for table, (table_ids, grads) in rows.items():
+            owner = torch.from_numpy(shard_of(table_ids, len(self.channels)))
+            for shard in torch.unique(owner).tolist():
+                mine = owner == shard
+                parts[shard][ids_key(table)], parts[shard][grads_key(table)] = table_ids[mine], grads[mine]
+        return parts
+
     def _push(self, gradients: Mapping[str, torch.Tensor], sync_steps: Sequence[int] | None, replica: int,
-              timeout_s: float | None, into: Mapping[str, torch.Tensor] | None, *, inline: bool) -> Gathered:
+              timeout_s: float | None, into: Mapping[str, torch.Tensor] | None, *, inline: bool,
+              rows: Rows | None = None) -> Gathered:
         shards, calls = [], []
+        row_parts = self._split_rows(rows) if rows else [{} for _ in self.channels]
         for shard, part in enumerate(self._split(gradients)):
-            if not part and shard != 0:
+            part.update(row_parts[shard])
+            if shard not in self._active:
                 continue
             meta = self._push_meta(shard, sync_steps, replica, into is not None)
             if self.wire_dtype is not None:
@@ -265,8 +317,9 @@ class PsClient:
 
     def push_async(self, gradients: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
                    replica: int = 0, timeout_s: float | None = None,
-                   into: Mapping[str, torch.Tensor] | None = None) -> Gathered:
-        """Send each shard its gradients; ``result()`` is a ``Pushed``.
+                   into: Mapping[str, torch.Tensor] | None = None, rows: Rows | None = None) -> Gathered:
+        """Send each shard its gradients (and ``rows``: each table's unique ids and row gradients); ``result()``
+        is a ``Pushed``.
 
         Async (``sync_steps`` is None): each shard applies on arrival, ps 0 advances the global step.
         Sync: each shard's part is tagged with the step that shard served at the last pull
@@ -274,12 +327,12 @@ class PsClient:
         With ``into``, each shard also replies with its values after the update, received into
         ``into`` (``Pushed.pulled``): the next step's pull, without another round trip.
         """
-        return self._push(gradients, sync_steps, replica, timeout_s, into, inline=False)
+        return self._push(gradients, sync_steps, replica, timeout_s, into, inline=False, rows=rows)
 
     def push(self, gradients: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
              replica: int = 0, timeout_s: float | None = None,
-             into: Mapping[str, torch.Tensor] | None = None) -> "Pushed":
-        return self._push(gradients, sync_steps, replica, timeout_s, into, inline=True).result()
+             into: Mapping[str, torch.Tensor] | None = None, rows: Rows | None = None) -> "Pushed":
+        return self._push(gradients, sync_steps, replica, timeout_s, into, inline=True, rows=rows).result()
 
     def push_streams(self, layout: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
                      replica: int = 0, timeout_s: float | None = None, values: bool = True) -> "PushStreams":

@@ -31,6 +31,11 @@ sends the module's initial values and the optimizer to the ps; a ps that is
 already initialized keeps its values, so a restarted chief never overwrites
 training.  Other workers wait, with a timeout that names what they wait for.
 On leaving, the replica tells the ps it is done, so the ps can exit.
+
+Embedding tables (``EmbeddingTable`` layers of the module) are bound to the ps on
+construction: their forward fetches the batch's rows, and ``push()`` sends each table's
+row gradients (unique ids, duplicates summed) in the same push as the dense gradients,
+one transaction per shard.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from tensorfleet.ps.api import Mode, OptimizerSpec, ShardState, SyncOptions
 from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import Gathered, PsClient, Pulled, Pushed, PushStreams
+from tensorfleet.worker.embedding import tables_of
 from tensorfleet.worker.options import DEFAULT_PLACEMENT, ReplicaOptions
 from tensorfleet.worker.status import PROCESS_STATUS, TaskStatus
 
@@ -120,15 +126,26 @@ class Replica:
         self.global_step = 0
         self.dropped_gradients = 0
         self._params = dict(module.named_parameters())
-        if not self._params:
+        self.tables = tables_of(module)
+        if not self._params and not self.tables:
             raise InvalidArgumentError("the module has no parameters to train")
+        if self.tables and self.overlap:
+            raise InvalidArgumentError("overlap=True does not stream embedding tables' rows yet: use overlap=False "
+                                       "with EmbeddingTable layers")
+        table_specs = [table.spec(optimizer) for table in self.tables.values()]
         infos = [VariableInfo(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in self._params.items()]
         self.placement = place(infos, len(cluster.ps_addresses), strategy=self.options.placement,
                                partitioner=self.options.partitioner)
         if self.options.log_placement:
             log.info("variable placement (%s):\n%s", task.name, self.placement.describe())
+            for spec in table_specs:
+                log.info("embedding table %r (dim %d, %s): rows on every ps by a hash of the id "
+                         "(tensorfleet.cluster.idhash.shard_of)", spec.name, spec.dim,
+                         f"{spec.num_rows} rows" if spec.num_rows else "any int64 id")
         self.client = PsClient(cluster, self.placement.shard_map(), options=self.options.options,
-                               wire_dtype=self.options.wire_dtype)
+                               wire_dtype=self.options.wire_dtype, tables=table_specs)
+        for table in self.tables.values():  # prefetch: lookups queue behind the push travelling on the threads
+            table.bind(lambda ids, name=table.name: self.client.lookup({name: ids}, inline=not self.prefetch)[name])
         self._param_views = self.placement.views({n: p.data for n, p in self._params.items()})
         self._shard_steps = [0] * len(cluster.ps_addresses)
         self._prefetched: list[int] | None = None  # param versions right after a push brought values back
@@ -205,6 +222,8 @@ class Replica:
         """
         for param in self._params.values():  # the failed step's: a step run again must not add to them
             param.grad = None
+        for table in self.tables.values():
+            table.forget()
         if self._in_flight is not None:
             self._in_flight.abandon()
         log.warning("%s: lost contact with the ps; waiting up to %.0f s for every ps to answer",
@@ -216,10 +235,14 @@ class Replica:
                 log.warning("%s (chief): no checkpoint to restore; re-initializing every shard from the values "
                             "pulled last (optimizer state of the lost shard is gone)", self.task.name)
                 values = {n: p.detach() for n, p in self._params.items()}
+                # Tables: the surviving shards keep their rows; the lost shard's rows start again from their
+                # initial values.
+                kept = self.client.snapshot(shards=[s for s in range(self.num_ps) if s not in empty]) \
+                    if self.tables else {}
                 restore = [ShardState({k: v for k, v in self.placement.views(values).items()
                                        if self.placement.shard_map()[k] == shard}, {}, None,
                                       self.global_step if (shard == 0 or self.mode is Mode.SYNC) else 0,
-                                      self.global_step)
+                                      self.global_step, kept[shard].tables if shard in kept else {})
                            for shard in range(self.num_ps)]
             self.client.initialize({}, self.optimizer, self.sync, self.average_decay, restore, force=True,
                                    nonfinite=self.nonfinite_gradients)
@@ -251,6 +274,8 @@ class Replica:
             self.settle()
             self.client.done(self.replica_id)
         finally:
+            for table in self.tables.values():
+                table.bind(None)  # the module serves its loaded rows again, not a closed client
             self.client.close()
 
     def __enter__(self) -> "Replica":
@@ -356,7 +381,19 @@ class Replica:
             return gathered.result() if wait else gathered
         sync_steps, timeout = self._push_tags()
         send = self.client.push if wait else self.client.push_async
-        return send(self._gradients(), sync_steps=sync_steps, replica=self.replica_id, timeout_s=timeout, into=into)
+        return send(self._gradients(), sync_steps=sync_steps, replica=self.replica_id, timeout_s=timeout, into=into,
+                    rows=self._row_gradients())
+
+    def _row_gradients(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Each table's (unique ids, row gradients) of this step, and the count of unique ids in the Status."""
+        rows = {}
+        for name, table in self.tables.items():
+            taken = table.take_gradients()
+            if taken is not None:
+                rows[name] = taken
+        if self.tables:
+            self.status.unique_ids = sum(ids.numel() for ids, _ in rows.values())
+        return rows
 
     def _gradients(self) -> dict[str, torch.Tensor]:
         """This step's gradients as the placement splits them; zeros for a parameter that got none."""

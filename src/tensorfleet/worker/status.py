@@ -46,6 +46,7 @@ class TaskStatus:
         self.examples = 0
         self.target_step: int | None = None
         self.last_step_unix: float | None = None
+        self.unique_ids: int | None = None  # embedding tables: unique ids in the last push (None: no tables)
 
     def begin(self, task: TaskSpec, *, is_chief: bool) -> None:
         self.task, self.role, self.state = task.name, "chief" if is_chief else "worker", "training"
@@ -70,7 +71,7 @@ class TaskStatus:
         return {"task": self.task, "role": self.role, "state": self.state, "pid": os.getpid(),
                 "uptime_s": time.time() - self.started_unix, "local_step": self.local_step,
                 "global_step": self.global_step, "dropped_gradients": self.dropped_gradients, "loss": self.loss,
-                "examples": self.examples, "target_step": self.target_step,
+                "examples": self.examples, "target_step": self.target_step, "unique_ids": self.unique_ids,
                 "last_step_age_s": None if self.last_step_unix is None else time.time() - self.last_step_unix}
 
 

@@ -1,0 +1,56 @@
+"""Hashes of int64 ids: where a row of an embedding table lives, and the random numbers it starts from.
+
+Both ends must agree on them to the bit (a worker sends an id to the shard the ps expects it
+on; a row's first value must not depend on which ps, in which order, created it), so they
+are pure functions of the id: splitmix64's finalizer (Steele, Lea and Flood, 2014), in
+numpy's uint64 arithmetic, whose wrap-around is defined (torch's int64 overflow is not).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_SHARD_SALT = np.uint64(0x5EED5EED00000001)
+_INIT_SALT = np.uint64(0x1D1D1D1D00000002)
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a bijection of uint64 whose every output bit depends on every input bit."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def as_uint64(ids: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The ids' bits as uint64, without a copy where the ids are a contiguous int64 CPU tensor."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().contiguous().numpy()
+    return np.ascontiguousarray(ids, dtype=np.int64).view(np.uint64)
+
+
+def shard_of(ids: torch.Tensor | np.ndarray, num_shards: int) -> np.ndarray:
+    """The ps shard (0..num_shards-1) that holds each id's row: a hash of the id, not the id itself,
+    so that ids that come in runs (a user id space, a new day's items) spread evenly."""
+    with np.errstate(over="ignore"):
+        return (mix64(as_uint64(ids) ^ _SHARD_SALT) % np.uint64(num_shards)).astype(np.int64)
+
+
+def uniform(ids: torch.Tensor | np.ndarray, columns: int, seed: int) -> np.ndarray:
+    """A float64 array (len(ids), columns) of uniforms in (0, 1): the same for the same (seed, id, column)
+    whoever computes it."""
+    with np.errstate(over="ignore"):
+        base = mix64(as_uint64(ids) ^ (np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * _GOLDEN) ^ _INIT_SALT)
+        cols = np.arange(1, columns + 1, dtype=np.uint64) * _M1
+        bits = mix64(base[:, None] ^ cols[None, :])
+    return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+def normal(ids: torch.Tensor | np.ndarray, columns: int, seed: int) -> np.ndarray:
+    """Standard normals (len(ids), columns) by Box-Muller from two hashed uniforms per value."""
+    u = uniform(ids, 2 * columns, seed)
+    return np.sqrt(-2.0 * np.log(u[:, :columns])) * np.cos(2.0 * np.pi * u[:, columns:])

@@ -1,0 +1,192 @@
+"""``EmbeddingTable``: an ``nn.Embedding`` / ``nn.EmbeddingBag`` whose rows live on the ps, by int64 id.
+
+A layer of an ordinary module.  Inside a ``Replica`` its forward asks the ps for the rows
+of the batch's *unique* ids only (one request per shard holding any of them), gathers
+them into the batch's shape locally, and keeps the fetched rows as a leaf tensor: after
+backward, its ``.grad`` is each unique id's gradient with the batch's duplicates already
+summed (autograd's own gather backward), which ``Replica.push()`` sends back row-sparse.
+Bytes per step therefore grow with the batch's unique ids, never with the table.
+
+Outside a ``Replica`` (inference on a checkpoint: ``load_into_module``), the table answers
+from rows loaded into it, and an id it has no row for with that id's initial row, as the
+ps would: the same model class trains on the fleet and serves without one.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.ps.api import OptimizerSpec, RowInitializer, TableSpec, TableState
+
+POOLINGS = ("sum", "mean", "max")
+Lookup = Callable[[torch.Tensor], torch.Tensor]
+
+
+class EmbeddingTable(nn.Module):
+    """Rows of ``dim`` floats by int64 id, kept on the ps; ``forward(ids)`` gives the rows.
+
+    Args:
+        name: the table's name in the job (unique; in checkpoints and Status).
+        dim: the row width.
+        num_rows: a fixed size (ids 0..num_rows-1, as ``nn.Embedding(num_rows, dim)``); None (default):
+            any int64 id, and the table grows on the ps as new ids are updated.
+        pooling: None: ``forward(ids)`` returns one row per id, shaped ``ids.shape + (dim,)`` (``nn.Embedding``).
+            ``"sum"``, ``"mean"`` or ``"max"``: bags, as ``nn.EmbeddingBag``: ``forward(ids, offsets)`` with
+            1-D ids and the start of each bag in ``offsets``, or 2-D ids (one bag per row).
+        initializer: where a new row starts (default: normal, std 0.01; seeded by id, so a row's first value
+            does not depend on which ps creates it).
+        optimizer: the per-row rule the ps runs: ``OptimizerSpec("adagrad", {"lr": 0.05})``,
+            ``OptimizerSpec("sgd", ...)`` or lazy ``OptimizerSpec("adam", ...)``. None: the Replica's
+            optimizer, if it is one of those.
+        dtype: the rows' dtype on the ps.
+
+    Example:
+        >>> class Model(nn.Module):                                            # doctest: +SKIP
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.user = EmbeddingTable("user", 32, optimizer=OptimizerSpec("adagrad", {"lr": 0.05}))
+        ...         self.tags = EmbeddingTable("tags", 32, pooling="mean")
+        ...         self.head = nn.Linear(64, 1)
+        ...     def forward(self, user_ids, tag_ids, tag_offsets):
+        ...         return self.head(torch.cat([self.user(user_ids), self.tags(tag_ids, tag_offsets)], 1))
+    """
+
+    def __init__(self, name: str, dim: int, *, num_rows: int | None = None, pooling: str | None = None,
+                 initializer: RowInitializer | None = None, optimizer: OptimizerSpec | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if pooling is not None and pooling not in POOLINGS:
+            raise InvalidArgumentError(f"EmbeddingTable {name!r}: pooling={pooling!r}; use None or one of {POOLINGS}")
+        self.pooling = pooling
+        self.optimizer = optimizer
+        # Validated now (name, dim, num_rows, dtype), with a placeholder rule until the Replica's is known.
+        self._spec = TableSpec(name, dim, optimizer or OptimizerSpec("sgd", {"lr": 0.0}), num_rows,
+                               initializer or RowInitializer(), dtype)
+        self._lookup: Lookup | None = None
+        self._local: dict[int, int] | None = None  # id -> row of _local_rows (inference on loaded rows)
+        self._local_rows: torch.Tensor | None = None
+        self._fetched: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's (unique ids, rows leaf)
+
+    @property
+    def name(self) -> str:
+        return self._spec.name
+
+    @property
+    def dim(self) -> int:
+        return self._spec.dim
+
+    def spec(self, default: OptimizerSpec | None = None) -> TableSpec:
+        """The table as the ps is told about it; its optimizer, or else ``default`` (the Replica's)."""
+        optimizer = self.optimizer or default
+        if optimizer is None:
+            raise InvalidArgumentError(f"EmbeddingTable {self.name!r} has no optimizer: give it optimizer=...")
+        try:
+            return TableSpec(self.name, self.dim, optimizer, self._spec.num_rows, self._spec.initializer,
+                             self._spec.dtype)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{exc.message} (EmbeddingTable {self.name!r} without optimizer= uses the "
+                                       "Replica's)" if self.optimizer is None else exc.message) from None
+
+    def extra_repr(self) -> str:
+        size = f"num_rows={self._spec.num_rows}" if self._spec.num_rows else "any int64 id"
+        return f"{self.name!r}, dim={self.dim}, {size}" + (f", pooling={self.pooling!r}" if self.pooling else "")
+
+    # --- binding ----------------------------------------------------------------------------------
+
+    def bind(self, lookup: Lookup | None) -> None:
+        """Fetch rows with ``lookup`` (unique ids -> rows) from now on; None: answer from local rows.
+        ``Replica`` binds its tables on construction and unbinds them when it finishes."""
+        self._lookup = lookup
+        self._fetched = []
+
+    def load_rows(self, state: TableState) -> None:
+        """Answer from these rows when unbound (inference on a checkpoint's table)."""
+        if state.values.shape[1] != self.dim:
+            raise InvalidArgumentError(f"table {self.name!r}: rows of width {state.values.shape[1]}, dim is {self.dim}")
+        self._local = {int(i): row for row, i in enumerate(state.ids.tolist())}
+        self._local_rows = state.values.to(self._spec.dtype).clone()
+
+    def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This step's (unique ids, row gradients), duplicates over forward calls summed; forgets the step.
+
+        None when no fetched row received a gradient (the table took no part in the loss).
+        """
+        fetched, self._fetched = self._fetched, []
+        parts = [(ids, rows.grad) for ids, rows in fetched if rows.grad is not None]
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        ids, inverse = torch.unique(torch.cat([ids for ids, _ in parts]), return_inverse=True)
+        grads = torch.zeros((ids.numel(), self.dim), dtype=parts[0][1].dtype)
+        grads.index_add_(0, inverse, torch.cat([grad for _, grad in parts]))
+        return ids, grads
+
+    def forget(self) -> None:
+        """Drop this step's fetched rows (a failed step run again must not add to them)."""
+        self._fetched = []
+
+    # --- forward ----------------------------------------------------------------------------------
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise InvalidArgumentError(f"EmbeddingTable {self.name!r}: ids must be an int64 tensor, got "
+                                       f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        if self.pooling is None and (offsets is not None or per_sample_weights is not None):
+            raise InvalidArgumentError(f"EmbeddingTable {self.name!r} has no pooling: offsets and weights need "
+                                       "pooling='sum', 'mean' or 'max'")
+        flat = ids.reshape(-1).to(torch.int64)
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        self._spec.check_ids(unique)
+        rows = self._rows(unique)
+        if self._lookup is not None and torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._fetched.append((unique, rows))
+        if self.pooling is None:
+            return F.embedding(inverse.view(ids.shape), rows)
+        if offsets is None:
+            if ids.dim() != 2:
+                raise InvalidArgumentError(f"EmbeddingTable {self.name!r}: bags need 2-D ids (one bag per row) or "
+                                           "1-D ids with offsets")
+            return F.embedding_bag(inverse.view(ids.shape), rows, mode=self.pooling,
+                                   per_sample_weights=per_sample_weights)
+        _check_offsets(self.name, offsets, flat.numel())
+        return F.embedding_bag(inverse, rows, offsets, mode=self.pooling, per_sample_weights=per_sample_weights)
+
+    def _rows(self, unique: torch.Tensor) -> torch.Tensor:
+        if self._lookup is not None:
+            return self._lookup(unique)
+        rows = self._spec.initializer.rows(unique, self.dim, self._spec.dtype)
+        if self._local:
+            where = torch.tensor([self._local.get(i, -1) for i in unique.tolist()], dtype=torch.int64)
+            known = where >= 0
+            rows[known] = self._local_rows[where[known]]
+        return rows
+
+
+def _check_offsets(name: str, offsets: torch.Tensor, num_ids: int) -> None:
+    """Offsets as ``nn.EmbeddingBag`` takes them: 1-D int64, starting at 0, non-decreasing, within the ids."""
+    if offsets.dim() != 1 or offsets.dtype not in (torch.int64, torch.int32):
+        raise InvalidArgumentError(f"EmbeddingTable {name!r}: offsets must be a 1-D int64 tensor, got "
+                                   f"{offsets.dtype} {tuple(offsets.shape)}")
+    if offsets.numel() and (int(offsets[0]) != 0 or int(offsets[-1]) > num_ids
+                            or bool((offsets[1:] < offsets[:-1]).any())):
+        raise InvalidArgumentError(f"EmbeddingTable {name!r}: offsets must start at 0, never decrease and stay "
+                                   f"within the {num_ids} ids (bag i is ids[offsets[i]:offsets[i+1]])")
+
+
+def tables_of(module: nn.Module) -> dict[str, EmbeddingTable]:
+    """The module's embedding tables by name; two different tables may not share one."""
+    found: dict[str, EmbeddingTable] = {}
+    for sub in module.modules():
+        if isinstance(sub, EmbeddingTable):
+            if sub.name in found and found[sub.name] is not sub:
+                raise InvalidArgumentError(f"two EmbeddingTables are named {sub.name!r}: give each its own name")
+            found[sub.name] = sub
+    return found
