@@ -145,3 +145,55 @@ def test_a_realistic_fleet(browser_page: Page, dashboard: Dashboard, fleet, save
         fleet.state["tasks"][2]["heartbeat_age_s"] = 7.5  # running, yet silent: worth a look
     expect(cell(page, "worker:0", "heartbeat_age_s")).to_contain_class("stale")
     expect(cell(page, "worker:1", "heartbeat_age_s")).not_to_contain_class("stale")  # restarting: expected
+
+
+def test_embedding_tables_show_only_for_a_job_with_tables(browser_page: Page, dashboard: Dashboard, fleet):
+    with fleet.lock:  # a job without tables, as the monitor pictures one
+        for task in fleet.state["tasks"]:
+            task.update(tables=None, unique_ids=None)
+        fleet.state["job"].update(table_rows=None, rows_per_sec=None)
+    page = browser_page
+    page.goto(dashboard.url)
+    expect(cell(page, "worker:2", "state")).to_have_text("running")
+    expect(page.locator("#embedding-tables")).to_be_hidden()
+    expect(cell(page, "worker:0", "unique_ids")).to_be_hidden()
+    expect(page.locator("#tasks th", has_text="Unique ids")).to_be_hidden()
+
+    with fleet.lock:
+        tasks = fleet.state["tasks"]
+        tasks[0]["tables"] = {"users": {"rows": 120000, "bytes": 61_440_000, "rows_per_sec": 850.5},
+                              "items": {"rows": 3000, "bytes": 1_536_000, "rows_per_sec": 12.0}}
+        tasks[1]["tables"] = {"users": {"rows": 119000, "bytes": 60_928_000, "rows_per_sec": None},
+                              "items": {"rows": 2900, "bytes": 1_484_800, "rows_per_sec": 11.5}}
+        tasks[2]["unique_ids"], tasks[4]["unique_ids"] = 4096, 3871
+        fleet.state["job"].update(table_rows=244900, rows_per_sec=874.0)
+    section = page.locator("#embedding-tables")
+    expect(section).to_be_visible()
+    rows = page.locator("#table-rows tr")
+    expect(rows).to_have_count(4)
+    assert [(rows.nth(i).get_attribute("data-table"), rows.nth(i).get_attribute("data-shard"))
+            for i in range(4)] == [("users", "ps:0"), ("users", "ps:1"), ("items", "ps:0"), ("items", "ps:1")]
+
+    def table_cell(table: str, shard: str, field: str):
+        return page.locator(f'#table-rows tr[data-table="{table}"][data-shard="{shard}"] td[data-field="{field}"]')
+
+    expect(table_cell("users", "ps:0", "rows")).to_have_text("120,000")
+    expect(table_cell("users", "ps:0", "bytes")).to_have_text("61.4")  # MB
+    expect(table_cell("users", "ps:0", "bytes")).to_have_attribute("data-value", "61440000")
+    expect(table_cell("users", "ps:0", "rows_per_sec")).to_have_text("851")
+    expect(table_cell("users", "ps:1", "rows_per_sec")).to_have_text("—")
+    expect(table_cell("items", "ps:1", "rows")).to_have_text("2,900")
+    expect(table_cell("items", "ps:1", "bytes")).to_have_text("1.5")
+    expect(table_cell("items", "ps:1", "rows_per_sec")).to_have_text("11.5")
+    expect(page.locator("#table-total")).to_have_text("244,900 rows · 874 rows / s")
+    expect(cell(page, "worker:0", "unique_ids")).to_be_visible()
+    expect(cell(page, "worker:0", "unique_ids")).to_have_text("4,096")
+    expect(cell(page, "worker:2", "unique_ids")).to_have_text("3,871")
+    expect(cell(page, "ps:0", "unique_ids")).to_have_text("—")
+
+    with fleet.lock:  # no tables any more: the section and the column go with them
+        for task in fleet.state["tasks"]:
+            task.update(tables=None, unique_ids=None)
+    expect(section).to_be_hidden()
+    expect(rows).to_have_count(0)
+    expect(cell(page, "worker:0", "unique_ids")).to_be_hidden()

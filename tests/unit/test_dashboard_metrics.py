@@ -130,3 +130,48 @@ def test_an_empty_picture_renders():
     samples = _samples({"job": {}, "tasks": [], "history": []})
     assert "tensorfleet_global_step" not in samples
     assert "tensorfleet_task_up" not in samples
+
+
+def _picture_with_tables() -> dict:
+    """Two ps shards holding parts of "users" and "items"; the worker's last push had 4096 unique ids."""
+    picture = _picture()
+    ps1 = {**picture["tasks"][0], "name": "ps:1", "address": "127.0.0.1:41235"}
+    picture["tasks"].insert(1, ps1)
+    picture["tasks"][0]["tables"] = {"users": {"rows": 120000, "bytes": 61440000, "rows_per_sec": 850.5},
+                                     "items": {"rows": 3000, "bytes": 1536000, "rows_per_sec": 12.0}}
+    ps1["tables"] = {"users": {"rows": 119000, "bytes": 60928000, "rows_per_sec": None},  # restarted: no rate yet
+                     "items": {"rows": 2900, "bytes": 1484800, "rows_per_sec": 11.5}}
+    picture["tasks"][2]["unique_ids"] = 4096
+    picture["job"].update(table_rows=244900, rows_per_sec=874.0)
+    return picture
+
+
+def test_embedding_table_values_and_labels():
+    samples = _samples(_picture_with_tables())
+    assert _value(samples, "tensorfleet_table_rows", task="ps:0", table="users") == 120000
+    assert _value(samples, "tensorfleet_table_rows", task="ps:1", table="items") == 2900
+    assert _value(samples, "tensorfleet_table_bytes", task="ps:1", table="users") == 60928000
+    assert _value(samples, "tensorfleet_table_rows_created_per_second", task="ps:0", table="users") == 850.5
+    assert _value(samples, "tensorfleet_table_rows_created_per_second", task="ps:1", table="items") == 11.5
+    assert _value(samples, "tensorfleet_unique_ids", task="worker:1", role="worker") == 4096
+    assert {frozenset(s.labels.items()) for s in samples["tensorfleet_table_rows"]} == {
+        frozenset({"task": task, "table": table}.items()) for task in ("ps:0", "ps:1") for table in ("users", "items")}
+    # null is left out: the restarted shard's rate, the ps's unique ids
+    assert len(samples["tensorfleet_table_rows_created_per_second"]) == 3
+    assert [s.labels["task"] for s in samples["tensorfleet_unique_ids"]] == ["worker:1"]
+
+    text = render_metrics(_picture_with_tables()).decode()
+    types = {f.name: f.type for f in text_string_to_metric_families(text)}
+    names = ("tensorfleet_table_rows", "tensorfleet_table_bytes", "tensorfleet_table_rows_created_per_second",
+             "tensorfleet_unique_ids")
+    assert {types[name] for name in names} == {"gauge"}
+
+
+def test_a_job_without_tables_has_no_table_families():
+    picture = _picture()
+    for task in picture["tasks"]:
+        task.update(tables=None, unique_ids=None)
+    picture["job"].update(table_rows=None, rows_per_sec=None)
+    text = render_metrics(picture).decode()
+    assert "tensorfleet_table" not in text and "tensorfleet_unique_ids" not in text
+    assert text == render_metrics(_picture()).decode()  # as before the tables came

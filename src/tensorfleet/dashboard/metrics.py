@@ -10,6 +10,11 @@ as a real measurement.
 Counters here (restarts, dropped stale gradients) are counts kept by the
 launcher and the ps; they are exported as counters because they only grow for
 the life of one launcher.
+
+A job with embedding tables also gets one series per (ps task, table) for the
+shard's rows, bytes and rows created per second (``tensorfleet_table_*``), and
+each worker's unique ids in its last push (``tensorfleet_unique_ids``); a job
+without tables gets none of these families.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ JOB_STATES: tuple[str, ...] = ("running", "succeeded", "failed")
 TASK_STATES: tuple[str, ...] = ("starting", "running", "restarting", "done", "failed", "unreachable")
 
 _TASK_LABELS = ["task", "role"]
+_TABLE_LABELS = ["task", "table"]  # a ps shard's part of an embedding table (the role is always ps)
 
 
 def _number(value: Any) -> float | None:
@@ -52,6 +58,7 @@ class PictureCollector:
     def collect(self) -> Iterator[Metric]:
         yield from self._job_metrics()
         yield from self._task_metrics()
+        yield from self._table_metrics()
 
     def _job_metrics(self) -> Iterator[Metric]:
         job = self._job
@@ -121,6 +128,45 @@ class PictureCollector:
         yield state
         yield restarts
         yield from gauges.values()
+
+
+    def _table_metrics(self) -> Iterator[Metric]:
+        """Each ps shard's part of each embedding table, and each worker's unique ids; for a job without
+        tables (no ps reported any, no worker counted ids) not even the families' help lines."""
+        gauges = {
+            "rows": GaugeMetricFamily(
+                "tensorfleet_table_rows", "Rows of the embedding table that the ps shard holds.", labels=_TABLE_LABELS),
+            "bytes": GaugeMetricFamily(
+                "tensorfleet_table_bytes", "Bytes the ps shard holds for the embedding table (rows, optimizer "
+                "slots and id map, as allocated).", labels=_TABLE_LABELS),
+            "rows_per_sec": GaugeMetricFamily(
+                "tensorfleet_table_rows_created_per_second",
+                "Rows of the embedding table that the ps shard creates per second.", labels=_TABLE_LABELS),
+        }
+        unique_ids = GaugeMetricFamily(
+            "tensorfleet_unique_ids", "Unique ids (all embedding tables) in the worker's last push.",
+            labels=_TASK_LABELS)
+        has_tables = False
+        for task in self._tasks:
+            name = str(task.get("name", ""))
+            count = _number(task.get("unique_ids"))
+            if count is not None:
+                has_tables = True
+                unique_ids.add_metric([name, str(task.get("role", ""))], count)
+            tables = task.get("tables")
+            if not isinstance(tables, Mapping):
+                continue
+            for table, fields in tables.items():
+                if not isinstance(fields, Mapping):
+                    continue
+                has_tables = True
+                for key, family in gauges.items():
+                    value = _number(fields.get(key))
+                    if value is not None:
+                        family.add_metric([name, str(table)], value)
+        if has_tables:
+            yield from gauges.values()
+            yield unique_ids
 
 
 def render_metrics(picture: Mapping[str, Any]) -> bytes:

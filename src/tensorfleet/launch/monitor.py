@@ -3,7 +3,10 @@
 ``FleetMonitor.picture()`` is the one picture every view reads (the progress line,
 the dashboard page, ``/metrics``): the job's global step, target, steps and examples
 per second, ETA and dropped stale gradients; each task's role, address, state,
-restarts, step, loss and heartbeat age; and a bounded history for the charts.
+restarts, step, loss and heartbeat age; and a bounded history for the charts.  A job
+with embedding tables also has each ps shard's rows, bytes and rows created per
+second per table, each worker's unique ids in its last push, and the job's total rows
+and rows created per second (jobs without tables have None there).
 
 With a ``Supervisor`` (inside ``tensorfleet launch``) task states come from it: it
 knows restarting, done and failed.  Without one (``tensorfleet dashboard`` attached
@@ -14,7 +17,9 @@ succeeded, and the monitor stops polling: nothing will change any more.
 
 Rates (and so the ETA) are measured from the first poll that saw training under way
 (global step > 0), and only once ``MIN_RATE_SPAN_S`` of it is in the window: start-up
-at step 0 would otherwise make the first estimates far too slow.
+at step 0 would otherwise make the first estimates far too slow.  A counter that went
+down (a restarted task) restarts its rate: a ps's rows created are counted from the
+sample that saw it drop.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from tensorfleet.worker.status import final_status_path
 
 RATE_WINDOW_S = 5.0  # rates are averaged over this much history
 MIN_RATE_SPAN_S = 2.0  # no rate, nor ETA, from less training than this
-_NO_RATES: dict[str, Any] = {"steps": None, "examples": None, "per_task": {}}
+_NO_RATES: dict[str, Any] = {"steps": None, "examples": None, "per_task": {}, "rows": {}}
 HISTORY_POINTS = 1800  # half an hour at one poll a second
 
 
@@ -86,7 +91,9 @@ class FleetMonitor:
                           for t in self.tasks}
         self._seen = {t.short: _Seen() for t in self.tasks}
         self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY_POINTS)
-        self._samples: collections.deque[tuple[float, int, dict[str, int]]] = collections.deque()
+        # (when, global step, examples per worker, rows created per (ps task, table))
+        self._samples: collections.deque[tuple[float, int, dict[str, int], dict[tuple[str, str], int]]] = \
+            collections.deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -175,6 +182,12 @@ class FleetMonitor:
         return {name: int(s.status.get("examples") or 0) for name, s in self._seen.items()
                 if s.status is not None and s.status.get("role") != "ps"}
 
+    def _rows_created(self) -> dict[tuple[str, str], int]:
+        """Each ps shard's rows created (since it started) per table, by (task name, table name)."""
+        return {(name, table): int(fields.get("rows_created") or 0) for name, s in self._seen.items()
+                if s.status is not None and s.status.get("role") == "ps"
+                for table, fields in _tables(s.status).items()}
+
     def _record(self, now: float, answers: dict[str, dict[str, Any]]) -> None:
         """A history point from this round's answers; none once the job is over (they would only repeat)."""
         if self.supervisor is None and self.job_state == "running":
@@ -184,7 +197,7 @@ class FleetMonitor:
             return
         step, examples = self._global_step(), self._examples()
         if step > 0:  # the rate window opens when training has begun
-            self._samples.append((now, step, examples))
+            self._samples.append((now, step, examples, self._rows_created()))
         while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
             self._samples.popleft()
         rates = self._rates()
@@ -194,16 +207,41 @@ class FleetMonitor:
                               "examples_per_sec": rates["examples"], "steps_per_sec": rates["steps"]})
 
     def _rates(self) -> dict[str, Any]:
-        """Steps/s and examples/s over the window; per task too. A counter that went down (restart) restarts."""
+        """Steps/s and examples/s over the window; per task too. A counter that went down (restart) restarts.
+
+        ``rows``: rows created per second by (ps task, table)."""
         if self.job_state != "running" or len(self._samples) < 2:
             return _NO_RATES
-        (t0, step0, ex0), (t1, step1, ex1) = self._samples[0], self._samples[-1]
+        (t0, step0, ex0, _), (t1, step1, ex1, _) = self._samples[0], self._samples[-1]
         span = t1 - t0
         if span < MIN_RATE_SPAN_S:
             return _NO_RATES
         per_task = {name: max(ex1[name] - ex0.get(name, 0), 0) / span for name in ex1 if ex1[name] >= ex0.get(name, 0)}
         examples = sum(per_task.values()) if any(ex1.values()) else None
-        return {"steps": max(step1 - step0, 0) / span, "examples": examples, "per_task": per_task}
+        return {"steps": max(step1 - step0, 0) / span, "examples": examples, "per_task": per_task,
+                "rows": self._rows_rates()}
+
+    def _rows_rates(self) -> dict[tuple[str, str], float]:
+        """Rows created per second by (ps task, table), over the window, or from the last sample in it
+        where the count went down (the ps restarted, counting from 0 again); none from less than
+        ``MIN_RATE_SPAN_S``."""
+        when, *_, last = self._samples[-1]
+        rates = {}
+        for key, count in last.items():
+            since: tuple[float, int] | None = None  # (when, count) the rate is measured from
+            previous: int | None = None
+            for t, _, _, rows in self._samples:
+                value = rows.get(key)
+                if value is None:
+                    continue
+                if previous is None or value < previous:
+                    since = (t, value)
+                previous = value
+            assert since is not None  # the last sample has the key
+            span = when - since[0]
+            if span >= MIN_RATE_SPAN_S:
+                rates[key] = (count - since[1]) / span
+        return rates
 
     def _reported_done(self) -> set[str]:
         """The workers some ps heard say Done: done, even though they no longer answer."""
@@ -242,6 +280,7 @@ class FleetMonitor:
                 status = statuses[name]
                 record = self.supervisor.by_name[name] if self.supervisor is not None else None
                 is_ps = task.job_name == "ps"
+                tables = _tables(status) if is_ps else {}
                 tasks.append({
                     "name": name, "role": task_role(self.cluster, task),
                     "address": self.cluster.task_address(task.job_name, task.index),
@@ -254,6 +293,11 @@ class FleetMonitor:
                     "examples_per_sec": None if is_ps else rates["per_task"].get(name),
                     "heartbeat_age_s": None if seen.at is None else round(now - seen.at, 2),
                     "exit_code": record.exit_code if record is not None else None,
+                    # embedding tables: a ps's rows per table, a worker's unique ids in its last push
+                    "tables": {table: {"rows": fields.get("rows"), "bytes": fields.get("bytes"),
+                                       "rows_per_sec": rates["rows"].get((name, table))}
+                               for table, fields in tables.items()} or None,
+                    "unique_ids": None if is_ps else status.get("unique_ids"),
                 })
             targets = [s.get("target_step") for s in statuses.values() if s.get("target_step")]
             target = max(targets) if targets else None
@@ -263,12 +307,23 @@ class FleetMonitor:
             dropped = max((int(s.get("dropped_stale") or 0) for s in statuses.values() if s.get("role") == "ps"),
                           default=0)
             mode = self.mode or ps0.get("mode")
+            table_rows = [int(fields.get("rows") or 0) for t in tasks for fields in (t["tables"] or {}).values()]
             job = {"name": self.job_name, "mode": mode, "state": self.job_state, "global_step": step,
                    "target_step": target, "steps_per_sec": steps_per_sec, "examples_per_sec": rates["examples"],
                    "eta_s": eta, "dropped_stale": dropped,
                    "elapsed_s": round((self.ended or now) - self.started, 2),
-                   "restarts": self.supervisor.total_restarts if self.supervisor is not None else 0}
+                   "restarts": self.supervisor.total_restarts if self.supervisor is not None else 0,
+                   "table_rows": sum(table_rows) if table_rows else None,
+                   "rows_per_sec": sum(rates["rows"].values()) if rates["rows"] else None}
             return {"job": job, "tasks": tasks, "history": list(self._history)}
+
+
+def _tables(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A ps's Status ``tables`` (table name -> its figures); {} when it has none (or sent something else)."""
+    tables = status.get("tables")
+    if not isinstance(tables, dict):
+        return {}
+    return {str(name): fields for name, fields in tables.items() if isinstance(fields, dict)}
 
 
 def progress_line(picture: dict[str, Any]) -> str:
@@ -280,6 +335,9 @@ def progress_line(picture: dict[str, Any]) -> str:
         parts.append(f"{job['examples_per_sec']:,.0f} ex/s")
     if job["steps_per_sec"] is not None:
         parts.append(f"{job['steps_per_sec']:,.0f} steps/s")
+    if job.get("table_rows") is not None:  # a job with embedding tables
+        rate = job.get("rows_per_sec")
+        parts.append(f"{job['table_rows']:,} table rows" + (f" (+{rate:,.0f}/s)" if rate is not None else ""))
     if job["eta_s"] is not None:
         parts.append(f"ETA {format_seconds(job['eta_s'])}")
     tasks = picture["tasks"]

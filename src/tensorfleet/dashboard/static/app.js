@@ -6,6 +6,10 @@
 // "connecting", "ok", "finished" (the job is over: nothing will change) or "lost"), and
 // one <tr data-task="NAME"> per task whose cells are
 // <td data-field="FIELD" data-value="RAW">, FIELD being the picture's key for that column.
+// A job with embedding tables (some ps reports tables, some worker unique ids) gets
+// body.has-tables, which shows the tasks' "unique_ids" column and the #embedding-tables
+// section: one <tr data-table="TABLE" data-shard="PS TASK"> per table and shard, whose cells
+// are <td data-field="FIELD" data-value="RAW">, FIELD one of table, task, rows, bytes, rows_per_sec.
 "use strict";
 
 (() => {
@@ -57,6 +61,8 @@
   }
 
   const formatAge = (value) => (isNumber(value) ? `${value.toFixed(1)} s` : DASH);
+  const megabytesFormat = new Intl.NumberFormat("en-US", { minimumFractionDigits: 1, maximumFractionDigits: 1 });
+  const formatMegabytes = (bytes) => (isNumber(bytes) ? megabytesFormat.format(bytes / 1e6) : DASH);
   const stateClass = (state) => `badge state-${KNOWN_STATES.has(state) ? state : "unknown"}`;
 
   // ---- header -------------------------------------------------------------------------------
@@ -118,6 +124,7 @@
     { field: "global_step", format: formatInteger, numeric: true },
     { field: "loss", format: formatLoss, numeric: true },
     { field: "examples_per_sec", format: formatRate, numeric: true },
+    { field: "unique_ids", format: formatInteger, numeric: true, className: "tables-only" },
     { field: "heartbeat_age_s", format: formatAge, numeric: true },
     { field: "pid", format: formatPlain, numeric: true },
     { field: "exit_code", format: formatPlain, numeric: true },
@@ -181,6 +188,76 @@
     byId("no-tasks").hidden = tasks.length > 0;
     const running = tasks.filter((task) => task.state === "running").length;
     byId("task-count").textContent = tasks.length ? `${running} of ${tasks.length} running` : "";
+  }
+
+  // ---- embedding tables ---------------------------------------------------------------------
+
+  const TABLE_COLUMNS = [
+    { field: "table", format: formatPlain },
+    { field: "task", format: formatPlain },
+    { field: "rows", format: formatInteger, numeric: true },
+    { field: "bytes", format: formatMegabytes, numeric: true },
+    { field: "rows_per_sec", format: formatRate, numeric: true },
+  ];
+
+  const tableRows = new Map(); // "table\0task" -> <tr>, updated in place as the task rows are
+
+  const hasTables = (task) =>
+    (task.tables !== null && typeof task.tables === "object" && Object.keys(task.tables).length > 0) ||
+    isNumber(task.unique_ids);
+
+  // One entry per (table, shard): tables in the order the shards first name them, shards in task order.
+  function tableEntries(tasks) {
+    const byTable = new Map();
+    for (const task of tasks) {
+      if (task.tables === null || typeof task.tables !== "object") continue;
+      for (const [table, figures] of Object.entries(task.tables)) {
+        if (!byTable.has(table)) byTable.set(table, []);
+        byTable.get(table).push({ ...(figures || {}), table, task: String(task.name) });
+      }
+    }
+    return [...byTable.values()].flat();
+  }
+
+  function renderTables(job, tasks) {
+    const shown = tasks.some(hasTables);
+    document.body.classList.toggle("has-tables", shown);
+    byId("embedding-tables").hidden = !shown;
+    const body = byId("table-rows");
+    const seen = new Set();
+    tableEntries(shown ? tasks : []).forEach((entry, index) => {
+      const key = `${entry.table}\u0000${entry.task}`;
+      seen.add(key);
+      let row = tableRows.get(key);
+      if (!row) {
+        row = document.createElement("tr");
+        row.dataset.table = entry.table;
+        row.dataset.shard = entry.task;
+        for (const column of TABLE_COLUMNS) {
+          const cell = document.createElement("td");
+          cell.dataset.field = column.field;
+          if (column.numeric) cell.classList.add("num");
+          row.appendChild(cell);
+        }
+        tableRows.set(key, row);
+      }
+      TABLE_COLUMNS.forEach((column, i) => {
+        const value = entry[column.field];
+        row.cells[i].dataset.value = value === null || value === undefined ? "" : String(value);
+        row.cells[i].textContent = column.format(value);
+      });
+      if (body.children[index] !== row) body.insertBefore(row, body.children[index] || null);
+    });
+    for (const [key, row] of tableRows) {
+      if (!seen.has(key)) {
+        row.remove();
+        tableRows.delete(key);
+      }
+    }
+    const total = [];
+    if (isNumber(job.table_rows)) total.push(`${formatInteger(job.table_rows)} rows`);
+    if (isNumber(job.rows_per_sec)) total.push(`${formatRate(job.rows_per_sec)} rows / s`);
+    byId("table-total").textContent = total.join(" · ");
   }
 
   // ---- charts -------------------------------------------------------------------------------
@@ -271,6 +348,7 @@
   function render(picture) {
     renderJob(picture.job || {});
     renderTasks(picture.tasks || []);
+    renderTables(picture.job || {}, picture.tasks || []);
     renderHistory(picture.history || []);
   }
 
