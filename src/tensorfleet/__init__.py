@@ -21,9 +21,10 @@ _EXPORTS: dict[str, str] = {
     "TensorfleetError": "tensorfleet.errors",
     "run_task": "tensorfleet.launch.task",
     **dict.fromkeys(("TowerOptions", "TowerReplica", "Towers", "run_towers"), "tensorfleet.parallel"),
-    **dict.fromkeys(("ExponentialDecay", "OptimizerSpec", "SyncOptions"), "tensorfleet.ps.api"),
+    **dict.fromkeys(("ExponentialDecay", "OptimizerSpec", "SyncOptions", "RowInitializer", "TableSpec"),
+                    "tensorfleet.ps.api"),
     "Server": "tensorfleet.ps.server",
-    **dict.fromkeys(("Checkpointer", "load_into_module"), "tensorfleet.train.checkpoint"),
+    **dict.fromkeys(("Checkpointer", "load_into_module", "load_tables"), "tensorfleet.train.checkpoint"),
     **dict.fromkeys(("CheckpointSaverHook", "Hook", "LoggingHook", "NanLossHook", "StepResult", "StopAtStepHook"),
                     "tensorfleet.train.hooks"),
     "TrainingSession": "tensorfleet.train.session",
@@ -31,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "WireOptions": "tensorfleet.wire.rpc",
     **dict.fromkeys(("add_training_flags", "training_options"), "tensorfleet.worker.flags"),
     "Replica": "tensorfleet.worker.replica",
+    "EmbeddingTable": "tensorfleet.worker.embedding",
     "ReplicaOptions": "tensorfleet.worker.options",
     "TrainingReplica": "tensorfleet.worker.protocol",
 }
@@ -59,9 +61,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from tensorfleet.errors import TensorfleetError
     from tensorfleet.launch.task import run_task
     from tensorfleet.parallel import TowerOptions, TowerReplica, Towers, run_towers
-    from tensorfleet.ps.api import ExponentialDecay, OptimizerSpec, SyncOptions
+    from tensorfleet.ps.api import ExponentialDecay, OptimizerSpec, RowInitializer, SyncOptions, TableSpec
     from tensorfleet.ps.server import Server
-    from tensorfleet.train.checkpoint import Checkpointer, load_into_module
+    from tensorfleet.train.checkpoint import Checkpointer, load_into_module, load_tables
     from tensorfleet.train.hooks import (CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult,
                                          StopAtStepHook)
     from tensorfleet.train.session import TrainingSession
@@ -70,4 +72,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from tensorfleet.worker.flags import add_training_flags, training_options
     from tensorfleet.worker.options import ReplicaOptions
     from tensorfleet.worker.protocol import TrainingReplica
+    from tensorfleet.worker.embedding import EmbeddingTable
     from tensorfleet.worker.replica import Replica

@@ -249,3 +249,25 @@ def test_a_table_used_twice_in_one_step_gets_one_summed_gradient():
                 got = table(torch.tensor([5, 6, 9, 10]))
         # d(sum)/d(row) = occurrences: 5 twice, 6 twice, 9 once, 10 never; SGD lr 1 subtracts them
         torch.testing.assert_close(got, torch.tensor([[-2.0] * 3, [-2.0] * 3, [-1.0] * 3, [0.0] * 3]))
+
+
+def test_prefetched_rows_of_several_tables_are_one_request_per_shard_and_the_same_training():
+    def train(prefetch: bool):
+        with ps_servers(num_ps=2, num_workers=1) as (cluster, servers):
+            model = TableModel(OptimizerSpec("adagrad", {"lr": 0.2}))
+            with Replica(model, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1)) as replica:
+                lookups = []
+                for data in replica.client.data:
+                    call = data.call
+                    data.call = lambda method, *a, _call=call, **k: (lookups.append(method), _call(method, *a, **k))[1]
+                for step in range(STEPS):
+                    batch = batch_for(step, 0)
+                    if prefetch:
+                        replica.prefetch_rows({"user": batch[0], "tags": batch[1]})
+                    loss_of(model, batch).backward()
+                    replica.push()
+            return rows_on_servers(servers, "user"), lookups.count("Lookup")
+
+    (plain, plain_lookups), (prefetched, prefetched_lookups) = train(False), train(True)
+    assert plain.keys() == prefetched.keys() and all(torch.equal(plain[i], prefetched[i]) for i in plain)
+    assert prefetched_lookups <= STEPS * 2 < plain_lookups  # one per shard per step, not one per table and shard

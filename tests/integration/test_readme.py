@@ -28,3 +28,12 @@ def test_the_own_script_snippet_trains_on_a_local_cluster(tmp_path):
     assert len(finals) == 2, job.output
     assert all(step >= 300 for step, _ in finals)
     assert all(loss < 1.0 for _, loss in finals), job.output  # y = sum(x) has variance 8: it learned
+
+
+def test_the_embedding_tables_snippet_builds_a_model_that_answers_without_a_cluster():
+    namespace: dict = {}
+    exec(readme_block("## Embedding tables"), namespace)  # noqa: S102 - our own README
+    torch = namespace["torch"]
+    model = namespace["Model"]()
+    users, tags, offsets = torch.tensor([3, 2 ** 40]), torch.tensor([1, 2, 3]), torch.tensor([0, 1])
+    assert model(users, tags, offsets).shape == (2, 1)  # unbound tables answer each id's initial row

@@ -6,6 +6,7 @@
     tensorfleet dashboard --cluster SPEC [--port PORT]
     tensorfleet ckpt ls DIR
     tensorfleet ckpt show DIR|FILE
+    tensorfleet data fetch movielens [--cache DIR]
     tensorfleet k8s render --ps N --workers M --image IMG [options] SCRIPT [-- ARGS]
 
 Every launch setting can also come from a ``TENSORFLEET_*`` variable
@@ -27,6 +28,7 @@ import difflib
 import os
 import shlex
 import sys
+from pathlib import Path
 from importlib import metadata
 from typing import Callable, NoReturn, Sequence
 
@@ -154,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_commands.add_parser("ls", help="list the checkpoints of a directory").add_argument("directory")
     ckpt_commands.add_parser("show", help="variables, shapes, step and optimizer of a checkpoint").add_argument(
         "path", help="a checkpoint directory (its latest checkpoint) or one checkpoint file")
+    data = commands.add_parser("data", help="fetch the data sets that come from a package (MovieLens-100K)")
+    data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    fetch = data_commands.add_parser("fetch", help="download a data set's package into the cache and verify it")
+    fetch.add_argument("dataset", choices=["movielens"], help="movielens: MovieLens-100K, from the recbole wheel")
+    fetch.add_argument("--cache", default=None, help="the cache folder (default: $TENSORFLEET_DATA, else "
+                                                     "~/.cache/tensorfleet)")
     k8s.add_parser(commands)
     return parser
 
@@ -261,6 +269,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "ckpt":
             from tensorfleet.launch import ckpt  # only this command needs safetensors loaded
             print(ckpt.list_text(args.directory) if args.ckpt_command == "ls" else ckpt.show_text(args.path))
+            return 0
+        if args.command == "data":
+            from tensorfleet.data import movielens
+            wheel = movielens.fetch(Path(args.cache) if args.cache else None)
+            ratings = len(movielens.load(wheel.parent))
+            print(f"MovieLens-100K: {ratings} ratings, verified, in {wheel}")
             return 0
     except ConfigError as exc:
         print(f"tensorfleet {args.command}: error: {exc}", file=sys.stderr)

@@ -44,6 +44,7 @@ from tensorfleet.parallel.towers import Towers
 from tensorfleet.ps.api import Mode, OptimizerSpec, ShardState, SyncOptions
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import PsClient
+from tensorfleet.worker.embedding import tables_of
 from tensorfleet.worker.options import DEFAULT_PLACEMENT, ReplicaOptions
 from tensorfleet.worker.replica import Replica
 
@@ -127,6 +128,9 @@ class TowerReplica:
         if self.options.prefetch and towers.num_towers > 1:
             raise InvalidArgumentError("prefetch=True with several towers is not supported: the towers take tower "
                                        "0's values after each push; use towers or --prefetch, not both")
+        if towers.num_towers > 1 and tables_of(module):
+            raise InvalidArgumentError("EmbeddingTable layers with several towers are not supported yet: each tower "
+                                       "would fetch and push its own rows; use one tower per worker process")
         self.towers = towers
         self.module = module
         self.task = task

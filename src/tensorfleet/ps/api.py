@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from tensorfleet.cluster import idhash
@@ -329,9 +330,9 @@ class RowInitializer:
         if self.kind == "constant" or ids.numel() == 0:
             return torch.full((ids.numel(), dim), float(self.a), dtype=dtype)
         if self.kind == "normal":
-            raw = idhash.normal(ids, dim, self.seed) * self.b + self.a
+            raw = idhash.normal(ids, dim, self.seed) * np.float32(self.b) + np.float32(self.a)
         else:
-            raw = idhash.uniform(ids, dim, self.seed) * (self.b - self.a) + self.a
+            raw = idhash.uniform(ids, dim, self.seed) * np.float32(self.b - self.a) + np.float32(self.a)
         return torch.from_numpy(raw).to(dtype)
 
     def to_meta(self) -> list:

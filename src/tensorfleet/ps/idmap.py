@@ -2,7 +2,7 @@
 
 A Python dict costs ~100 bytes per id (the int objects, the entry): as much as a 16-wide
 row and its Adagrad slot.  Here an id costs 12 bytes per slot of an open-addressing table
-(linear probing, at most 60 % full: 12-34 bytes per id), and a batch of ids is found or
+(linear probing, at most 75 % full: 16-32 bytes per id), and a batch of ids is found or
 inserted with a few vectorized passes, one per probe distance, instead of a Python loop
 over the ids.  Any int64 is a valid id: a slot's emptiness is its row number (-1), not a
 reserved key.  Rows are numbered 0, 1, 2, ... in insertion order; the owner keeps them.
@@ -14,7 +14,7 @@ import numpy as np
 
 from tensorfleet.cluster.idhash import as_uint64, mix64
 
-MAX_LOAD = 0.6
+MAX_LOAD = 0.75
 _MIN_CAPACITY = 1024
 _EMPTY = -1
 _WINDOW = 8  # slots probed per pass after the home slot

@@ -74,7 +74,7 @@ class PsService:
                          table.dim, f"{table.num_rows} rows" if table.num_rows else "any int64 id (growing)",
                          table.optimizer.name, dict(table.optimizer.options), rows)
             log.info("%s: initialized %d variable(s)%s, optimizer %s %s, %s", self.store.task, len(tensors),
-                     f" from a checkpoint at step {restore.global_step}" if restore else "",
+                     f" from a checkpoint ({restore.applied_updates} updates)" if restore else "",
                      spec.name, dict(spec.options), f"sync {sync.to_meta()}" if sync else "async")
         else:
             log.info("%s: already initialized; kept the current values (not overwritten)", self.store.task)
@@ -105,6 +105,7 @@ class PsService:
         gradients = request.receive()
         if push.wire_dtype is not None:
             gradients = layout.upcast(gradients)
+        parts = layout.split(gradients, task=self.store.task)  # tables' ids checked: bad ids are an error first
         nonfinite = layout.nonfinite == "reject" and nonfinite_names(gradients, body=request.body)
         if nonfinite:
             reply = self.store.reject_nonfinite(nonfinite, push.origin)
@@ -112,7 +113,7 @@ class PsService:
                 return Reply(reply.to_meta())
             values, step, release = self.store.read_live()
             return _reply_with_values({**reply.to_meta(), "step": step}, values, release, push.wire_dtype)
-        result = self.store.push(push, gradients, layout)
+        result = self.store.push(push, gradients, layout, parts=parts)
         if result.values is None:
             return Reply(result.reply.to_meta())
         return _reply_with_values(result.reply.to_meta(), result.values, result.release, push.wire_dtype)

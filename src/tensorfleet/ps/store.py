@@ -389,12 +389,14 @@ class VariableStore:
         return layout
 
     def push(self, push: PushRequest, gradients: Mapping[str, torch.Tensor],
-             layout: ShardLayout | None = None) -> PushResult:
+             layout: ShardLayout | None = None, *, parts: tuple[dict[str, torch.Tensor], Rows] | None = None
+             ) -> PushResult:
         """One push, as one transaction: exactly-once admission, the update (async) or the offer to its step
         and the wait for the aggregation (sync), and with ``push.with_values`` the values after it.
 
         ``layout`` is what ``admit`` checked the push against before its body arrived; without it (or if an
-        initialization replaced it since) the gradients are checked here.
+        initialization replaced it since) the gradients are checked here; ``parts`` is ``layout.split`` of the
+        gradients (their tables' ids checked), when the caller has it already.
 
         Raises:
             StaleIncarnationError: ``push.origin`` is an incarnation of its worker older than one already seen.
@@ -405,7 +407,7 @@ class VariableStore:
         if layout is None:
             layout = self.layout
             layout.check(entries, push, task=self.task, as_sent=False)
-        dense, rows = layout.split(gradients, task=self.task)  # ids checked here, without the lock
+        dense, rows = parts or layout.split(gradients, task=self.task)  # ids checked here, without the lock
         with self._cond:
             self._exclusive()  # first: from here on the lock is never released until the update is done
             self._require_initialized()

@@ -15,22 +15,20 @@ The per-row rules (plain torch on the touched rows; the caller holds the store's
   row that is a parameter of its own, stepped only when touched.  (``torch.optim.SparseAdam`` counts
   ``t`` per tensor instead; the two agree while every row is touched every step.)
 
-Storage grows by half its size when full (a copy, amortized), so a table of n rows holds at
-most 1.5 n rows of memory, plus its ``IdMap`` (12-34 bytes per row).
+Storage grows by a quarter of its size when full, in place (``GrowingRows``: no copy, so no
+moment with the old and the new storage both alive), so a table of n rows holds at most
+1.25 n rows of memory, plus its ``IdMap`` (16-32 bytes per row).
 """
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import torch
 
 from tensorfleet.ps.api import TableSpec, TableState
 from tensorfleet.ps.idmap import IdMap
-
-_GROWTH = 1.5
-_MIN_ROWS = 1024
+from tensorfleet.ps.rows import GrowingRows
 
 
 class EmbeddingShard:
@@ -39,11 +37,12 @@ class EmbeddingShard:
     def __init__(self, spec: TableSpec) -> None:
         self.spec = spec
         self._map = IdMap()
-        self._values = torch.empty((0, spec.dim), dtype=spec.dtype)
-        self._slots: dict[str, torch.Tensor] = {name: torch.empty(shape, dtype=dtype)
-                                                for name, (shape, dtype) in self._slot_layout(0).items()}
+        self._values, self._slots = self._empty_storage()
         self.rows_created = 0  # since start (a restore's rows are loaded, not created)
-        self._started = time.monotonic()
+
+    def _empty_storage(self) -> tuple[GrowingRows, dict[str, GrowingRows]]:
+        return (GrowingRows((self.spec.dim,), self.spec.dtype),
+                {name: GrowingRows(shape[1:], dtype) for name, (shape, dtype) in self._slot_layout(0).items()})
 
     # --- layout ---------------------------------------------------------------------------------
 
@@ -67,7 +66,7 @@ class EmbeddingShard:
     @property
     def nbytes(self) -> int:
         """Bytes held for this table: rows and slots as allocated (with room to grow), and the id map."""
-        return (self._values.nbytes + sum(slot.nbytes for slot in self._slots.values()) + self._map.nbytes)
+        return self._values.nbytes + sum(slot.nbytes for slot in self._slots.values()) + self._map.nbytes
 
     def bytes_per_row(self) -> dict[str, float]:
         """What one row costs: its values and slots alone, and everything held divided by the rows."""
@@ -83,10 +82,10 @@ class EmbeddingShard:
         rows = torch.from_numpy(self._map.find(ids.numpy()))
         known = rows >= 0
         if bool(known.all()):
-            return self._values[rows]
+            return self._values.tensor[rows]
         out = self.spec.initializer.rows(ids, self.spec.dim, self.spec.dtype)
         if bool(known.any()):
-            out[known] = self._values[rows[known]]
+            out[known] = self._values.tensor[rows[known]]
         return out
 
     # --- the update -----------------------------------------------------------------------------
@@ -98,30 +97,31 @@ class EmbeddingShard:
         rows = self._rows_for(ids)
         name, options = self.spec.optimizer.name, self.spec.optimizer.options
         grads = grads.to(self.spec.dtype)
-        values = self._values[rows]
+        slots = {name: slot.tensor for name, slot in self._slots.items()}
+        values = self._values.tensor[rows]
         if name == "sgd":
             values.add_(grads, alpha=-lr)
         elif name == "adagrad":
-            total = self._slots["sum"][rows].addcmul_(grads, grads)
-            self._slots["sum"][rows] = total
+            total = slots["sum"][rows].addcmul_(grads, grads)
+            slots["sum"][rows] = total
             values.addcdiv_(grads, total.sqrt().add_(float(options.get("eps", 1e-10))), value=-lr)
         else:
-            self._lazy_adam(rows, values, grads, lr)
-        self._values[rows] = values
+            self._lazy_adam(slots, rows, values, grads, lr)
+        self._values.tensor[rows] = values
 
-    def _lazy_adam(self, rows: torch.Tensor, values: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+    def _lazy_adam(self, slots: dict[str, torch.Tensor], rows: torch.Tensor, values: torch.Tensor,
+                   grads: torch.Tensor, lr: float) -> None:
         options = self.spec.optimizer.options
         beta1, beta2 = (float(b) for b in options.get("betas", (0.9, 0.999)))
         eps = float(options.get("eps", 1e-8))
-        step = self._slots["step"][rows] + 1
-        exp_avg = self._slots["exp_avg"][rows].lerp_(grads, 1 - beta1)
-        exp_avg_sq = self._slots["exp_avg_sq"][rows].mul_(beta2).addcmul_(grads, grads, value=1 - beta2)
+        step = slots["step"][rows] + 1
+        exp_avg = slots["exp_avg"][rows].lerp_(grads, 1 - beta1)
+        exp_avg_sq = slots["exp_avg_sq"][rows].mul_(beta2).addcmul_(grads, grads, value=1 - beta2)
         bias1 = 1 - torch.pow(beta1, step)
         bias2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
         denom = (exp_avg_sq.sqrt() / bias2_sqrt[:, None]).add_(eps)
         values.sub_(exp_avg / denom * (lr / bias1)[:, None])
-        self._slots["step"][rows], self._slots["exp_avg"][rows] = step, exp_avg
-        self._slots["exp_avg_sq"][rows] = exp_avg_sq
+        slots["step"][rows], slots["exp_avg"][rows], slots["exp_avg_sq"][rows] = step, exp_avg, exp_avg_sq
 
     def _rows_for(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids``, creating (initial value, fresh slots) the ones never updated."""
@@ -139,22 +139,20 @@ class EmbeddingShard:
         """Store rows ``len-n .. len-1`` (the id map has just numbered them), growing the storage if needed."""
         end = len(self._map)
         start = end - ids.numel()
-        if end > self._values.shape[0]:
-            capacity = max(_MIN_ROWS, int(end * _GROWTH))
-            self._values = _grown(self._values, capacity, start)
-            self._slots = {name: _grown(slot, capacity, start) for name, slot in self._slots.items()}
-        self._values[start:end] = values
+        for storage in (self._values, *self._slots.values()):
+            storage.reserve(end)
+        self._values.tensor[start:end] = values
         for name, slot in self._slots.items():
-            slot[start:end] = slots[name]
+            slot.tensor[start:end] = slots[name]
 
     # --- checkpoints ------------------------------------------------------------------------------
 
     def state(self) -> TableState:
         """A copy of every row: ids, values, slots (ordered by creation)."""
-        ids, rows = self._map.items()
+        ids, _ = self._map.items()
         n = len(self)
-        return TableState(torch.from_numpy(ids.copy()), self._values[:n].clone(),
-                          {name: slot[:n].clone() for name, slot in self._slots.items()})
+        return TableState(torch.from_numpy(ids.copy()), self._values.tensor[:n].clone(),
+                          {name: slot.tensor[:n].clone() for name, slot in self._slots.items()})
 
     def load(self, state: TableState) -> None:
         """Replace every row with a checkpoint's (which the caller checked: ids unique and of this shard)."""
@@ -171,19 +169,12 @@ class EmbeddingShard:
         slots.update({name: state.slots[name].to(slots[name].dtype) for name in expected if name not in missing})
         self._map = IdMap(int(state.ids.numel() / 0.5))
         self._map.insert(state.ids.numpy())
-        self._values = torch.empty((0, self.spec.dim), dtype=self.spec.dtype)
-        self._slots = {name: torch.empty((0, *shape[1:]), dtype=dtype) for name, (shape, dtype) in expected.items()}
+        self._values, self._slots = self._empty_storage()
         self._append(state.ids, state.values.to(self.spec.dtype), slots)
 
     def status(self) -> dict[str, float]:
         return {"rows": len(self), "rows_created": self.rows_created, "bytes": self.nbytes,
                 **{f"bytes_per_row_{k}": v for k, v in self.bytes_per_row().items()}}
-
-
-def _grown(tensor: torch.Tensor, capacity: int, keep: int) -> torch.Tensor:
-    grown = torch.empty((capacity, *tensor.shape[1:]), dtype=tensor.dtype)
-    grown[:keep] = tensor[:keep]
-    return grown
 
 
 def unique_ids_error(ids: torch.Tensor) -> str | None:

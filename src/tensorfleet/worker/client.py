@@ -270,8 +270,15 @@ class PsClient:
 
     def lookup(self, ids: Mapping[str, torch.Tensor], *, inline: bool = True) -> dict[str, torch.Tensor]:
         """The current rows of each table's ``ids`` (unique int64), from the shards they hash to: one request
-        per shard holding any of them, all at once; ``inline``: one of them on the calling thread (not while
-        a push travels on the shard threads, prefetch's case)."""
+        per shard holding any of them (every table's ids in it), all at once; ``inline``: one of them on the
+        calling thread (not while a push travels on the shard threads, prefetch's case)."""
+        return self._lookup(ids, inline=inline).result()
+
+    def lookup_async(self, ids: Mapping[str, torch.Tensor]) -> Gathered:
+        """``lookup`` on the shards' threads, queued behind whatever they are sending; ``result()`` is the rows."""
+        return self._lookup(ids, inline=False)
+
+    def _lookup(self, ids: Mapping[str, torch.Tensor], *, inline: bool) -> Gathered:
         owners = {table: torch.from_numpy(shard_of(table_ids, len(self.channels))) for table, table_ids in ids.items()}
         parts: dict[int, dict[str, torch.Tensor]] = {}
         for table, table_ids in ids.items():
@@ -280,13 +287,16 @@ class PsClient:
         meta = LookupRequest(self.wire_dtype).to_meta()
         shards = sorted(parts)
         calls = [(s, lambda s=s: self.data[s].call("Lookup", meta, parts[s])[1]) for s in shards]
-        replies = Gathered(self._fan_out(calls, inline=inline and bool(calls)), list).result() if calls else []
-        rows = {table: torch.empty((table_ids.numel(), self.tables[table].dim), dtype=self.tables[table].dtype)
-                for table, table_ids in ids.items()}
-        for shard, reply in zip(shards, replies):
-            for table, value in reply.items():
-                rows[table][owners[table] == shard] = value.to(rows[table].dtype)
-        return rows
+
+        def assemble(replies: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+            rows = {table: torch.empty((table_ids.numel(), self.tables[table].dim), dtype=self.tables[table].dtype)
+                    for table, table_ids in ids.items()}
+            for shard, reply in zip(shards, replies):
+                for table, value in reply.items():
+                    rows[table][owners[table] == shard] = value.to(rows[table].dtype)
+            return rows
+
+        return Gathered(self._fan_out(calls, inline=inline and bool(calls)), assemble)
 
     def _split_rows(self, rows: Rows) -> list[dict[str, torch.Tensor]]:
         """Each table's (ids, row gradients) cut by the shard each id lives on, as push entries."""

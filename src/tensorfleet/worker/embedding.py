@@ -71,6 +71,7 @@ class EmbeddingTable(nn.Module):
         self._local: dict[int, int] | None = None  # id -> row of _local_rows (inference on loaded rows)
         self._local_rows: torch.Tensor | None = None
         self._fetched: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's (unique ids, rows leaf)
+        self._expected: tuple[torch.Tensor, Callable[[], torch.Tensor]] | None = None  # prefetched rows
 
     @property
     def name(self) -> str:
@@ -102,7 +103,16 @@ class EmbeddingTable(nn.Module):
         """Fetch rows with ``lookup`` (unique ids -> rows) from now on; None: answer from local rows.
         ``Replica`` binds its tables on construction and unbinds them when it finishes."""
         self._lookup = lookup
-        self._fetched = []
+        self._fetched, self._expected = [], None
+
+    def check_ids(self, ids: torch.Tensor) -> None:
+        """Refuse ids outside a fixed-size table (InvalidArgumentError naming the first)."""
+        self._spec.check_ids(ids)
+
+    def expect(self, unique: torch.Tensor, rows: Callable[[], torch.Tensor]) -> None:
+        """The rows of these unique ids are on their way (``rows()`` waits for them): the next forward whose
+        unique ids are exactly these takes them instead of asking the ps (``Replica.prefetch_rows``)."""
+        self._expected = (unique, rows)
 
     def load_rows(self, state: TableState) -> None:
         """Answer from these rows when unbound (inference on a checkpoint's table)."""
@@ -128,8 +138,8 @@ class EmbeddingTable(nn.Module):
         return ids, grads
 
     def forget(self) -> None:
-        """Drop this step's fetched rows (a failed step run again must not add to them)."""
-        self._fetched = []
+        """Drop this step's fetched and prefetched rows (a failed step run again must not add to them)."""
+        self._fetched, self._expected = [], None
 
     # --- forward ----------------------------------------------------------------------------------
 
@@ -143,7 +153,7 @@ class EmbeddingTable(nn.Module):
                                        "pooling='sum', 'mean' or 'max'")
         flat = ids.reshape(-1).to(torch.int64)
         unique, inverse = torch.unique(flat, return_inverse=True)
-        self._spec.check_ids(unique)
+        self.check_ids(unique)
         rows = self._rows(unique)
         if self._lookup is not None and torch.is_grad_enabled():
             rows.requires_grad_(True)
@@ -161,6 +171,9 @@ class EmbeddingTable(nn.Module):
 
     def _rows(self, unique: torch.Tensor) -> torch.Tensor:
         if self._lookup is not None:
+            expected, self._expected = self._expected, None
+            if expected is not None and torch.equal(expected[0], unique):
+                return expected[1]()
             return self._lookup(unique)
         rows = self._spec.initializer.rows(unique, self.dim, self._spec.dtype)
         if self._local:

@@ -40,8 +40,9 @@ one transaction per shard.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Sequence, cast
+from typing import Any, Mapping, Sequence, cast
 
 import torch
 from torch import nn
@@ -306,6 +307,27 @@ class Replica:
         pulled = self._copy_in(averages=False)
         self.global_step, self._shard_steps = pulled.global_step, pulled.shard_steps
         return self.global_step
+
+    def prefetch_rows(self, ids: Mapping[str, torch.Tensor]) -> None:
+        """Start fetching the rows of several embedding tables at once: one request per ps shard for all of
+        them, instead of one per table as each table's forward would ask. Returns at once; the next forward
+        of each named table with exactly these ids (any shape, duplicates and order as they come) waits for
+        them instead of asking.
+
+        Call it with the batch about to run, before the forward. In async mode it may also be called with
+        the *next* batch while this one computes (its rows are then one update older, as with prefetch);
+        in sync mode rows fetched before the step's push are those of the previous step.
+        """
+        unknown = sorted(set(ids) - set(self.tables))
+        if unknown:
+            raise InvalidArgumentError(f"prefetch_rows: no EmbeddingTable named {unknown}; the model has "
+                                       f"{sorted(self.tables)}")
+        unique = {name: torch.unique(table_ids.reshape(-1).to(torch.int64)) for name, table_ids in ids.items()}
+        for name, table_ids in unique.items():
+            self.tables[name].check_ids(table_ids)
+        rows = functools.cache(self.client.lookup_async(unique).result)  # assembled once, for every table
+        for name, table_ids in unique.items():
+            self.tables[name].expect(table_ids, lambda name=name: rows()[name])
 
     def load_averages(self) -> int:
         """Copy the ps's moving averages into the module, for evaluation; return the global step.
