@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.errors import InvalidArgumentError, TensorfleetError
@@ -680,3 +682,61 @@ def test_a_streamed_sparse_push_aborted_after_its_ids_applies_nothing(trained):
                             timeout=TIMEOUT_S)[0]["outcome"] == "applied"  # the channel reconnects
     finally:
         channel.close()
+
+
+# --- property: random malformed sparse pushes and lookups ------------------------------------------------------
+
+POOL = ids_on(TARGET, 40, stop=10_000)  # valid ids of the target shard for the growing table
+DEFECTS = {  # each breaks a well-formed growing-table part in one way
+    "ids-dtype": lambda ids, grads, draw: (ids.to(draw(st.sampled_from([torch.int32, torch.float32]))), grads),
+    "ids-2d": lambda ids, grads, draw: (ids.reshape(-1, 1), grads),
+    "count": lambda ids, grads, draw: (ids, torch.ones(ids.numel() + draw(st.sampled_from([-1, 1, 5])), DIM[GROW])),
+    "dim": lambda ids, grads, draw: (ids, torch.ones(ids.numel(), DIM[GROW] + draw(st.sampled_from([-2, -1, 1])))),
+    "duplicate": lambda ids, grads, draw: (torch.cat([ids, ids[-1:]]), torch.ones(ids.numel() + 1, DIM[GROW])),
+    "other-shard": lambda ids, grads, draw: (torch.cat([ids, THEIRS]), torch.ones(ids.numel() + 1, DIM[GROW])),
+}
+
+
+@st.composite
+def malformed_sparse_pushes(draw) -> tuple[str, dict[str, torch.Tensor]]:
+    count = draw(st.integers(1, 8))
+    ids = POOL[torch.tensor(draw(st.lists(st.integers(0, len(POOL) - 1), min_size=count, max_size=count,
+                                          unique=True)))]
+    grads = torch.tensor(draw(st.lists(st.floats(-1e6, 1e6, width=32), min_size=count * DIM[GROW],
+                                       max_size=count * DIM[GROW]))).reshape(count, DIM[GROW])
+    defect = draw(st.sampled_from(sorted(DEFECTS)))
+    ids, grads = DEFECTS[defect](ids, grads, draw)
+    tensors = rows_push(GROW, ids, grads)
+    if draw(st.booleans()):  # a well-formed second table beside it: the whole push is refused all the same
+        tensors.update(rows_push(FIXED, MINE[:draw(st.integers(1, 3))]))
+    if draw(st.booleans()):
+        tensors["v"] = torch.ones(3)
+    return defect, tensors
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(request=malformed_sparse_pushes())
+def test_random_malformed_sparse_pushes_are_refused_and_change_nothing(trained, request):
+    defect, tensors = request
+    origin = next_origin()
+    with still_serving(trained, origin):
+        with pytest.raises(InvalidArgumentError):
+            trained.channel.call("Push", PushRequest(origin).to_meta(), tensors, timeout=TIMEOUT_S)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(table=st.sampled_from([GROW, FIXED, "nope"]), dtype=st.sampled_from([torch.int64, torch.int32, torch.float32]),
+       shape=st.sampled_from([(3,), (3, 1), ()]), foreign=st.booleans())
+def test_random_lookups_are_answered_or_refused_and_change_nothing(trained, table, dtype, shape, foreign):
+    ids = (torch.cat([MINE[:2], THEIRS]) if foreign else MINE).to(dtype)
+    ids = ids[0] if shape == () else ids.reshape(shape)
+    valid = table != "nope" and dtype == torch.int64 and shape == (3,) and not foreign
+    with still_serving(trained, next_origin()):
+        if valid:
+            _, rows = trained.channel.call("Lookup", {}, {table: ids}, timeout=TIMEOUT_S)
+            assert rows[table].shape == (3, DIM[table])
+        else:
+            with pytest.raises(InvalidArgumentError):
+                trained.channel.call("Lookup", {}, {table: ids}, timeout=TIMEOUT_S)

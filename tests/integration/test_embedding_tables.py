@@ -271,3 +271,32 @@ def test_prefetched_rows_of_several_tables_are_one_request_per_shard_and_the_sam
     (plain, plain_lookups), (prefetched, prefetched_lookups) = train(False), train(True)
     assert plain.keys() == prefetched.keys() and all(torch.equal(plain[i], prefetched[i]) for i in plain)
     assert prefetched_lookups <= STEPS * 2 < plain_lookups  # one per shard per step, not one per table and shard
+
+
+def test_rows_travel_in_bf16_when_asked_and_train_like_fp32():
+    def train(wire_dtype):
+        with ps_servers(num_ps=2, num_workers=1) as (cluster, servers):
+            model = TableModel(OptimizerSpec("adagrad", {"lr": 0.2}))
+            with Replica(model, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1),
+                         wire_dtype=wire_dtype) as replica:
+                sent = []
+                for data in replica.client.data:
+                    call = data.call
+                    data.call = lambda method, meta=None, tensors=None, *a, _call=call, **k: (
+                        sent.extend(t.dtype for n, t in (tensors or {}).items() if n.startswith("@grads")),
+                        _call(method, meta, tensors, *a, **k))[1]
+                for step in range(STEPS):
+                    loss_of(model, batch_for(step, 0)).backward()
+                    replica.push()
+                with torch.no_grad():
+                    looked_up = model.user._rows(USERS)
+            return rows_on_servers(servers, "user"), looked_up, set(sent)
+
+    (full, _, full_sent), (narrow, narrow_lookup, narrow_sent) = train(None), train(torch.bfloat16)
+    assert full_sent == {torch.float32} and narrow_sent == {torch.bfloat16}
+    assert full.keys() == narrow.keys()
+    for i in full:  # the ps keeps and updates fp32; only what travels is rounded
+        assert narrow[i].dtype == torch.float32
+        torch.testing.assert_close(narrow[i], full[i], rtol=0.05, atol=0.02)
+    assert narrow_lookup.dtype == torch.float32  # the worker's rows are fp32 again (bf16 values)
+    assert torch.equal(narrow_lookup, narrow_lookup.to(torch.bfloat16).float())

@@ -250,8 +250,8 @@ class VariableStore:
         average = MovingAverage(average_decay, owned) if average_decay is not None else None
         layout = ShardLayout(owned, Mode.ASYNC if sync is None else Mode.SYNC, nonfinite,
                              sync.total_num_replicas if sync is not None else 0,
-                             {spec.name: spec for spec in tables}, self.shard)
-        shards = {spec.name: EmbeddingShard(spec) for spec in tables}
+                             {table.name: table for table in tables}, self.shard)
+        shards = {table.name: EmbeddingShard(table) for table in tables}
         if restore is not None:
             self._restore_tables(layout, shards, restore.tables)
             applier.load_slots(restore.slots)
