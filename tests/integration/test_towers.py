@@ -20,7 +20,8 @@ from tensorfleet.testing.local_cluster import REPO, ps_servers, run_launcher
 from tensorfleet.testing.models import sgd_on_union_batches
 
 sys.path.insert(0, str(Path(__file__).parent))
-from towers_job import LR, batch_for, make_model  # noqa: E402
+from towers_job import LR, TABLE_IDS, TABLE_INIT, TABLE_LR, TableNet, batch_for, make_model  # noqa: E402
+from towers_job import table_batch_for  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 JOB = Path(__file__).with_name("towers_job.py")
@@ -85,6 +86,35 @@ def test_sync_workers_with_two_towers_each_push_once_per_step_and_equal_one_proc
             assert_params_equal(saved, expected)
     assert "tower_1/0.weight: /job:worker/replica:0/task:1/device:CPU:1" in outputs[1]
     assert "0.weight: /job:ps/replica:0/task:0/device:CPU:0" in outputs[0]
+
+
+def test_two_towers_with_an_embedding_table_train_as_one_process_on_the_full_batch(tmp_path):
+    # The reference: the table as a full local parameter over its ids (SGD: a scaled gradient would show).
+    reference = TableNet()
+    table = torch.nn.Parameter(TABLE_INIT.rows(TABLE_IDS, 4))
+    position = {int(i): k for k, i in enumerate(TABLE_IDS.tolist())}
+    dense = torch.optim.SGD(reference.head.parameters(), lr=LR)
+    rows_optimizer = torch.optim.SGD([table], lr=TABLE_LR)
+    for step in range(STEPS):
+        ids, x, y = table_batch_for(step)
+        dense.zero_grad(), rows_optimizer.zero_grad()
+        index = torch.tensor([position[int(i)] for i in ids.tolist()])
+        torch.nn.functional.cross_entropy(reference.head(torch.cat([table[index], x], 1)), y).backward()
+        dense.step(), rows_optimizer.step()
+
+    with ps_servers(num_ps=2, num_workers=1) as (cluster, servers):
+        job = start_job("tables", "--sync", "--towers", "2", "--tower_device", "cpu", "--steps", str(STEPS),
+                        "--out", str(tmp_path / "worker0"), env={"TF_CONFIG": cluster.to_tf_config(TaskSpec("worker", 0))})
+        output = job.communicate(timeout=180)[0]
+        assert job.returncode == 0, output
+        status = servers[0].store.status()
+    assert (status.global_step, status.dropped_duplicate, status.dropped_stale) == (STEPS, 0, 0)  # one push a step
+    for k in range(2):
+        saved = torch.load(tmp_path / f"worker0.{k}")
+        assert saved["global_step"] == STEPS
+        torch.testing.assert_close(saved["rows"], table.detach(), rtol=1e-5, atol=1e-6)
+        for name, value in reference.head.named_parameters():
+            torch.testing.assert_close(saved["params"][f"head.{name}"], value.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_mnist_cnn_with_towers_under_the_launcher_logs_rates_and_pushes_once_per_step():

@@ -3,6 +3,8 @@
     towers_job.py local  --towers K --steps N --out F    K towers, SGD on every tower; each writes F.<tower>
     towers_job.py hybrid --towers K --steps N --out F    a worker of the job in TF_CONFIG (sync or async),
                                                          driven by a TrainingSession; each tower writes F.<tower>
+    towers_job.py tables --towers K --steps N --out F    a sync worker whose model has an embedding table
+                                                         (TableNet); each tower writes F.<tower>, rows included
     towers_job.py hang   --towers K                      towers that wait forever (tower 0 prints the pids)
 
 ``--fail_tower k`` makes tower k raise at step 2 of ``local``; TOWERS_JOB_FAIL_ON_SPAWN=1 makes every
@@ -72,6 +74,47 @@ def hybrid(towers: tfl.Towers, args: argparse.Namespace, cluster: tfl.ClusterSpe
         save(towers, model, args.out, local_steps=session.local_step, global_step=replica.global_step)
 
 
+TABLE_IDS = torch.tensor([5, -7, 2 ** 40, 11, 3, 99])  # any int64; each batch repeats some
+TABLE_INIT = tfl.RowInitializer.normal(0.3, seed=1)
+TABLE_LR = 0.3
+
+
+class TableNet(nn.Module):
+    """An embedding table (rows on the ps) beside the dense MLP of ``make_model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = tfl.EmbeddingTable("t", 4, optimizer=tfl.OptimizerSpec("sgd", {"lr": TABLE_LR}),
+                                        initializer=TABLE_INIT)
+        self.head = seeded_mlp(4 + FEATURES, 16, CLASSES, scale=0.3)
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.table(ids), x], dim=1))
+
+
+def table_batch_for(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, y = batch_for(step)
+    ids = TABLE_IDS[torch.randint(0, len(TABLE_IDS), (BATCH,), generator=torch.Generator().manual_seed(step))]
+    return ids, x, y
+
+
+def tables(towers: tfl.Towers, args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec) -> None:
+    model = TableNet().to(towers.device)
+    replica = tfl.TowerReplica(towers, model, cluster, task, optimizer=tfl.OptimizerSpec.sgd(lr=LR),
+                               init_timeout_s=args.init_timeout_s, **tfl.training_options(args))
+    with tfl.TrainingSession(replica, hooks=[tfl.StopAtStepHook(last_step=args.steps)],
+                             log_step_count_steps=None) as session:
+        while not session.should_stop():
+            ids, x, y = towers.split(*table_batch_for(session.global_step))
+            session.run_step(lambda: nn.functional.cross_entropy(replica.model(ids, x), y), batch_size=BATCH)
+        replica.pull()
+        with torch.no_grad():  # every tower asks (a collective): the rows as the ps holds them now
+            rows = model.table(TABLE_IDS.to(towers.device)).cpu()
+        state = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+        torch.save({"params": state, "rows": rows, "pid": os.getpid(), "global_step": replica.global_step},
+                   f"{args.out}.{towers.index}")
+
+
 def hang(towers: tfl.Towers, args: argparse.Namespace) -> None:
     towers.barrier()  # every tower is up
     if towers.index == 0:
@@ -82,7 +125,7 @@ def hang(towers: tfl.Towers, args: argparse.Namespace) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["local", "hybrid", "hang"])
+    parser.add_argument("role", choices=["local", "hybrid", "tables", "hang"])
     tfl.add_cluster_flags(parser)
     tfl.add_training_flags(parser, towers=True)
     parser.add_argument("--steps", type=int, default=5)
@@ -101,7 +144,7 @@ def main() -> int:
     else:
         def train(args, cluster, task):
             options = tfl.TowerOptions.from_flags(args, job=task.job_name, task=task.index)
-            tfl.run_towers(hybrid, args, cluster, task, options=options)
+            tfl.run_towers(tables if args.role == "tables" else hybrid, args, cluster, task, options=options)
         return tfl.run_task(args, train)
     return 0
 

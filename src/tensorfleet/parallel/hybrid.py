@@ -19,6 +19,11 @@ only tower 0 has ps connections:
    Tower 0 broadcasts the header (the new global step) so every tower's hooks,
    ``StopAtStepHook`` included, decide alike. The next ``pull()`` broadcasts the values.
 
+Embedding tables: a table's forward on any tower is a collective; the towers gather their
+ids, tower 0 looks up the union once and broadcasts the rows. ``push()`` gathers every
+tower's row gradients, sums them per id and divides by the towers (DDP's average), and
+tower 0 sends them in its one push.
+
 When tower 0 fails (a ps went away), the header carries the error's class, every
 tower raises it, and ``TrainingSession`` recovers on every tower in step: tower 0
 waits for the ps (``Replica.recover``) and broadcasts the restored values.
@@ -128,9 +133,6 @@ class TowerReplica:
         if self.options.prefetch and towers.num_towers > 1:
             raise InvalidArgumentError("prefetch=True with several towers is not supported: the towers take tower "
                                        "0's values after each push; use towers or --prefetch, not both")
-        if towers.num_towers > 1 and tables_of(module):
-            raise InvalidArgumentError("EmbeddingTable layers with several towers are not supported yet: each tower "
-                                       "would fetch and push its own rows; use one tower per worker process")
         self.towers = towers
         self.module = module
         self.task = task
@@ -149,6 +151,11 @@ class TowerReplica:
             if next(module.parameters()).device.type != "cpu":  # the ps's values arrive in host memory
                 self._host = copy.deepcopy(module).to("cpu")
             self.replica = Replica(self._host, cluster, task, optimizer=optimizer, config=self.options)
+        # Embedding tables: every tower's forward fetches its rows through tower 0 (one lookup of the towers'
+        # ids together), and push() merges the towers' row gradients into tower 0's one push.
+        self.tables = tables_of(module)
+        for table in self.tables.values():
+            table.bind(lambda ids, name=table.name: self._lookup_rows(name, ids))
 
     # --- the ps side: tower 0's Replica ----------------------------------------------------------
 
@@ -187,6 +194,8 @@ class TowerReplica:
         """After a ps was lost: tower 0 recovers (``Replica.recover``); every tower gets the restored values."""
         for module in {id(m): m for m in (self.module, self._host)}.values():
             module.zero_grad(set_to_none=True)  # the step runs again from scratch
+        for table in self.tables.values():
+            table.forget()
         self._lead(lambda: self.replica.recover(restore=restore, timeout_s=timeout_s), values=True)
 
     def finish(self) -> None:
@@ -220,7 +229,8 @@ class TowerReplica:
         if not self._forwarded:  # backward did not run through ``model``: average here instead
             self.towers.average_gradients(self.module)
         self._forwarded = False
-        self._lead(self._push_from_tower_0, values=False)
+        rows = self._merged_rows()
+        self._lead(lambda: self._push_from_tower_0(rows), values=False)
         self.module.zero_grad(set_to_none=True)
         return self.global_step
 
@@ -231,11 +241,42 @@ class TowerReplica:
 
     # --- tower 0 leads, the others follow --------------------------------------------------------
 
-    def _push_from_tower_0(self) -> int:
+    def _push_from_tower_0(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
         if self._host is not self.module:
             for param, host in zip(self._params, self._host.parameters()):
                 host.grad = None if param.grad is None else param.grad.to("cpu")
-        return self.replica.push()
+        return self.replica.push(rows=rows if self.tables else None)
+
+    # --- embedding tables: tower 0 fetches and pushes rows for every tower ------------------------
+
+    def _lookup_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """This tower's rows of ``ids`` (unique, CPU): tower 0 looks up the towers' ids together and
+        broadcasts the rows; its failure reaches every tower as ``_lead``'s header."""
+        union = torch.unique(torch.cat(self.towers.all_gather_rows(ids)))
+        found: dict[str, torch.Tensor] = {}
+        self._lead(lambda: found.update(self.replica.client.lookup({table: union.cpu()})), values=False)
+        rows = found[table].to(self.towers.device) if table in found else torch.empty(
+            (union.numel(), self.tables[table].dim), dtype=self.tables[table].dtype, device=self.towers.device)
+        self.towers.broadcast([rows])
+        return rows[torch.searchsorted(union, ids.to(union.device))].cpu()
+
+    def _merged_rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Every tower's row gradients of this step, merged: each id's summed over the towers and divided by
+        their number, as DDP averages the dense gradients (tower 0 pushes them; the others get {})."""
+        merged = {}
+        for name in sorted(self.tables):  # the same order on every tower: these are collectives
+            table = self.tables[name]
+            taken = table.take_gradients()
+            ids, grads = taken if taken is not None else (torch.empty(0, dtype=torch.int64),
+                                                          torch.empty((0, table.dim), dtype=table.dtype))
+            all_ids = torch.cat(self.towers.all_gather_rows(ids)).cpu()
+            all_grads = torch.cat(self.towers.all_gather_rows(grads)).cpu()
+            if self.replica is None or not all_ids.numel():
+                continue
+            unique, inverse = torch.unique(all_ids, return_inverse=True)
+            total = torch.zeros((unique.numel(), table.dim), dtype=all_grads.dtype).index_add_(0, inverse, all_grads)
+            merged[name] = (unique, total.div_(self.towers.num_towers))
+        return merged
 
     def _on_forward(self, _module: nn.Module, _inputs: Any) -> None:
         if torch.is_grad_enabled():

@@ -227,6 +227,22 @@ class Towers:
             flat.div_(self.num_towers)
             _unflatten_into(flat, group)
 
+    def all_gather_rows(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every tower's ``tensor`` (on this tower's device), whose first dimension may differ from tower to
+        tower: the lengths first, then the tensors padded to the longest (a collective needs equal sizes)."""
+        if self.num_towers == 1:
+            return [tensor]
+        tensor = tensor.to(self.device)
+        length = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=self.device)
+        lengths = [torch.zeros_like(length) for _ in range(self.num_towers)]
+        dist.all_gather(lengths, length)
+        sizes = [int(n) for n in lengths]
+        padded = torch.zeros((max(sizes), *tensor.shape[1:]), dtype=tensor.dtype, device=self.device)
+        padded[:tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in range(self.num_towers)]
+        dist.all_gather(gathered, padded)
+        return [part[:size] for part, size in zip(gathered, sizes)]
+
     def barrier(self) -> None:
         if self.num_towers > 1:
             dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)

@@ -127,7 +127,7 @@ class EmbeddingTable(nn.Module):
         None when no fetched row received a gradient (the table took no part in the loss).
         """
         fetched, self._fetched = self._fetched, []
-        parts = [(ids, rows.grad) for ids, rows in fetched if rows.grad is not None]
+        parts = [(ids, rows.grad.cpu()) for ids, rows in fetched if rows.grad is not None]
         if not parts:
             return None
         if len(parts) == 1:
@@ -157,7 +157,7 @@ class EmbeddingTable(nn.Module):
         rows = self._rows(unique)
         if self._lookup is not None and torch.is_grad_enabled():
             rows.requires_grad_(True)
-            self._fetched.append((unique, rows))
+            self._fetched.append((unique.cpu(), rows))
         if self.pooling is None:
             return F.embedding(inverse.view(ids.shape), rows)
         if offsets is None:
@@ -169,7 +169,14 @@ class EmbeddingTable(nn.Module):
         _check_offsets(self.name, offsets, flat.numel())
         return F.embedding_bag(inverse, rows, offsets, mode=self.pooling, per_sample_weights=per_sample_weights)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._spec.dtype
+
     def _rows(self, unique: torch.Tensor) -> torch.Tensor:
+        """The rows of ``unique``, on its device (a GPU tower's ids: the ps answers in host memory)."""
+        if unique.device.type != "cpu":
+            return self._rows(unique.cpu()).to(unique.device)
         if self._lookup is not None:
             expected, self._expected = self._expected, None
             if expected is not None and torch.equal(expected[0], unique):

@@ -374,7 +374,7 @@ class Replica:
                 if value is not view:
                     view.copy_(value)
 
-    def push(self) -> int:
+    def push(self, *, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
         """Send the module's gradients (and clear them); return the global step after the update.
 
         A parameter without a gradient (unused in this step) is sent as zeros, so every
@@ -382,19 +382,23 @@ class Replica:
         the call returns once the step is aggregated; a gradient that arrived too late
         (a backup worker's) is dropped by the ps and counted in ``dropped_gradients``.
         The reply brings the ps's values after the update into the module (see ``pull``).
+        ``rows``: the embedding tables' row gradients to send instead of the module's tables' own (a
+        ``TowerReplica`` merges its towers' rows and hands them over here).
         """
+        rows = self._row_gradients(rows)
         self._prefetched = None
         if self._in_flight is not None:  # the reply lands during the next step
             self.settle()  # the previous push's: normally long done, it travelled during this step's compute
-            self._in_flight.send(self._send(into=self._in_flight.landing))
+            self._in_flight.send(self._send(into=self._in_flight.landing, rows=rows))
         else:  # the reply lands now, straight into the parameters
-            self._landed(self._send(into=self._param_views, wait=True))
+            self._landed(self._send(into=self._param_views, rows=rows, wait=True))
             self._prefetched = self._versions()
         for param in self._params.values():  # the push holds the gradients; the next backward makes new ones
             param.grad = None
         return self.global_step
 
-    def _send(self, *, into: dict[str, torch.Tensor], wait: bool = False) -> Any:
+    def _send(self, *, into: dict[str, torch.Tensor], rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+              wait: bool = False) -> Any:
         """This step's gradients to the ps: the streams backward opened (overlap, tagged then), or all of
         them now. ``wait``: return the ``Pushed`` (one shard's part sent from this thread); else a
         ``Gathered`` to wait on later."""
@@ -404,15 +408,19 @@ class Replica:
         sync_steps, timeout = self._push_tags()
         send = self.client.push if wait else self.client.push_async
         return send(self._gradients(), sync_steps=sync_steps, replica=self.replica_id, timeout_s=timeout, into=into,
-                    rows=self._row_gradients())
+                    rows=rows)
 
-    def _row_gradients(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Each table's (unique ids, row gradients) of this step, and the count of unique ids in the Status."""
+    def _row_gradients(self, given: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+                       ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Each table's (unique ids, row gradients) of this step (``given``, or the tables' own), and the count
+        of unique ids in the Status."""
         rows = {}
         for name, table in self.tables.items():
-            taken = table.take_gradients()
-            if taken is not None:
+            taken = table.take_gradients()  # taken either way: the step's fetched rows are spent
+            if given is None and taken is not None:
                 rows[name] = taken
+        if given is not None:
+            rows = {name: pair for name, pair in given.items() if pair[0].numel()}
         if self.tables:
             self.status.unique_ids = sum(ids.numel() for ids, _ in rows.values())
         return rows
