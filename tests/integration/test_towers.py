@@ -104,7 +104,8 @@ def test_two_towers_with_an_embedding_table_train_as_one_process_on_the_full_bat
 
     with ps_servers(num_ps=2, num_workers=1) as (cluster, servers):
         job = start_job("tables", "--sync", "--towers", "2", "--tower_device", "cpu", "--steps", str(STEPS),
-                        "--out", str(tmp_path / "worker0"), env={"TF_CONFIG": cluster.to_tf_config(TaskSpec("worker", 0))})
+                        "--out", str(tmp_path / "worker0"),
+                        env={"TF_CONFIG": cluster.to_tf_config(TaskSpec("worker", 0))})
         output = job.communicate(timeout=180)[0]
         assert job.returncode == 0, output
         status = servers[0].store.status()
