@@ -96,8 +96,8 @@ def rows_on_servers(servers, table: str) -> dict[int, torch.Tensor]:
     return rows
 
 
-@pytest.mark.parametrize("num_workers", [2, 3])
-def test_sync_with_tables_equals_one_process_with_the_union_batch(num_workers):
+@pytest.mark.parametrize("num_workers, overlap", [(2, False), (3, False), (2, True)])
+def test_sync_with_tables_equals_one_process_with_the_union_batch(num_workers, overlap):
     lr_dense, lr_table = 0.1, 0.2
     reference = ReferenceModel()
     dense = torch.optim.SGD(reference.head.parameters(), lr=lr_dense)
@@ -111,7 +111,7 @@ def test_sync_with_tables_equals_one_process_with_the_union_batch(num_workers):
         def worker(index):
             model = TableModel(OptimizerSpec("adagrad", {"lr": lr_table}))
             with Replica(model, cluster, TaskSpec("worker", index), optimizer=OptimizerSpec.sgd(lr=lr_dense),
-                         mode="sync") as replica:
+                         mode="sync", overlap=overlap) as replica:
                 for step in range(STEPS):
                     assert replica.global_step == step
                     loss_of(model, batch_for(step, index)).backward()

@@ -170,6 +170,7 @@ class FakePsClient:
 
     def push_streams(self, layout: Mapping[str, torch.Tensor], **kwargs: Any) -> FakeStreams:
         kwargs.pop("values", None)
+        assert not kwargs.pop("row_ids", None), "the fake ps holds no embedding tables"
         streams = FakeStreams(self, layout, kwargs)
         self.streams.append(streams)
         return streams

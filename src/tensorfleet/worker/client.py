@@ -345,13 +345,15 @@ class PsClient:
         return self._push(gradients, sync_steps, replica, timeout_s, into, inline=True, rows=rows).result()
 
     def push_streams(self, layout: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
-                     replica: int = 0, timeout_s: float | None = None, values: bool = True) -> "PushStreams":
+                     replica: int = 0, timeout_s: float | None = None, values: bool = True,
+                     row_ids: Mapping[str, torch.Tensor] | None = None) -> "PushStreams":
         """Open one push per shard whose gradients will follow one by one (``PushStreams.send``).
 
         ``layout`` names every gradient of the push, with a tensor of its shape and dtype, in the
-        order they will be sent (backward's order, for overlap with the backward pass).
+        order they will be sent (backward's order, for overlap with the backward pass). ``row_ids``:
+        each table's unique ids whose row gradients will follow last (``PushStreams.send_rows``).
         """
-        return PushStreams(self, layout, sync_steps, replica, timeout_s, values)
+        return PushStreams(self, layout, sync_steps, replica, timeout_s, values, row_ids or {})
 
     def shard_thread(self, shard: int) -> ThreadPoolExecutor:
         return self._threads[shard]
@@ -414,33 +416,55 @@ class PushStreams:
     """
 
     def __init__(self, client: PsClient, layout: Mapping[str, torch.Tensor], sync_steps: Sequence[int] | None,
-                 replica: int, timeout_s: float | None, values: bool) -> None:
+                 replica: int, timeout_s: float | None, values: bool, row_ids: Mapping[str, torch.Tensor]) -> None:
         self._client, self._timeout, self._values = client, timeout_s, values
         self._order: list[list[str]] = [[] for _ in client.channels]
         for name in layout:
             self._order[client.placement[name]].append(name)
-        self._ready: dict[str, torch.Tensor] = {}
+        # Tables' rows come last in each shard's push: their ids are known now, their gradients once backward ends.
+        self._examples = {(client.placement[name], name): tensor for name, tensor in layout.items()}
+        self._row_owner: dict[str, torch.Tensor] = {}
+        for table, ids in row_ids.items():
+            owner = torch.from_numpy(shard_of(ids, len(client.channels)))
+            self._row_owner[table] = owner
+            for shard in torch.unique(owner).tolist():
+                mine = ids[owner == shard]
+                for name, example in ((ids_key(table), mine),
+                                      (grads_key(table), torch.empty((mine.numel(), client.tables[table].dim),
+                                                                     dtype=client.tables[table].dtype))):
+                    self._examples[(shard, name)] = example
+                    self._order[shard].append(name)
+        self._ready: dict[tuple[int, str], torch.Tensor] = {}  # (shard, name): a table's names recur per shard
         self._cursor = [0] * len(client.channels)
-        self._shards = [s for s, names in enumerate(self._order) if names or s == 0]
+        self._shards = list(client._active)
         self._streams: dict[int, Future] = {}
         self._sends: dict[int, list[Future]] = {shard: [] for shard in self._shards}
         for shard in self._shards:
-            entries = [client.wire_entry(name, layout[name]) for name in self._order[shard]]
+            entries = [client.wire_entry(name, self._examples[(shard, name)]) for name in self._order[shard]]
             meta = client._push_meta(shard, sync_steps, replica, values)
             self._streams[shard] = client.shard_thread(shard).submit(
                 client.data[shard].stream, "Push", meta, entries, timeout=timeout_s)
 
     def send(self, name: str, gradient: torch.Tensor) -> None:
         """Mark ``name``'s gradient ready; send it, and any ready ones after it, on its shard's thread."""
-        self._ready[name] = gradient
-        self._flush(self._client.placement[name], hold_last=True)
+        shard = self._client.placement[name]
+        self._ready[(shard, name)] = gradient
+        self._flush(shard, hold_last=True)
+
+    def send_rows(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """A table's row gradients (``ids`` as announced in ``row_ids``, one gradient row each), cut by shard."""
+        owner = self._row_owner[table]
+        for shard in torch.unique(owner).tolist():
+            mine = owner == shard
+            self._ready[(shard, ids_key(table))], self._ready[(shard, grads_key(table))] = ids[mine], grads[mine]
+            self._flush(shard, hold_last=True)
 
     def _flush(self, shard: int, *, hold_last: bool) -> None:
         order, cursor = self._order[shard], self._cursor[shard]
         end = len(order) - 1 if hold_last else len(order)
         batch = []
-        while cursor < end and order[cursor] in self._ready:
-            batch.append(self._ready[order[cursor]])
+        while cursor < end and (shard, order[cursor]) in self._ready:
+            batch.append(self._ready[(shard, order[cursor])])
             cursor += 1
         self._cursor[shard] = cursor
         if batch:

@@ -121,13 +121,22 @@ class EmbeddingTable(nn.Module):
         self._local = {int(i): row for row, i in enumerate(state.ids.tolist())}
         self._local_rows = state.values.to(self._spec.dtype).clone()
 
-    def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def pending_ids(self) -> torch.Tensor | None:
+        """The unique ids of every row fetched this step (what ``take_gradients(complete=True)`` will give
+        gradients for), or None when nothing was fetched."""
+        if not self._fetched:
+            return None
+        return torch.unique(torch.cat([ids for ids, _ in self._fetched]))
+
+    def take_gradients(self, *, complete: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This step's (unique ids, row gradients), duplicates over forward calls summed; forgets the step.
 
-        None when no fetched row received a gradient (the table took no part in the loss).
+        None when no fetched row received a gradient (the table took no part in the loss); with
+        ``complete``, rows fetched without a gradient count as zeros, so the ids are ``pending_ids()``.
         """
         fetched, self._fetched = self._fetched, []
-        parts = [(ids, rows.grad.cpu()) for ids, rows in fetched if rows.grad is not None]
+        parts = [(ids, rows.grad.cpu() if rows.grad is not None else torch.zeros(rows.shape, dtype=rows.dtype))
+                 for ids, rows in fetched if complete or rows.grad is not None]
         if not parts:
             return None
         if len(parts) == 1:

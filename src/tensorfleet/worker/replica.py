@@ -130,9 +130,6 @@ class Replica:
         self.tables = tables_of(module)
         if not self._params and not self.tables:
             raise InvalidArgumentError("the module has no parameters to train")
-        if self.tables and self.overlap:
-            raise InvalidArgumentError("overlap=True does not stream embedding tables' rows yet: use overlap=False "
-                                       "with EmbeddingTable layers")
         table_specs = [table.spec(optimizer) for table in self.tables.values()]
         infos = [VariableInfo(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in self._params.items()]
         self.placement = place(infos, len(cluster.ps_addresses), strategy=self.options.placement,
@@ -385,7 +382,6 @@ class Replica:
         ``rows``: the embedding tables' row gradients to send instead of the module's tables' own (a
         ``TowerReplica`` merges its towers' rows and hands them over here).
         """
-        rows = self._row_gradients(rows)
         self._prefetched = None
         if self._in_flight is not None:  # the reply lands during the next step
             self.settle()  # the previous push's: normally long done, it travelled during this step's compute
@@ -397,7 +393,7 @@ class Replica:
             param.grad = None
         return self.global_step
 
-    def _send(self, *, into: dict[str, torch.Tensor], rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    def _send(self, *, into: dict[str, torch.Tensor], rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None,
               wait: bool = False) -> Any:
         """This step's gradients to the ps: the streams backward opened (overlap, tagged then), or all of
         them now. ``wait``: return the ``Pushed`` (one shard's part sent from this thread); else a
@@ -408,7 +404,7 @@ class Replica:
         sync_steps, timeout = self._push_tags()
         send = self.client.push if wait else self.client.push_async
         return send(self._gradients(), sync_steps=sync_steps, replica=self.replica_id, timeout_s=timeout, into=into,
-                    rows=rows)
+                    rows=self._row_gradients(rows))
 
     def _row_gradients(self, given: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
                        ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -496,6 +492,7 @@ class _GradientStreams:
         self._layout = dict(reversed(list(replica._param_views.items())))
         self._streams: PushStreams | None = None
         self._streamed: set[str] = set()
+        self._row_ids: dict[str, torch.Tensor] = {}  # the tables' ids announced when the push opened
         self._misuse: str | None = None
         self._hooks = [param.register_post_accumulate_grad_hook(lambda p, name=name: self._on_gradient(name, p))
                        for name, param in replica._params.items()]
@@ -511,10 +508,13 @@ class _GradientStreams:
                             "needs exactly one backward per push")
             return
         replica = self._replica
-        if self._streams is None:
+        if self._streams is None:  # forward is over: the tables' rows of the step are known (their gradients not)
             sync_steps, timeout = replica._push_tags()
+            self._row_ids = {table_name: ids for table_name, table in replica.tables.items()
+                             if (ids := table.pending_ids()) is not None}
             self._streams = replica.client.push_streams(self._layout, sync_steps=sync_steps,
-                                                        replica=replica.replica_id, timeout_s=timeout)
+                                                        replica=replica.replica_id, timeout_s=timeout,
+                                                        row_ids=self._row_ids)
         self._streamed.add(name)
         for part, view in replica.placement.views_of(name, param.grad).items():
             self._streams.send(part, view)
@@ -532,14 +532,27 @@ class _GradientStreams:
                 param.grad = torch.zeros_like(param)
                 for part, view in placement.views_of(name, param.grad).items():
                     streams.send(part, view)
-        self._streams, self._streamed = None, set()
+        unique_ids = 0
+        for table_name, table in self._replica.tables.items():  # rows last: backward is over now
+            taken = table.take_gradients(complete=True)
+            if table_name in self._row_ids and taken is not None:
+                ids, grads = taken
+                if not torch.equal(ids, self._row_ids[table_name]):
+                    self.drop()
+                    raise InvalidArgumentError(f"table {table_name!r} fetched rows after backward began: overlap=True "
+                                               "needs every forward before the backward; nothing was pushed")
+                streams.send_rows(table_name, ids, grads)
+                unique_ids += ids.numel()
+        if self._replica.tables:
+            self._replica.status.unique_ids = unique_ids
+        self._streams, self._streamed, self._row_ids = None, set(), {}
         return streams.finish_async(into=into)
 
     def drop(self) -> None:
         """Abandon the open push, if any: the ps applies none of it."""
         if self._streams is not None:
             self._streams.abort()
-        self._streams, self._streamed, self._misuse = None, set(), None
+        self._streams, self._streamed, self._misuse, self._row_ids = None, set(), None, {}
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
