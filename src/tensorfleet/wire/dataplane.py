@@ -34,9 +34,11 @@ bodies that fit go there, heads stay on the socket.  A task that cannot map the 
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import math
+import select
 import socket
 import threading
 import time
@@ -58,6 +60,16 @@ ATTACH = "Attach"  # a client's shared segment for this connection's bodies (see
 # Smaller bodies stay on the socket: a segment costs a round trip and its pages to set up, and at
 # 4 KiB the two paths move bytes alike (benchmarks/wire_throughput.py); at 64 KiB the segment wins.
 SHARED_MIN_BYTES = 64 * 1024
+# What a stranger can make a task spend before it has shown the token (Hello): a bounded number of
+# connections, a small head, and a bounded time in all (not per recv: a byte a minute must not hold
+# a thread forever).
+MAX_CONNECTIONS = 512  # connections a data server serves at once; more are closed at once
+MAX_UNAUTHENTICATED = 32  # of those, connections that have not said Hello yet
+HELLO_HEADER_BYTES = 4096  # a Hello's head is a token: a few hundred bytes
+HELLO_TIMEOUT_S = 10.0  # from accept to a complete Hello
+IDLE_TIMEOUT_S = 900.0  # an authenticated connection silent this long is closed (the client reconnects)
+_ACCEPT_BACKOFF_S = (0.05, 1.0)  # out of descriptors or memory: wait, then accept again
+_RESOURCE_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
 
 @dataclass
@@ -178,41 +190,77 @@ class DataServer:
             raise errors.UnavailableError(f"cannot listen for data on {host}:{port}: {exc}", task=task) from None
         self.host, self.port = host, self._listener.getsockname()[1]
         self._connections: set[socket.socket] = set()
+        self._unauthenticated = 0  # connections that still owe their Hello
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._stopped = False
+        self.refused_connections = 0  # closed at once: over a cap, or while out of descriptors
+        self._last_warning = 0.0
         self._accepter = threading.Thread(target=self._accept_loop, name=f"data-accept-{task}", daemon=True)
         self._accepter.start()
 
     def _accept_loop(self) -> None:
+        backoff = _ACCEPT_BACKOFF_S[0]
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return  # the listener was closed: stop()
+            except OSError as exc:
+                if self._stopped or exc.errno not in _RESOURCE_ERRORS:
+                    return  # the listener was closed: stop()
+                # Out of file descriptors or memory (a flood of connections, say): the port must not die.
+                self._warn(f"cannot accept a data connection ({exc.strerror}); trying again in {backoff:g} s")
+                time.sleep(backoff)
+                backoff = min(backoff * 2, _ACCEPT_BACKOFF_S[1])
+                continue
+            backoff = _ACCEPT_BACKOFF_S[0]
             with self._lock:
                 if self._stopped:
                     sock.close()
                     return
-                self._connections.add(sock)
+                full = len(self._connections) >= MAX_CONNECTIONS or (
+                    self.gate.required and self._unauthenticated >= MAX_UNAUTHENTICATED)
+                if not full:
+                    self._connections.add(sock)
+                    self._unauthenticated += self.gate.required
+            if full:
+                self.refused_connections += 1
+                sock.close()
+                self._warn(f"closed a data connection at once: {MAX_CONNECTIONS} connections or "
+                           f"{MAX_UNAUTHENTICATED} without their Hello are open already "
+                           f"({self.refused_connections} closed so far)")
+                continue
+            with self._lock:
                 thread = threading.Thread(target=self._serve, args=(frame.configure(sock),), daemon=True,
                                           name=f"data-{self.task}")
                 # A thread stays here until it has ended, its locals freed included (join() waits for that).
                 self._threads = {t for t in self._threads if t.is_alive()} | {thread}
             thread.start()
 
+    def _warn(self, message: str) -> None:
+        """A warning at most every 10 s: a flood must not flood the log too."""
+        now = time.monotonic()
+        if now - self._last_warning >= 10.0:
+            self._last_warning = now
+            log.warning("%s: %s", self.task, message)
+
     def _serve(self, sock: socket.socket) -> None:
         reader = frame.Reader(sock, busy_poll_s=self.options.busy_poll_us * 1e-6)
         link = _Link(sock, reader)
+        owes_hello = self.gate.required
         try:
-            # Waiting for the next request, idle, is not bounded; a reply is: a client that stops reading
-            # must not hold the ps's live tensors (reply.release) forever.
-            frame.set_io_timeouts(sock, receive=None, send=self.options.deadline_s)
-            if not self.gate.required or self._hello(sock, reader):
-                while self._serve_one(link):
-                    pass
+            # Waiting for the next request is bounded by the idle timeout (the client reconnects); a reply by
+            # the deadline: a client that stops reading must not hold the ps's live tensors forever.
+            frame.set_io_timeouts(sock, receive=IDLE_TIMEOUT_S, send=self.options.deadline_s)
+            admitted = True
+            if owes_hello:
+                admitted = self._hello(sock, reader)
+                with self._lock:
+                    self._unauthenticated -= 1
+                owes_hello = False
+            while admitted and self._serve_one(link):
+                pass
         except (OSError, errors.UnavailableError):
-            pass  # the peer went away mid-message: nothing was applied, nothing to answer
+            pass  # the peer went away mid-message (nothing was applied), or was idle too long: closed
         except Exception:  # a bug must not leave a half-read stream open: say so, close this connection only
             log.exception("%s: unexpected error on a data connection; closing it", self.task)
         finally:
@@ -220,26 +268,32 @@ class DataServer:
             sock.close()
             with self._lock:
                 self._connections.discard(sock)
+                self._unauthenticated -= owes_hello
 
     def _hello(self, sock: socket.socket, reader: frame.Reader) -> bool:
         """A connection must open with ``Hello`` carrying the job's token; anything else is refused and closed."""
-        # A silent peer must not hold a thread forever: the Hello is bounded, the requests after it are not.
-        frame.set_io_timeouts(sock, receive=self.options.deadline_s, send=self.options.deadline_s)
-        try:
-            head = reader.read_head(max_body_bytes=self.options.max_message_bytes)  # its body is never read
-        except errors.WireError as exc:
-            frame.send_message(sock, exc.code, {"message": exc.message})
-            return False
-        if head is None:
-            return False
-        if head.kind == HELLO and not head.body_bytes and self.gate.admits(head.meta.get("token")):
+        # A silent or dripping peer must not hold a thread: the whole Hello has HELLO_TIMEOUT_S (a timer shuts
+        # the socket; each recv's own timeout alone would let a byte a minute through), and a small head.
+        frame.set_io_timeouts(sock, receive=HELLO_TIMEOUT_S, send=HELLO_TIMEOUT_S)
+        watchdog = threading.Timer(HELLO_TIMEOUT_S, _shut, args=(sock,))
+        watchdog.daemon = True
+        watchdog.start()
+        try:  # no body is ever read before the Hello: only its announced size is checked against the limit
+            head = reader.read_head(max_body_bytes=self.options.max_message_bytes, max_header_bytes=HELLO_HEADER_BYTES)
+            if head is None:
+                return False  # closed before saying anything (a port probe): nothing to refuse
+        except errors.WireError:
+            head = None  # a head too large or malformed: refused like any message that is not the Hello
+        finally:
+            watchdog.cancel()
+        if head is not None and head.kind == HELLO and not head.body_bytes \
+                and self.gate.admits(head.meta.get("token")):
             frame.send_message(sock, OK, {})
-            frame.set_io_timeouts(sock, receive=None, send=self.options.deadline_s)
+            frame.set_io_timeouts(sock, receive=IDLE_TIMEOUT_S, send=self.options.deadline_s)
             return True
-        if head.kind != HELLO or head.body_bytes:
+        if head is None or head.kind != HELLO or head.body_bytes:
             self.gate.admits(None)  # counted as a refusal
-        log.warning("%s: refused a data connection without the job's token (%d refused so far)", self.task,
-                    self.gate.refused)
+        self._warn(f"refused a data connection without the job's token ({self.gate.refused} refused so far)")
         frame.send_message(sock, errors.UnauthenticatedError.code, {
             "message": f"{self.task} refuses data connections without the job's token: set TENSORFLEET_TOKEN "
                        "(or TENSORFLEET_TOKEN_FILE) to the token of this job"})
@@ -461,8 +515,8 @@ class DataChannel:
     # --- internals ---------------------------------------------------------------------------------
 
     def _connected(self, timeout: float | None) -> socket.socket:
-        if self._sock is not None and self._sock_address != self.address:
-            self._close()  # the task moved (a restarted ps listens on a new data port)
+        if self._sock is not None and (self._sock_address != self.address or _closed_by_peer(self._sock)):
+            self._close()  # the task moved (a restarted ps listens on a new data port) or closed it (idle)
         if self._sock is None:
             if self.address is None:
                 raise errors.UnavailableError("the data port of this task is not known yet: ask its Status first",
@@ -566,6 +620,25 @@ class DataChannel:
 
 def _new_tensor(entry: TensorEntry) -> torch.Tensor:
     return torch.empty(entry.shape, dtype=entry.dtype)
+
+
+def _shut(sock: socket.socket) -> None:
+    """Wake and end whatever waits on ``sock`` (a Hello past its time)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """The server closed this idle connection (idle timeout, restart): readable with nothing to read."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
 
 
 def _same_host(sock: socket.socket) -> bool:

@@ -312,7 +312,7 @@ class Reader:
             got += count
         return got
 
-    def read_head(self, *, max_body_bytes: int) -> Head | None:
+    def read_head(self, *, max_body_bytes: int, max_header_bytes: int = MAX_HEADER_BYTES) -> Head | None:
         """The next message's head, or None if the peer closed the stream cleanly before it.
 
         Raises:
@@ -331,8 +331,8 @@ class Reader:
             raise WireError(f"data-plane version {version} is not supported (this build speaks {VERSION})")
         if flags & ~SHARED:
             raise WireError(f"unknown message flags {flags:#04x}")
-        if header_bytes > MAX_HEADER_BYTES:
-            raise WireError(f"header of {header_bytes} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+        if header_bytes > max_header_bytes:
+            raise WireError(f"header of {header_bytes} bytes exceeds the limit of {max_header_bytes}")
         if body_bytes > max_body_bytes:
             raise WireError(f"message body of {body_bytes} bytes exceeds the limit of {max_body_bytes} bytes")
         shared = bool(flags & SHARED)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -167,18 +168,36 @@ def _error_for(code: grpc.StatusCode, detail: str, task: str) -> errors.Tensorfl
     return errors.from_code(code.name, detail, task=task)
 
 
-def presented_token(context: grpc.ServicerContext) -> str | None:
-    return next((value for key, value in context.invocation_metadata() if key == auth.METADATA_KEY), None)
+class _TokenCheck(grpc.ServerInterceptor):
+    """Refuse a call without the job's token when it starts, from its metadata, before its message is read:
+    a handler that never reads the request, so a stranger's gigabyte is never buffered (only what HTTP/2
+    flow control lets in before the stream is reset)."""
+
+    def __init__(self, gate: auth.Gate, task: str) -> None:
+        self._gate, self._task, self._last_warning = gate, task, 0.0
+        self._refusal = grpc.stream_unary_rpc_method_handler(self._refuse)
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
+        if not self._gate.required:
+            return continuation(details)
+        token = next((value for key, value in details.invocation_metadata or () if key == auth.METADATA_KEY), None)
+        if self._gate.admits(token):
+            return continuation(details)
+        now = time.monotonic()
+        if now - self._last_warning >= 10.0:  # a flood of refusals must not flood the log
+            self._last_warning = now
+            log.warning("%s: refused a call to %s without the job's token (%d refused so far)", self._task,
+                        details.method, self._gate.refused)
+        return self._refusal
+
+    def _refuse(self, requests: Any, context: grpc.ServicerContext) -> bytes:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{self._task} refuses calls without the job's token: "
+                      "set TENSORFLEET_TOKEN (or TENSORFLEET_TOKEN_FILE) to the token of this job")
+        raise AssertionError("unreachable")  # context.abort always raises
 
 
-def _wrap(handler: Handler, options: WireOptions, task: str,
-          gate: auth.Gate) -> Callable[[bytes, grpc.ServicerContext], bytes]:
-    def unary(request: bytes, context: grpc.ServicerContext) -> bytes:
-        if gate.required and not gate.admits(presented_token(context)):
-            log.warning("%s: refused a call without the job's token from %s (%d refused so far)", task,
-                        context.peer(), gate.refused)
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{task} refuses calls without the job's token: "
-                          "set TENSORFLEET_TOKEN (or TENSORFLEET_TOKEN_FILE) to the token of this job")
+def _wrap(handler: Handler, options: WireOptions, task: str) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+    def unary(request: bytes, context: grpc.ServicerContext) -> bytes:  # the token was checked: _TokenCheck
         try:
             meta, tensors = codec.decode(request, max_bytes=options.max_message_bytes)
             reply_meta, reply_tensors = handler(meta, tensors)
@@ -207,10 +226,10 @@ def start_server(address: str, handlers: Mapping[str, Handler], *, task: str,
     unknown = set(handlers) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown RPC method(s) {sorted(unknown)}: the service defines {METHODS}")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"rpc-{task}"),
-                         options=options.grpc_options())
     gate = gate if gate is not None else auth.Gate(options.token)
-    method_handlers = {name: grpc.unary_unary_rpc_method_handler(_wrap(h, options, task, gate))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"rpc-{task}"),
+                         options=options.grpc_options(), interceptors=[_TokenCheck(gate, task)])
+    method_handlers = {name: grpc.unary_unary_rpc_method_handler(_wrap(h, options, task))
                        for name, h in handlers.items()}
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, method_handlers)])
     try:
