@@ -540,11 +540,19 @@ def _hello(token: Any) -> bytes:
 
 
 def test_the_gate_lets_the_token_through(gated):
-    """The fuzz below is only meaningful if the right Hello does open the connection."""
-    status = _exchange(("127.0.0.1", gated.server.port),
-                       _hello(TOKEN) + _frame({"kind": "Pull", "meta": {"n": 1}, "tensors": []}, 0))
-    assert status == "OK" and gated.calls[-1] == {"n": 1}
+    """The fuzz below is only meaningful if the right Hello (challenge and response) does open the connection."""
+    channel = DataChannel(task="/job:ps/task:9", options=WireOptions(token=TOKEN, shared_memory=False))
+    channel.set_address("127.0.0.1", gated.server.port)
+    try:
+        assert channel.call("Pull", {"n": 1}, timeout=TIMEOUT_S)[0] == {}
+    finally:
+        channel.close()
+    assert gated.calls[-1] == {"n": 1}
     gated.calls.clear()
+    # The raw token in a Hello, as the data plane used to send it, opens nothing any more.
+    status = _exchange(("127.0.0.1", gated.server.port),
+                       _hello(TOKEN) + _frame({"kind": "Pull", "meta": {"n": 2}, "tensors": []}, 0))
+    assert status == "UNAUTHENTICATED" and not gated.calls
 
 
 @given(token=st.just(...) | st.none() | st.text(max_size=70) | JSON, first=st.sampled_from(

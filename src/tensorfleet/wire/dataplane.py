@@ -35,6 +35,7 @@ bodies that fit go there, heads stay on the socket.  A task that cannot map the 
 from __future__ import annotations
 
 import errno
+import hmac
 import ipaddress
 import logging
 import math
@@ -55,7 +56,8 @@ from tensorfleet.wire.rpc import SHARED_MEMORY_ENV, WireOptions
 log = logging.getLogger(__name__)
 
 OK = "OK"
-HELLO = "Hello"  # the first message of a connection when the job has a token (see tensorfleet.wire.auth)
+HELLO = "Hello"  # the first message of a connection when the job has a token: the client's nonce
+PROVE = "Prove"  # the second: the client's proof, after the server answered the Hello with its nonce and proof
 ATTACH = "Attach"  # a client's shared segment for this connection's bodies (see tensorfleet.wire.shm)
 # Smaller bodies stay on the socket: a segment costs a round trip and its pages to set up, and at
 # 4 KiB the two paths move bytes alike (benchmarks/wire_throughput.py); at 64 KiB the segment wins.
@@ -282,17 +284,30 @@ class DataServer:
             head = reader.read_head(max_body_bytes=self.options.max_message_bytes, max_header_bytes=HELLO_HEADER_BYTES)
             if head is None:
                 return False  # closed before saying anything (a port probe): nothing to refuse
+            proven = False
+            client_nonce = head.meta.get("nonce")
+            if head.kind == HELLO and not head.body_bytes and auth.is_nonce(client_nonce):
+                # The challenge: our nonce and our proof (the client checks we hold the token too), then its proof.
+                server_nonce = auth.new_nonce()
+                frame.send_message(sock, OK, {"nonce": server_nonce,
+                                              "proof": self.gate.proof("server", client_nonce, server_nonce)})
+                head = reader.read_head(max_body_bytes=self.options.max_message_bytes,
+                                        max_header_bytes=HELLO_HEADER_BYTES)
+                if head is None:
+                    return False
+                proven = head.kind == PROVE and not head.body_bytes and self.gate.admits_proof(
+                    head.meta.get("proof"), "client", server_nonce, client_nonce)
+            else:
+                self.gate.admits(None)  # not a Hello: counted as a refusal
         except errors.WireError:
-            head = None  # a head too large or malformed: refused like any message that is not the Hello
+            self.gate.admits(None)  # a head too large or malformed: refused like anything but the Hello
+            proven = False
         finally:
             watchdog.cancel()
-        if head is not None and head.kind == HELLO and not head.body_bytes \
-                and self.gate.admits(head.meta.get("token")):
+        if proven:
             frame.send_message(sock, OK, {})
             frame.set_io_timeouts(sock, receive=IDLE_TIMEOUT_S, send=self.options.deadline_s)
             return True
-        if head is None or head.kind != HELLO or head.body_bytes:
-            self.gate.admits(None)  # counted as a refusal
         self._warn(f"refused a data connection without the job's token ({self.gate.refused} refused so far)")
         frame.send_message(sock, errors.UnauthenticatedError.code, {
             "message": f"{self.task} refuses data connections without the job's token: set TENSORFLEET_TOKEN "
@@ -576,9 +591,25 @@ class DataChannel:
         return segment
 
     def _say_hello(self) -> None:
-        """Open the connection with the job's token; the task refuses anything else."""
-        frame.send_message(self._sock, HELLO, {"token": self.options.token})
+        """Prove the job's token without sending it (``auth.proof`` of both nonces), after checking the task's
+        proof: a task that does not hold the token learns nothing, and is not trusted with our requests."""
+        token, client_nonce = self.options.token, auth.new_nonce()
+        frame.send_message(self._sock, HELLO, {"nonce": client_nonce})
+        challenge, _ = self._read_reply(None).result(self.task)
+        server_nonce = challenge.get("nonce")
+        if not auth.is_nonce(server_nonce):
+            raise errors.UnauthenticatedError("the task answered the Hello without a challenge: it is not a "
+                                              "tensorfleet task of this version", task=self.task)
+        task_proven = hmac.compare_digest(str(challenge.get("proof")).encode(),
+                                          auth.proof(token, "server", client_nonce, server_nonce).encode())
+        # Our proof either way (bound to both nonces, it gives nothing away): a task that holds another token
+        # then refuses with its own message, which names the setting to fix.
+        frame.send_message(self._sock, PROVE, {"proof": auth.proof(token, "client", server_nonce, client_nonce)})
         self._read_reply(None).result(self.task)
+        if not task_proven:
+            raise errors.UnauthenticatedError(f"the task at {self.address[0]}:{self.address[1]} accepted us without "
+                                              "proving the job's token: it is not this job's task; nothing was sent",
+                                              task=self.task)
 
     def _read_reply(self, into: Mapping[str, torch.Tensor] | None) -> "_Reply":
         head = self._reader.read_head(max_body_bytes=self.options.max_message_bytes)
