@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tensorfleet.cluster import environment
@@ -206,3 +208,101 @@ def test_a_job_without_tables_has_none_of_their_figures(monitor, clock):
     # a ps of an older version, which says nothing about tables, reads the same
     picture = answer(monitor, clock, 5, {"ps:0": {"role": "ps", "global_step": 50}})
     assert task(picture, "ps:0")["tables"] is None and picture["job"]["table_rows"] is None
+
+
+# --- junk in Status answers (issue 18, item 7): a task's answer is data from the network --------------------
+
+JUNK = ["abc", [1], {"a": 1}, float("nan"), float("inf"), 10 ** 400, True]
+# every field the monitor reads from a Status answer, and what the picture shows for it
+COUNTS = ["global_step", "local_step", "examples", "target_step", "dropped_stale", "unique_ids", "pid"]
+
+
+def junk_answer(junk) -> dict:
+    """A Status answer with ``junk`` in every field (the monitor reads all but role, which the cluster says)."""
+    answer = {field: junk for field in [*COUNTS, "loss", "state", "mode", "done_replicas", "tables", "role"]}
+    answer["done_replicas"] = [junk] if isinstance(junk, list) else junk  # [1] would be a good list
+    return answer
+
+
+@pytest.mark.parametrize("junk", JUNK, ids=["str", "list", "dict", "nan", "inf", "huge", "bool"])
+def test_junk_in_every_status_field_is_shown_as_none_and_never_raises(monitor, clock, junk, caplog):
+    from tensorfleet.dashboard.metrics import render_metrics
+
+    answers = {name: junk_answer(junk) for name in ("ps:0", "worker:0", "worker:1")}
+    with caplog.at_level("WARNING", logger=monitor_module.__name__):
+        for t in range(5):
+            picture = answer(monitor, clock, t, answers)
+    job = picture["job"]
+    assert job["global_step"] == 0 and job["target_step"] is None and job["dropped_stale"] == 0
+    assert (job["eta_s"], job["steps_per_sec"], job["examples_per_sec"]) == (None, None, None)
+    assert (job["mode"], job["table_rows"], job["rows_per_sec"]) == (None, None, None)
+    for task in picture["tasks"]:
+        assert task["state"] == "running"  # it answers: alive, whatever it said
+        for key in ("pid", "step", "global_step", "loss", "unique_ids", "tables", "examples_per_sec"):
+            assert task[key] is None, (task["name"], key, task[key])
+    assert all(point["global_step"] == 0 and point["loss"] is None for point in picture["history"])
+    assert progress_line(picture) == "step 0 | 3/3 tasks running"
+    render_metrics(picture)  # the dashboard's /metrics
+    json.dumps(picture, allow_nan=False)  # the dashboard's /api/status
+
+    # One warning per task and field, not one per poll: 5 polls of 3 tasks with junk in ~12 fields each.
+    warned = [(r.task_name, r.field) for r in caplog.records if hasattr(r, "field")]
+    assert len(warned) == len(set(warned)) and len(warned) >= 3 * 8, warned
+    assert {name for name, _ in warned} == {"ps:0", "worker:0", "worker:1"}
+    assert {field for name, field in warned if name == "worker:0"} >= {*COUNTS, "loss"}
+
+
+def test_junk_in_one_task_leaves_the_others_figures(monitor, clock):
+    bad = {"role": "worker", "global_step": "abc", "local_step": -5, "examples": 2.5, "loss": "0.5",
+           "target_step": [TARGET], "unique_ids": 10 ** 30, "pid": True, "state": {"done": True}}
+    for t in range(4):
+        step = 100 * (t + 1)
+        picture = answer(monitor, clock, t, {"ps:0": ps(step), "worker:0": worker(step, loss=0.25), "worker:1": bad})
+    job = picture["job"]
+    assert job["global_step"] == 400 and job["target_step"] == TARGET
+    assert job["steps_per_sec"] == pytest.approx(100) and job["examples_per_sec"] == pytest.approx(1600)
+    assert picture["history"][-1]["loss"] == 0.25  # worker:1's "0.5" is no loss
+    good, junk = task(picture, "worker:0"), task(picture, "worker:1")
+    assert (good["step"], good["loss"], good["examples_per_sec"]) == (200, 0.25, pytest.approx(1600))
+    assert (junk["step"], junk["global_step"], junk["loss"], junk["pid"], junk["unique_ids"]) == (None,) * 5
+    assert junk["state"] == "running" and junk["examples_per_sec"] is None
+    assert "step 400/2,000 (20%)" in progress_line(picture)
+
+
+def test_junk_done_replicas_mark_no_worker_done(monitor, clock):
+    # True is an int to Python: it must not stand for replica 1; nor "0", 1.0, -1 or an index past the workers.
+    picture = answer(monitor, clock, 0, {"ps:0": {**ps(50), "done_replicas": [True, "0", 1.0, -1, 99, None]},
+                                         "worker:0": worker(50), "worker:1": worker(50)})
+    assert states(picture) == {"ps:0": "running", "worker:0": "running", "worker:1": "running"}
+    picture = answer(monitor, clock, 1, {"ps:0": {**ps(60), "done_replicas": 5}, "worker:0": worker(60)})
+    assert states(picture)["worker:0"] == "running"
+    picture = answer(monitor, clock, 2, {"ps:0": ps(70, done=(1,)), "worker:0": worker(70)})  # a real one still counts
+    assert states(picture)["worker:1"] == "done"
+
+
+@pytest.mark.parametrize("tables", ["abc", [1], 7, {"users": "abc"}, {"users": [1, 2]},
+                                    {"users": {"rows": "abc", "bytes": float("nan"), "rows_created": [1]}},
+                                    {"users": {"rows": True, "bytes": -1, "rows_created": 10 ** 400}}])
+def test_junk_tables_are_tolerated(sharded, clock, tables):
+    from tensorfleet.dashboard.metrics import render_metrics
+
+    def created(t: int) -> dict[str, tuple[int, int]]:
+        return {"ps:0": (100 * t, 10 * t), "ps:1": (50 * t, 20 * t)}
+
+    for t in range(1, 6):
+        answers = tables_round(10 * t, created(t))
+        answers["ps:1"]["tables"] = tables
+        picture = answer(sharded, clock, t, answers)
+    shown = task(picture, "ps:1")["tables"]
+    assert shown is None or shown == {"users": {"rows": None, "bytes": None, "rows_per_sec": None}}, shown
+    assert picture["job"]["table_rows"] == 1000 + 500 + 100 * 5 + 10 * 5  # ps:0's alone
+    assert picture["job"]["rows_per_sec"] == pytest.approx(110)
+    assert "table rows" in progress_line(picture)
+    render_metrics(picture)
+    json.dumps(picture, allow_nan=False)
+
+
+def test_a_final_status_that_is_not_an_object_is_an_empty_answer(monitor, clock):
+    picture = answer(monitor, clock, 0, {"ps:0": ["not", "a", "dict"], "worker:0": "abc", "worker:1": None})
+    assert picture["job"]["global_step"] == 0 and set(states(picture).values()) == {"running"}
+    assert progress_line(picture) == "step 0 | 3/3 tasks running"

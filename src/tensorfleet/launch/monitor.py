@@ -20,12 +20,20 @@ Rates (and so the ETA) are measured from the first poll that saw training under 
 at step 0 would otherwise make the first estimates far too slow.  A counter that went
 down (a restarted task) restarts its rate: a ps's rows created are counted from the
 sample that saw it drop.
+
+A task's Status answer is data from the network: each field the monitor reads must have
+its type and range (a count is a whole number from 0 to 2**63-1, a loss a finite number,
+a state a short string, ``tables`` an object of objects of counts), or it is taken as
+absent (None) for that task; a task that answers junk is still running.  The first bad
+value of each field from each task is logged as a warning, later ones are not.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -38,10 +46,15 @@ from tensorfleet.launch.supervisor import Supervisor
 from tensorfleet.wire.rpc import Channel, WireOptions
 from tensorfleet.worker.status import final_status_path
 
+log = logging.getLogger(__name__)
+
 RATE_WINDOW_S = 5.0  # rates are averaged over this much history
 MIN_RATE_SPAN_S = 2.0  # no rate, nor ETA, from less training than this
 _NO_RATES: dict[str, Any] = {"steps": None, "examples": None, "per_task": {}, "rows": {}}
 HISTORY_POINTS = 1800  # half an hour at one poll a second
+MAX_COUNT = 2 ** 63 - 1  # a count larger than this (or negative, or not whole) is junk
+MAX_TEXT = 64  # a state longer than this is junk
+MODES = ("sync", "async")
 
 
 @dataclass
@@ -90,6 +103,8 @@ class FleetMonitor:
         self._channels = {t.short: Channel(cluster.task_address(t.job_name, t.index), task=t.name, options=options)
                           for t in self.tasks}
         self._seen = {t.short: _Seen() for t in self.tasks}
+        self._ps = {t.short for t in self.tasks if t.job_name == "ps"}  # roles from the cluster, not the answers
+        self._warned: set[tuple[str, str]] = set()  # (task, field) whose junk was logged once already
         self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY_POINTS)
         # (when, global step, examples per worker, rows created per (ps task, table))
         self._samples: collections.deque[tuple[float, int, dict[str, int], dict[tuple[str, str], int]]] = \
@@ -146,12 +161,70 @@ class FleetMonitor:
         """
         now = time.monotonic()
         with self._lock:
+            answers = {name: self._clean(name, status) for name, status in answers.items()}
             for name, status in answers.items():
                 seen = self._seen[name]
                 seen.status, seen.at, seen.ever = status, now, True
                 if self.supervisor is not None:
                     self.supervisor.answered(name, since=asked)
             self._record(now, answers)
+
+    # --- what a task answered, checked ----------------------------------------------------------
+
+    def _clean(self, name: str, status: Any) -> dict[str, Any]:
+        """The fields of ``status`` the monitor reads, each of its type and range; junk left out (and logged once)."""
+        if not isinstance(status, dict):
+            self._junk(name, "status", status, "an object")
+            return {}
+        clean: dict[str, Any] = {}
+        for field, (convert, expected) in _FIELDS.items():
+            value = status.get(field)
+            if value is None:
+                continue  # absent, or not known yet (no loss before the first step): not junk
+            checked = convert(value)
+            if checked is None:
+                self._junk(name, field, value, expected)
+            else:
+                clean[field] = checked
+        done = status.get("done_replicas")
+        if done is not None:
+            indices = [i for i in done if type(i) is int and 0 <= i <= MAX_COUNT] if isinstance(done, list) else []
+            if not isinstance(done, list) or len(indices) != len(done):
+                self._junk(name, "done_replicas", done, "a list of worker indices")
+            clean["done_replicas"] = indices
+        if status.get("tables") is not None:
+            clean["tables"] = self._clean_tables(name, status["tables"])
+        return clean
+
+    def _clean_tables(self, name: str, tables: Any) -> dict[str, dict[str, int | None]]:
+        """A ps's ``tables`` (table name -> its figures): a table whose figures are not an object is left out,
+        a figure that is not a count is None."""
+        expected = "an object of tables, each an object of counts"
+        if not isinstance(tables, dict):
+            self._junk(name, "tables", tables, expected)
+            return {}
+        clean = {}
+        for table, fields in tables.items():
+            if not isinstance(fields, dict):
+                self._junk(name, "tables", {table: fields}, expected)
+                continue
+            figures = {key: _count(fields.get(key)) for key in _TABLE_FIELDS}
+            bad = {key: fields[key] for key, value in figures.items() if value is None and fields.get(key) is not None}
+            if bad:
+                self._junk(name, "tables", {table: bad}, expected)
+            clean[str(table)] = figures
+        return clean
+
+    def _junk(self, name: str, field: str, value: Any, expected: str) -> None:
+        """Log a bad value in ``name``'s Status once per (task, field): a task answers every second."""
+        if (name, field) in self._warned:
+            return
+        self._warned.add((name, field))
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:80] + "..."
+        log.warning("%s answered Status with %s=%s, not %s: taken as absent (later bad %s values from %s are "
+                    "not logged)", name, field, shown, expected, field, name,
+                    extra={"task_name": name, "field": field})
 
     def _final_statuses(self) -> dict[str, dict[str, Any]]:
         """The last Status of tasks that finished since the last poll, from the files they leave."""
@@ -176,17 +249,18 @@ class FleetMonitor:
 
     def _global_step(self) -> int:
         """ps:0 counts the global step; workers repeat the last one they saw (the ps may have exited)."""
-        return max((int(s.status.get("global_step") or 0) for s in self._seen.values() if s.status), default=0)
+        return max((s.status.get("global_step") or 0 for s in self._seen.values() if s.status), default=0)
 
     def _examples(self) -> dict[str, int]:
-        return {name: int(s.status.get("examples") or 0) for name, s in self._seen.items()
-                if s.status is not None and s.status.get("role") != "ps"}
+        """Each worker's examples so far (a worker that did not say, or said junk, has no rate)."""
+        return {name: s.status["examples"] for name, s in self._seen.items()
+                if s.status is not None and name not in self._ps and s.status.get("examples") is not None}
 
     def _rows_created(self) -> dict[tuple[str, str], int]:
         """Each ps shard's rows created (since it started) per table, by (task name, table name)."""
-        return {(name, table): int(fields.get("rows_created") or 0) for name, s in self._seen.items()
-                if s.status is not None and s.status.get("role") == "ps"
-                for table, fields in _tables(s.status).items()}
+        return {(name, table): fields["rows_created"] for name, s in self._seen.items()
+                if s.status is not None and name in self._ps
+                for table, fields in s.status.get("tables", {}).items() if fields["rows_created"] is not None}
 
     def _record(self, now: float, answers: dict[str, dict[str, Any]]) -> None:
         """A history point from this round's answers; none once the job is over (they would only repeat)."""
@@ -201,7 +275,7 @@ class FleetMonitor:
         while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
             self._samples.popleft()
         rates = self._rates()
-        losses = [s["loss"] for s in answers.values() if s.get("loss") is not None and s.get("role") != "ps"]
+        losses = [s["loss"] for name, s in answers.items() if s.get("loss") is not None and name not in self._ps]
         self._history.append({"t": round(now - self.started, 2), "global_step": step,
                               "loss": sum(losses) / len(losses) if losses else None,
                               "examples_per_sec": rates["examples"], "steps_per_sec": rates["steps"]})
@@ -246,8 +320,8 @@ class FleetMonitor:
     def _reported_done(self) -> set[str]:
         """The workers some ps heard say Done: done, even though they no longer answer."""
         replicas = self.cluster.replicas
-        return {replicas[i].short for s in self._seen.values() if s.status and s.status.get("role") == "ps"
-                for i in s.status.get("done_replicas") or () if isinstance(i, int) and 0 <= i < len(replicas)}
+        return {replicas[i].short for name, s in self._seen.items() if s.status and name in self._ps
+                for i in s.status.get("done_replicas") or () if 0 <= i < len(replicas)}
 
     def _task_states(self, now: float) -> dict[str, str]:
         """Every task's state: the supervisor's, or else what its (and the ps's) Status answers say."""
@@ -280,7 +354,7 @@ class FleetMonitor:
                 status = statuses[name]
                 record = self.supervisor.by_name[name] if self.supervisor is not None else None
                 is_ps = task.job_name == "ps"
-                tables = _tables(status) if is_ps else {}
+                tables = status.get("tables", {}) if is_ps else {}
                 tasks.append({
                     "name": name, "role": task_role(self.cluster, task),
                     "address": self.cluster.task_address(task.job_name, task.index),
@@ -299,15 +373,16 @@ class FleetMonitor:
                                for table, fields in tables.items()} or None,
                     "unique_ids": None if is_ps else status.get("unique_ids"),
                 })
-            targets = [s.get("target_step") for s in statuses.values() if s.get("target_step")]
+            targets = [s["target_step"] for s in statuses.values() if s.get("target_step")]
             target = max(targets) if targets else None
             steps_per_sec = rates["steps"]
             eta = ((target - step) / steps_per_sec if target is not None and steps_per_sec and step < target
                    else None)
-            dropped = max((int(s.get("dropped_stale") or 0) for s in statuses.values() if s.get("role") == "ps"),
+            dropped = max((s.get("dropped_stale") or 0 for name, s in statuses.items() if name in self._ps),
                           default=0)
             mode = self.mode or ps0.get("mode")
-            table_rows = [int(fields.get("rows") or 0) for t in tasks for fields in (t["tables"] or {}).values()]
+            table_rows = [fields["rows"] for t in tasks for fields in (t["tables"] or {}).values()
+                          if fields["rows"] is not None]
             job = {"name": self.job_name, "mode": mode, "state": self.job_state, "global_step": step,
                    "target_step": target, "steps_per_sec": steps_per_sec, "examples_per_sec": rates["examples"],
                    "eta_s": eta, "dropped_stale": dropped,
@@ -318,12 +393,44 @@ class FleetMonitor:
             return {"job": job, "tasks": tasks, "history": list(self._history)}
 
 
-def _tables(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """A ps's Status ``tables`` (table name -> its figures); {} when it has none (or sent something else)."""
-    tables = status.get("tables")
-    if not isinstance(tables, dict):
-        return {}
-    return {str(name): fields for name, fields in tables.items() if isinstance(fields, dict)}
+def _count(value: Any) -> int | None:
+    """``value`` as a count: a whole number from 0 to ``MAX_COUNT`` (an int, or a float with a whole value);
+    None for anything else (a string, a bool, NaN, a fraction, a negative or huge number, a list ...)."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if type(value) is int and 0 <= value <= MAX_COUNT:
+        return value
+    return None
+
+
+def _real(value: Any) -> float | None:
+    """``value`` as a finite float (a loss); None for anything else (NaN and infinities included)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:  # an int too large for a float
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and len(value) <= MAX_TEXT else None
+
+
+def _mode(value: Any) -> str | None:
+    return value if value in MODES else None
+
+
+# The Status fields the monitor reads: how each is checked, and what it must be.
+_FIELDS: dict[str, tuple[Any, str]] = {
+    **{field: (_count, f"a whole number from 0 to {MAX_COUNT}")
+       for field in ("global_step", "local_step", "examples", "target_step", "dropped_stale", "unique_ids", "pid")},
+    "loss": (_real, "a finite number"),
+    "state": (_text, f"a string of at most {MAX_TEXT} characters"),
+    "mode": (_mode, " or ".join(repr(mode) for mode in MODES)),
+}
+_TABLE_FIELDS = ("rows", "bytes", "rows_created")
 
 
 def progress_line(picture: dict[str, Any]) -> str:

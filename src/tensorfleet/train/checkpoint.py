@@ -18,12 +18,15 @@ Files, in ``DIR``::
 Every file is written to a temporary name, flushed to disk and renamed, and the
 manifest is written last, so a crash at any moment leaves the previous
 checkpoint intact and named by the manifest.  ``max_to_keep`` old files are
-deleted only after the new manifest is in place.
+deleted only after the new manifest is in place.  The manifest is data: only the
+plain names ``model.ckpt-<step>.safetensors`` in it are ever opened or deleted
+(anything else is never deleted, and read as a damaged manifest).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -39,10 +42,13 @@ from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.cluster.placement import Part, Placement
 from tensorfleet.errors import DataError, InvalidArgumentError
 from tensorfleet.ps.api import ShardState, TableState
-from tensorfleet.train.manifest import FORMAT, MANIFEST, checkpoint_name, latest_checkpoint, parse_header, read_manifest
+from tensorfleet.train.manifest import (FORMAT, MANIFEST, checkpoint_name, foreign_names, is_checkpoint_name,
+                                        latest_checkpoint, parse_header, read_manifest)
 from tensorfleet.train.manifest import list_checkpoints  # noqa: F401 (re-exported: part of this module's API)
 from tensorfleet.worker.embedding import tables_of
 from tensorfleet.worker.protocol import TrainingReplica
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -153,12 +159,28 @@ def save(directory: str | Path, state: ShardState, *, info: Mapping[str, Any], m
                 "info": json.dumps(dict(info))}
     tensors = {key: value.contiguous() for key, value in state.flatten().items()}
     _write_atomically(directory / name, save_bytes(tensors, metadata=metadata))
-    kept = [n for n in read_manifest(directory).get("all", []) if n != name and (directory / n).exists()] + [name]
+    kept = [n for n in _previous_names(directory) if n != name and (directory / n).exists()] + [name]
     dropped, kept = kept[:-max_to_keep], kept[-max_to_keep:]
     _write_atomically(directory / MANIFEST, json.dumps({"latest": name, "all": kept}, indent=1).encode())
     for old in dropped:
         (directory / old).unlink(missing_ok=True)
     return directory / name
+
+
+def _previous_names(directory: Path) -> list[str]:
+    """The checkpoints the manifest names, oldest first, each once: only our own plain file names.
+
+    A manifest is data: anything else it names (``../x``, ``/etc/x``, ``sub/x``, not a string) is never
+    looked at nor deleted, and is left out of the next manifest.
+    """
+    names = read_manifest(directory).get("all", [])
+    foreign = foreign_names(names)
+    if foreign:
+        shown = ", ".join(repr(name)[:120] for name in foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        log.warning("%s names %d entr%s that %s not a checkpoint file name (%s): left alone, never deleted, and "
+                    "dropped from the new manifest", directory / MANIFEST, len(foreign),
+                    "y" if len(foreign) == 1 else "ies", "is" if len(foreign) == 1 else "are", shown)
+    return list(dict.fromkeys(name for name in names if is_checkpoint_name(name)))  # a repeated name once
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

@@ -51,17 +51,46 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def foreign_names(names: list[Any]) -> list[Any]:
+    """The entries of a manifest's ``all`` that are not plain names of our checkpoint files."""
+    return [name for name in names if not is_checkpoint_name(name)]
+
+
+def _damaged(directory: Path, name: Any, role: str) -> DataError:
+    shown = repr(name) if len(repr(name)) <= 200 else repr(name)[:200] + "..."
+    return DataError(f"{directory / MANIFEST} is damaged: it names {shown} {role}, not a checkpoint file name "
+                     f"(model.ckpt-<step>.safetensors in {directory}); nothing outside the directory is read")
+
+
 def list_checkpoints(directory: str | Path) -> list[Path]:
-    """The checkpoints the manifest names, oldest first."""
+    """The checkpoints the manifest names, oldest first.
+
+    Raises:
+        DataError: the manifest is damaged, or names anything but a checkpoint file of this directory
+            (``../x``, an absolute path, a sub-folder, not a string).
+    """
     directory = Path(directory)
-    return [directory / name for name in read_manifest(directory).get("all", [])]
+    names = read_manifest(directory).get("all", [])
+    foreign = foreign_names(names)
+    if foreign:
+        raise _damaged(directory, foreign[0], "among its checkpoints")
+    return [directory / name for name in names]
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest checkpoint in ``directory``, or None if there is none yet."""
+    """The newest checkpoint in ``directory``, or None if there is none yet.
+
+    Raises:
+        DataError: the manifest is damaged, or its latest is not a checkpoint file of this directory: the
+            chief refuses to start from it rather than open a file elsewhere (or silently start over).
+    """
     directory = Path(directory)
     name = read_manifest(directory).get("latest")
-    return directory / name if name else None
+    if name is None or name == "":
+        return None
+    if not is_checkpoint_name(name):
+        raise _damaged(directory, name, "as the latest checkpoint")
+    return directory / name
 
 
 def parse_header(data: bytes) -> dict[str, Any]:
