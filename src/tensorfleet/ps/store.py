@@ -3,8 +3,9 @@
 All mutation happens under one lock, and every request is validated before
 anything is written, so a bad request leaves the shard bit-identical.
 
-Readers of the live tensors (``read_live``: a pull's reply goes to the socket
-straight from the variables, without a copy) hold a *shared* hold; an update
+Readers of the live tensors (``read_live``: a pull's reply is copied from the
+variables into the connection's reply area or staging buffer, and the hold is
+released before a byte is sent) hold a *shared* hold; an update
 waits until no reader holds one, and readers arriving while an update waits
 queue behind it, so a stream of pulls cannot starve the updates.
 

@@ -345,12 +345,20 @@ class DataServer:
             request.skip_body()
             frame.send_message(sock, "INTERNAL", {"message": f"{type(exc).__name__}: {exc}"})
             return True
+        released = False
+
+        def release() -> None:  # once: by send_message before it sends, or below if it failed first
+            nonlocal released
+            if not released and reply.release is not None:
+                released = True
+                reply.release()
+
         try:
             request.skip_body()  # a method that ignored the tensors still leaves the stream in step
-            frame.send_message(sock, OK, reply.meta, reply.tensors, area=link.reply_area)
+            frame.send_message(sock, OK, reply.meta, reply.tensors, area=link.reply_area,
+                               release=release if reply.release is not None else None, staging=link.staging)
         finally:
-            if reply.release is not None:
-                reply.release()
+            release()
         return True
 
     def _attach(self, head: frame.Head) -> shm.Segment:
@@ -406,6 +414,7 @@ class _Link:
     def __init__(self, sock: socket.socket, reader: frame.Reader) -> None:
         self.sock, self.reader, self.pool = sock, reader, BufferPool()
         self.reply_area: frame.SharedArea | None = None
+        self.staging = frame.Staging()  # replies of borrowed tensors are copied here before they are sent
 
     def attach(self, segment: shm.Segment) -> None:
         """Bodies from now on may be in ``segment`` (a previous one is unmapped once unused)."""

@@ -82,21 +82,53 @@ def _encode_layout(entries: tuple[TensorEntry, ...]) -> tuple[str, int]:
 
 
 def send_message(sock: socket.socket, kind: str, meta: Mapping[str, Any] | None = None,
-                 tensors: Mapping[str, torch.Tensor] | None = None, *, area: SharedArea | None = None) -> None:
+                 tensors: Mapping[str, torch.Tensor] | None = None, *, area: SharedArea | None = None,
+                 release: Callable[[], None] | None = None, staging: Staging | None = None) -> None:
     """Send one whole message; the tensors' memory goes to the kernel without a copy.
 
     With ``area`` (this side's area of a shared segment) a body that fits is copied there
-    instead, and only the head goes on the stream.
+    instead, and only the head goes on the stream.  With ``release`` the tensors are only
+    borrowed (a ps's live variables under a read hold): they are copied (into the area, or into
+    ``staging``) and ``release`` is called *before* anything is sent, so a peer that stops
+    reading can stall this connection only, never the variables' updates.
     """
     tensors = tensors or {}
     entries = [TensorEntry.of(name, tensor) for name, tensor in tensors.items()]
     if area is not None and 0 < body_size(entries) <= area.nbytes:
         area.write(tuple(entries), tensors.values())
+        if release is not None:
+            release()
         send_buffers(sock, [memoryview(encode_head(kind, meta, entries, shared=True))])
         return
     buffers = [memoryview(encode_head(kind, meta, entries))]
-    buffers += [tensor_bytes(tensor) for tensor in tensors.values()]
+    if release is not None:
+        buffers.append((staging or Staging()).copy(tensors.values()))
+        release()
+    else:
+        buffers += [tensor_bytes(tensor) for tensor in tensors.values()]
     send_buffers(sock, buffers)
+
+
+class Staging:
+    """A reusable buffer that borrowed tensors are copied into before they are sent (one per connection)."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def copy(self, tensors: Iterable[torch.Tensor]) -> memoryview:
+        """The tensors' bytes, one after the other, in this buffer (grown when needed)."""
+        tensors = list(tensors)
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        if self._buffer.numel() < total:
+            self._buffer = torch.empty(total, dtype=torch.uint8)
+        offset = 0
+        for tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes:
+                source = (tensor if tensor.is_contiguous() else tensor.contiguous()).reshape(-1).view(torch.uint8)
+                self._buffer[offset:offset + nbytes].copy_(source)
+            offset += nbytes
+        return byte_view(self._buffer)[:total]
 
 
 class SharedArea:
