@@ -4,8 +4,10 @@
 the environment (``TENSORFLEET_TOKEN``), never on a command line where ``ps`` would
 show it; ``TENSORFLEET_TOKEN_FILE`` names a file holding it instead (a Kubernetes
 Secret mounted as a file, say).  A task with no token configured accepts every
-call, as a cluster started by hand on a trusted machine does; with one, gRPC calls
-must carry it as metadata and each data-plane connection must open with a
+call, as a cluster started by hand on a trusted machine does; with one, every gRPC call
+carries a proof in its metadata (``call_proof``: an HMAC under the token of the method, the
+time and a fresh nonce; accepted within ``CALL_WINDOW_S`` of the task's clock, each nonce once)
+and each data-plane connection must open with a
 challenge and response (``Hello``, ``Prove``) that proves the token on both sides without
 sending it: each side sends a random nonce and answers with an HMAC of both nonces under the
 token (``proof``), so a listener on the path, or a task that is not the job's, learns nothing
@@ -14,10 +16,12 @@ it could replay.  Comparisons take constant time; refusals are counted.
 
 from __future__ import annotations
 
+import collections
 import hmac
 import os
 import secrets
 import threading
+import time
 from pathlib import Path
 from typing import Mapping
 
@@ -29,6 +33,8 @@ METADATA_KEY = "x-tensorfleet-token"  # gRPC metadata keys are lowercase
 
 
 NONCE_CHARS = 32  # hex of 128 random bits
+CALL_WINDOW_S = 300  # a gRPC call's proof is accepted this long either side of the task's clock
+MAX_SEEN_NONCES = 200_000  # proofs remembered (for the window) to refuse a replay
 
 
 def new_nonce() -> str:
@@ -46,6 +52,12 @@ def proof(token: str, role: str, first: str, second: str) -> str:
     """
     message = f"tensorfleet-hello/{role}/{first}/{second}".encode()
     return hmac.new(token.encode(), message, "sha256").hexdigest()
+
+
+def call_proof(token: str, method: str, *, now: float | None = None) -> str:
+    """What a gRPC call carries instead of the token: ``<unix time>.<nonce>.<HMAC of method, time, nonce>``."""
+    stamp, nonce = int(time.time() if now is None else now), new_nonce()
+    return f"{stamp}.{nonce}.{proof(token, 'call', method, f'{stamp}/{nonce}')}"
 
 
 def new_token() -> str:
@@ -77,6 +89,7 @@ class Gate:
         self._token = token.encode() if token else None
         self._lock = threading.Lock()
         self.refused = 0
+        self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()  # nonce -> time, for replays
 
     @property
     def required(self) -> bool:
@@ -92,6 +105,27 @@ class Gate:
         if self._token is not None and isinstance(presented, str) \
                 and hmac.compare_digest(presented.encode(), self.proof(role, first, second).encode()):
             return True
+        with self._lock:
+            self.refused += 1
+        return False
+
+    def admits_call(self, presented: object, method: str) -> bool:
+        """A gRPC call's proof (``call_proof``) for ``method``: right HMAC, within the window, nonce not seen
+        before. True when no token is required; anything else is a counted refusal."""
+        if self._token is None:
+            return True
+        now = time.time()
+        if isinstance(presented, str) and presented.count(".") == 2:
+            stamp, nonce, mac = presented.split(".")
+            if stamp.isdigit() and is_nonce(nonce) and abs(now - int(stamp)) <= CALL_WINDOW_S and hmac.compare_digest(
+                    mac.encode(), self.proof("call", method, f"{stamp}/{nonce}").encode()):
+                with self._lock:
+                    while self._seen and (len(self._seen) >= MAX_SEEN_NONCES
+                                          or next(iter(self._seen.values())) < now - 2 * CALL_WINDOW_S):
+                        self._seen.popitem(last=False)
+                    if nonce not in self._seen:
+                        self._seen[nonce] = now
+                        return True
         with self._lock:
             self.refused += 1
         return False

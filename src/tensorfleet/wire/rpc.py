@@ -180,8 +180,9 @@ class _TokenCheck(grpc.ServerInterceptor):
     def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
         if not self._gate.required:
             return continuation(details)
-        token = next((value for key, value in details.invocation_metadata or () if key == auth.METADATA_KEY), None)
-        if self._gate.admits(token):
+        presented = next((value for key, value in details.invocation_metadata or () if key == auth.METADATA_KEY),
+                         None)
+        if self._gate.admits_call(presented, details.method):
             return continuation(details)
         now = time.monotonic()
         if now - self._last_warning >= 10.0:  # a flood of refusals must not flood the log
@@ -275,7 +276,6 @@ class Channel:
     def __init__(self, address: str, *, task: str, options: WireOptions | None = None) -> None:
         options = options or WireOptions()
         self.address, self.task, self.options = address, task, options
-        self._metadata = ((auth.METADATA_KEY, options.token),) if options.token else None
         self._open()
 
     def _open(self) -> None:
@@ -298,8 +298,11 @@ class Channel:
         if len(request) > self.options.max_message_bytes:
             raise errors.WireError(f"{method} request of {len(request)} bytes exceeds the limit of "
                                    f"{self.options.max_message_bytes} bytes", task=self.task)
+        # Not the token: a proof of it for this call (method, time, fresh nonce), useless to a listener.
+        metadata = ((auth.METADATA_KEY, auth.call_proof(self.options.token, f"/{SERVICE}/{method}")),) \
+            if self.options.token else None
         inner = self._stubs[method].future(request, timeout=timeout or self.options.deadline_s,
-                                           wait_for_ready=wait_for_ready, metadata=self._metadata)
+                                           wait_for_ready=wait_for_ready, metadata=metadata)
         return RpcFuture(inner, self.task, self.options)
 
     def call(self, method: str, meta: Mapping[str, Any] | None = None,
