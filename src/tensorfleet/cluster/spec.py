@@ -15,12 +15,13 @@ tasks that compute gradients) are the chief job first, then the workers.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from tensorfleet.errors import ClusterSpecError
+from tensorfleet.errors import ClusterSpecError, ConfigError
 
 KNOWN_JOBS = ("chief", "worker", "ps", "evaluator")
 TRAINING_JOBS = ("chief", "worker")
@@ -40,6 +41,23 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 LOOPBACK_HOSTS = ("localhost", "::1")
+# 1: a ps with no job token may serve on a non-loopback address (see ``insecure_from_env``).
+INSECURE_ENV = "TENSORFLEET_INSECURE"
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and a loopback IP (127.0.0.0/8, ``::1``); False for anything else.
+
+    ``0.0.0.0``/``::`` (every interface), a real interface's address and any other name are not
+    loopback: what listens there can be reached from other machines.
+    """
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a DNS name: it may resolve to anything
+        return False
 
 
 def bind_address(address: str) -> str:
@@ -190,8 +208,9 @@ def from_tf_config(text: str) -> tuple[ClusterSpec, TaskSpec]:
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
-    """Add the classic ``--ps_hosts --worker_hosts --job_name --task_index`` flags to a parser.
+    """Add the classic ``--ps_hosts --worker_hosts --job_name --task_index`` flags to a parser, and ``--insecure``.
 
+    ``--insecure`` lets a ps with no job token start on a non-loopback address (see ``insecure_from_flags``).
     It also turns off the parser's abbreviations: ``--ps 1`` must be an error, not ``--ps_hosts=1``.
     """
     parser.allow_abbrev = False
@@ -200,6 +219,27 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--worker_hosts", default=None, help="comma-separated host:port of the worker tasks")
     group.add_argument("--job_name", default=None, help="'ps' or 'worker'")
     group.add_argument("--task_index", type=int, default=None, help="index of this task within its job")
+    parser.add_argument("--insecure", action="store_true", default=False,
+                        help="on a non-loopback address with no job token (TENSORFLEET_TOKEN), let a ps start "
+                             "anyway and accept unauthenticated calls: only on a trusted network "
+                             f"(also: {INSECURE_ENV}=1)")
+
+
+def insecure_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """``TENSORFLEET_INSECURE``: 1 lets a ps without a token serve on a non-loopback address (off by default)."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(INSECURE_ENV, "").strip().lower()
+    if text in ("", "0", "false", "off", "no"):
+        return False
+    if text in ("1", "true", "on", "yes"):
+        return True
+    raise ConfigError(f"{INSECURE_ENV}={text!r}: give 1 (a ps without a token may serve on a non-loopback "
+                      "address, accepting unauthenticated calls) or 0 (the default: it refuses to start)")
+
+
+def insecure_from_flags(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> bool:
+    """``--insecure`` (from ``add_cluster_flags``), or ``TENSORFLEET_INSECURE`` when the flag is not given."""
+    return bool(getattr(args, "insecure", False)) or insecure_from_env(environ)
 
 
 def cluster_from_flags(args: argparse.Namespace,

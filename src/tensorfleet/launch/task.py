@@ -17,9 +17,11 @@ from typing import Callable
 import torch
 
 from tensorfleet.cluster.environment import finished_linger_s
-from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, cluster_from_flags
+from tensorfleet.cluster.spec import (ClusterSpec, TaskSpec, bind_address, cluster_from_flags, insecure_from_flags,
+                                      is_loopback_host, parse_address)
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.ps.server import Server
+from tensorfleet.wire import auth
 from tensorfleet.worker.status import PROCESS_STATUS, serve_status, write_final_status
 
 TrainFn = Callable[[argparse.Namespace, ClusterSpec, TaskSpec], None]
@@ -33,7 +35,9 @@ def run_task(args: argparse.Namespace, train: TrainFn, *, intra_op_threads: int 
         train: ``train(args, cluster, task)``, called on chief and worker tasks.
         intra_op_threads: torch threads for this process (one per task suits a machine shared by tasks).
     Returns:
-        the process exit code: 0, or 2 when the cluster flags or TF_CONFIG are wrong.
+        the process exit code: 0, or 2 when the cluster flags or TF_CONFIG are wrong, or when a ps on a
+        non-loopback address has no job token (TENSORFLEET_TOKEN) and was not given ``--insecure``
+        (or ``TENSORFLEET_INSECURE=1``).
 
     Example:
         >>> sys.exit(run_task(parse_args(), train))   # doctest: +SKIP
@@ -42,15 +46,19 @@ def run_task(args: argparse.Namespace, train: TrainFn, *, intra_op_threads: int 
     try:
         cluster, task = cluster_from_flags(args)
         _check_towers_are_used(args)
+        insecure = insecure_from_flags(args)
     except TensorfleetError as exc:
-        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
-        return 2
+        return _config_error(exc)
     torch.set_num_threads(intra_op_threads)
     if task.job_name == "ps":
-        server = Server(cluster, job_name="ps", task_index=task.index)
+        try:
+            server = Server(cluster, job_name="ps", task_index=task.index, insecure=insecure)
+        except ConfigError as exc:  # no token on a non-loopback address, say: a restart would not fix it
+            return _config_error(exc)
         server.join(linger_s=finished_linger_s())  # so that `tensorfleet dashboard` sees the job end
         write_final_status(task, server.status())
         return 0
+    _warn_if_status_exposed(cluster, task)
     status_server = serve_status(cluster, task)  # what the launcher and the dashboard ask about
     try:
         train(args, cluster, task)
@@ -59,6 +67,25 @@ def run_task(args: argparse.Namespace, train: TrainFn, *, intra_op_threads: int 
             status_server.stop(0)
     write_final_status(task, PROCESS_STATUS.as_meta())
     return 0
+
+
+def _config_error(exc: TensorfleetError) -> int:
+    print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _warn_if_status_exposed(cluster: ClusterSpec, task: TaskSpec) -> None:
+    """A worker without a token still starts on a non-loopback address (its Status only informs), but says so."""
+    try:
+        token = auth.job_token()
+    except ConfigError:
+        return  # an unreadable token file: the worker's first call to the ps says so, with its name
+    address = cluster.task_address(task.job_name, task.index)
+    if token is None and not is_loopback_host(parse_address(bind_address(address))[0]):
+        logging.getLogger(__name__).warning(
+            "%s: no job token (TENSORFLEET_TOKEN): its Status on %s answers anyone who can reach it, and a ps "
+            "on a non-loopback address serves it only with --insecure; set TENSORFLEET_TOKEN (or "
+            "TENSORFLEET_TOKEN_FILE) to the same secret on every task", task.name, address)
 
 
 def _check_towers_are_used(args: argparse.Namespace) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import time
 
-from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, bind_address, parse_address
-from tensorfleet.errors import ClusterSpecError
+from tensorfleet.cluster.spec import (INSECURE_ENV, ClusterSpec, TaskSpec, bind_address, insecure_from_env,
+                                      is_loopback_host, parse_address)
+from tensorfleet.errors import ClusterSpecError, ConfigError
 from tensorfleet.ps.service import PsService
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.wire import auth, rpc
@@ -27,24 +28,34 @@ class Server:
         cluster: the whole cluster.
         job_name: must be ``"ps"``.
         task_index: which ps task this is.
-        options: wire limits and deadlines.
+        options: wire limits and deadlines, and the job's token (by default from ``TENSORFLEET_TOKEN``).
+        insecure: serve without a token on a non-loopback address. Without a token, a ps on such an
+            address refuses to start (ConfigError): anyone who could reach it could initialize it before
+            the chief, overwrite every value (a forced restore), snapshot it or stop it. True: start
+            anyway, with a warning (a trusted network only); None: ``TENSORFLEET_INSECURE`` decides.
+            Irrelevant with a token, or on loopback (127.0.0.0/8, ``::1``, ``localhost``).
+
+    Raises:
+        ConfigError: no token, a non-loopback address and not ``insecure``; nothing was started.
 
     Example:
         >>> Server(cluster, job_name="ps", task_index=0).join()   # doctest: +SKIP
     """
 
     def __init__(self, cluster: ClusterSpec, *, job_name: str = "ps", task_index: int,
-                 options: rpc.WireOptions | None = None) -> None:
+                 options: rpc.WireOptions | None = None, insecure: bool | None = None) -> None:
         if job_name != "ps":
             raise ClusterSpecError(f"Server serves ps tasks; got job_name {job_name!r} (workers use Replica)")
         self.task = TaskSpec(job_name, task_index)
         cluster.check_task(self.task)
+        cluster_address = cluster.task_address(job_name, task_index)
+        address = bind_address(cluster_address)
+        options = options or rpc.WireOptions()  # from the environment now, not when the module loaded
+        self._check_exposure(cluster_address, address, options.token, insecure)  # before anything listens
         replicas = cluster.replicas
         self.store = VariableStore(task=self.task.name, replica_names=[r.name for r in replicas],
                                    shard=(task_index, len(cluster.ps_addresses)))
         self.service = PsService(self.store, num_workers=len(replicas))
-        address = bind_address(cluster.task_address(job_name, task_index))
-        options = options or rpc.WireOptions()  # from the environment now, not when the module loaded
         gate = self.service.gate = auth.Gate(options.token)  # one count of refusals for both planes
         self._data = DataServer(parse_address(address)[0], self.service.data_methods(), task=self.task.name,
                                 options=options, gate=gate)
@@ -56,6 +67,25 @@ class Server:
             self._data.stop()
             raise
         log.info("%s: serving on %s (data plane on port %d)", self.task.name, address, self._data.port)
+
+    def _check_exposure(self, cluster_address: str, address: str, token: str | None,
+                        insecure: bool | None) -> None:
+        """Refuse to serve without a token where other machines can call (unless ``insecure``: then warn)."""
+        if token or is_loopback_host(parse_address(address)[0]):
+            return
+        where = cluster_address if address == cluster_address else f"{cluster_address} (listening on {address})"
+        if not (insecure_from_env() if insecure is None else insecure):
+            raise ConfigError(
+                f"refusing to serve on {where} without the job's token: this address is not loopback, and "
+                "anyone who can reach it could initialize this ps before the chief, overwrite every value "
+                "(a forced restore), snapshot it or stop the job. Set TENSORFLEET_TOKEN (or "
+                "TENSORFLEET_TOKEN_FILE, a file holding it) to the same shared secret on every task; or, on a "
+                "trusted network only, accept unauthenticated calls with --insecure (python -m tensorfleet.ps "
+                f"--insecure, or the --insecure flag of a script using add_cluster_flags) or {INSECURE_ENV}=1",
+                task=self.task.name)
+        log.warning("%s: INSECURE: serving on %s without a token: anyone who can reach this address can "
+                    "change the model's values or stop the job (set TENSORFLEET_TOKEN on every task to require "
+                    "one)", self.task.name, where)
 
     def join(self, timeout: float | None = None, *, linger_s: float = 0.0) -> bool:
         """Block until every worker has finished (True) or ``timeout`` seconds passed (False); then stop.
