@@ -3,6 +3,7 @@ NaN/Inf gradients are rejected (or applied, when the job says so)."""
 
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -181,3 +182,21 @@ def test_a_push_of_several_gradients_is_checked_whole(shard, dtype_c):
         assert server.store.status().rejected_nonfinite == 1
     finally:
         client.close()
+
+
+def test_an_origin_from_the_future_or_of_no_replica_is_refused_and_cannot_lock_a_worker_out():
+    """Issue 18 item 7: a push claiming [0, 2**62, 0] used to become worker 0's newest incarnation, and every
+    later push of the real worker 0 was refused as stale."""
+    from tensorfleet.errors import InvalidArgumentError
+    from tensorfleet.ps.api import Origin, PushRequest
+    from tensorfleet.ps.store import VariableStore
+
+    store = VariableStore(task="ps:0", replica_names=["worker:0", "worker:1"])
+    store.initialize({"w": torch.zeros(2)}, OptimizerSpec.sgd(lr=1.0))
+    for origin, match in ((Origin(0, 2 ** 62, 0), "ahead of this ps's clock"),
+                          (Origin(7, time.time_ns(), 1), "names worker 7; the job's replicas are 0..1")):
+        with pytest.raises(InvalidArgumentError, match=match):
+            store.push(PushRequest(origin, advance_step=True), {"w": torch.ones(2)})
+    assert torch.equal(store.read()[0]["w"], torch.zeros(2))
+    real = Origin(0, time.time_ns(), 1)
+    assert store.push(PushRequest(real, advance_step=True), {"w": torch.ones(2)}).reply.outcome.value == "applied"

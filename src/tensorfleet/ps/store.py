@@ -36,6 +36,7 @@ from tensorfleet.ps.table import EmbeddingShard, unique_ids_error
 # Rows of one table in one request at most: a bound on what one message can make a shard allocate or send.
 MAX_IDS_PER_REQUEST = 1 << 24
 MAX_REPLY_ROW_BYTES = 1 << 30  # rows one lookup's reply may carry
+MAX_INCARNATION_AHEAD_S = 3600.0  # a push's incarnation (its process's start, ns) this far past the ps's clock at most
 
 log = logging.getLogger(__name__)
 
@@ -471,6 +472,7 @@ class VariableStore:
         if origin is None:  # a caller that does not number its pushes (tests, tools): no dedup
             self._accepted_pushes += 1
             return True
+        self._check_origin(origin)
         known = self._origins.get(origin.worker)
         if known is not None and origin.incarnation < known.incarnation:
             raise StaleIncarnationError(
@@ -485,6 +487,19 @@ class VariableStore:
         self._origins[origin.worker] = origin
         self._accepted_pushes += 1
         return True
+
+    def _check_origin(self, origin: Origin) -> None:
+        """An origin must name a replica of the job and an incarnation that is not from the future: one far
+        ahead (a buggy or hostile client) would lock the real worker out until then (its pushes would look
+        older), and unknown worker ids would grow the bookkeeping without bound."""
+        if self.replica_names and origin.worker >= len(self.replica_names):
+            raise InvalidArgumentError(f"push origin names worker {origin.worker}; the job's replicas are "
+                                       f"0..{len(self.replica_names) - 1}", task=self.task)
+        ahead_s = (origin.incarnation - time.time_ns()) / 1e9
+        if ahead_s > MAX_INCARNATION_AHEAD_S:
+            raise InvalidArgumentError(f"push origin's incarnation is {ahead_s:.0f} s ahead of this ps's clock (at "
+                                       f"most {MAX_INCARNATION_AHEAD_S:.0f} s): it is the sending process's start "
+                                       "time in ns; are the hosts' clocks far apart?", task=self.task)
 
     def reject_nonfinite(self, names: Sequence[str], origin: Origin | None) -> PushReply:
         """Count and log a push refused for NaN/Inf gradients in ``names``; nothing is applied."""
