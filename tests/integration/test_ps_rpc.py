@@ -82,6 +82,8 @@ def _raw_exchange(servers, request: bytes) -> tuple[str, str]:
     (b"\x00" * 64, "bad magic"),
     (frame.PREFIX.pack(frame.MAGIC, 7, 0, 2, 0) + b"{}", "version 7"),
     (frame.PREFIX.pack(frame.MAGIC, 1, 0x80, 2, 0) + b"{}", "unknown message flags"),
+    (frame.PREFIX.pack(frame.MAGIC, 1, 0, 2, 0)[:6] + b"\x01\x00" + frame.PREFIX.pack(frame.MAGIC, 1, 0, 2, 0)[8:]
+     + b"{}", "reserved prefix bytes are 0100, not zero"),
     (frame.PREFIX.pack(frame.MAGIC, 1, 0, 5, 0) + b"{nope", "not valid JSON"),
     (frame.PREFIX.pack(frame.MAGIC, 1, 0, 2, 1 << 40) + b"{}", "exceeds the limit"),
     (_head({"kind": "Push", "meta": {}, "tensors": [{"name": "w", "dtype": "float99", "shape": [2]}]}),

@@ -359,6 +359,8 @@ class Reader:
         magic, version, flags, header_bytes, body_bytes = PREFIX.unpack(prefix)
         if magic != MAGIC:
             raise WireError(f"bad magic {magic!r}: not a tensorfleet data-plane message")
+        if prefix[6:8] != b"\0\0":  # reserved for a later version: zero today, so that one can tell
+            raise WireError(f"reserved prefix bytes are {prefix[6:8].hex()}, not zero")
         if version != VERSION:
             raise WireError(f"data-plane version {version} is not supported (this build speaks {VERSION})")
         if flags & ~SHARED:
