@@ -294,7 +294,7 @@ RENDER = ["k8s", "render", "--ps", "1", "--workers", "2", "--image", "repo/train
 def test_cli_writes_yaml_to_stdout(capsys):
     assert main(RENDER + ["examples/mnist_mlp.py", "--", "--train_steps", "100"]) == 0
     out, err = capsys.readouterr()
-    assert err == ""
+    assert err.count("\n") == 1 and "holds the job's new token" in err  # said once, and nothing else
     docs = list(yaml.safe_load_all(out))
     assert HEX_TOKEN.fullmatch(token_of(docs))
     assert docs == render_manifests(make_job(token=token_of(docs)))  # all but the token is determined
@@ -477,3 +477,22 @@ def test_repr_does_not_show_the_token():
         assert job.token not in shown and "token" not in shown
     default = make_job()
     assert default.token not in repr(default) and "token" not in repr(default)
+
+
+def test_a_named_token_secret_keeps_every_secret_out_of_the_output(tmp_path, capsys):
+    """Issue 18 item 7: by default the printed manifests hold the token (and say so on stderr); with
+    --token-secret they reference the user's own Secret and hold none."""
+    from tensorfleet.launch import cli
+    out = tmp_path / "fleet.yaml"
+    assert cli.main(["k8s", "render", "--ps", "1", "--workers", "1", "--image", "img:1", "--token-secret",
+                     "my-token", "-o", str(out), "train.py"]) == 0
+    docs = list(yaml.safe_load_all(out.read_text()))
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    refs = {e["valueFrom"]["secretKeyRef"]["name"] for d in docs if d["kind"] == "Job"
+            for e in d["spec"]["template"]["spec"]["containers"][0]["env"] if "valueFrom" in e}
+    assert refs == {"my-token"}
+    assert "holds the job's new token" not in capsys.readouterr().err
+    assert cli.main(["k8s", "render", "--ps", "1", "--workers", "1", "--image", "img:1", "-o", str(out),
+                     "train.py"]) == 0
+    assert "holds the job's new token in the Secret 'tensorfleet-token'" in capsys.readouterr().err
+    assert [d for d in yaml.safe_load_all(out.read_text()) if d["kind"] == "Secret"]

@@ -84,11 +84,15 @@ class K8sJob:
     cpu: str = "1"
     memory: str = "2Gi"
     token: str = field(default_factory=new_token, repr=False)  # the job's secret, rendered as a Secret
+    token_secret: str | None = field(default=None, repr=False)  # an existing Secret (key "token") instead
 
     def __post_init__(self) -> None:
         if not isinstance(self.token, str) or len(self.token) < 16 or any(c.isspace() for c in self.token):
             raise ConfigError("token must be a string of at least 16 characters without spaces (an empty one "
                               "would turn authentication off); leave it out to get a new random one")
+        if self.token_secret is not None and (not isinstance(self.token_secret, str)
+                                              or not _DNS_1123.fullmatch(self.token_secret)):
+            raise ConfigError(f"token secret {self.token_secret!r} is not a Secret name (a DNS-1123 label)")
         object.__setattr__(self, "script_args", tuple(self.script_args))
         for name, low in (("num_ps", 1), ("num_workers", 1), ("gpus_per_worker", 0), ("max_restarts", 0)):
             _check_int(name, getattr(self, name), low)
@@ -177,7 +181,7 @@ def _metadata(job: K8sJob, name: str, task: TaskSpec | None = None) -> dict[str,
 
 
 def secret_name(job: K8sJob) -> str:
-    return f"{job.name}-token"
+    return job.token_secret or f"{job.name}-token"
 
 
 def render_secret(job: K8sJob) -> dict[str, Any]:
@@ -210,7 +214,12 @@ def _backoff_limit(job: K8sJob) -> int:
 
 def render_manifests(job: K8sJob) -> list[dict[str, Any]]:
     """The token's Secret, every Service, then every Job: names resolve by the time the pods dial them."""
-    return [render_secret(job)] + [render_service(job, t) for t in job.tasks] + [render_job(job, t) for t in job.tasks]
+    return _secrets(job) + [render_service(job, t) for t in job.tasks] + [render_job(job, t) for t in job.tasks]
+
+
+def _secrets(job: K8sJob) -> list[dict[str, Any]]:
+    """The token's Secret, unless the user names an existing one (then nothing secret is rendered)."""
+    return [] if job.token_secret else [render_secret(job)]
 
 
 def render_tfjob(job: K8sJob) -> dict[str, Any]:
@@ -233,7 +242,7 @@ def render_tfjob(job: K8sJob) -> dict[str, Any]:
 
 
 RENDERERS: dict[str, Callable[[K8sJob], list[dict[str, Any]]]] = {
-    "manifests": render_manifests, "tfjob": lambda job: [render_secret(job), render_tfjob(job)]}
+    "manifests": render_manifests, "tfjob": lambda job: [*_secrets(job), render_tfjob(job)]}
 
 
 def to_yaml(docs: Sequence[dict[str, Any]]) -> str:
@@ -273,6 +282,9 @@ _OPTIONS: tuple[tuple[str, str, Callable[[str], Any], Any, str, str], ...] = (
      f"{GPU_RESOURCE} per worker (ps get none)"),
     ("--namespace", "TENSORFLEET_NAMESPACE", str, "default", "NS", "namespace of every object"),
     ("--name", "TENSORFLEET_NAME", str, "tensorfleet", "NAME", "job name, the prefix of every object name"),
+    ("--token-secret", "TENSORFLEET_TOKEN_SECRET", str, "", "SECRET",
+     "an existing Secret whose key 'token' holds the job's token (kubectl create secret generic SECRET "
+     "--from-file=token=FILE): the output then holds no secret; by default a new token is rendered in a Secret"),
     ("--restart", "TENSORFLEET_RESTART", _choice(tuple(RESTART_POLICIES)), "on-failure", "POLICY",
      "on-failure (restart a task up to --max-restarts times) or never"),
     ("--max-restarts", "TENSORFLEET_MAX_RESTARTS", _integer(0), 3, "R", "restarts per task with on-failure"),
@@ -331,7 +343,8 @@ def job_from_args(args: argparse.Namespace) -> tuple[K8sJob, str]:
     job = K8sJob(name=values["name"], num_ps=values["ps"], num_workers=values["workers"], image=values["image"],
                  script=args.script, script_args=tuple(extra), gpus_per_worker=values["gpus_per_worker"],
                  namespace=values["namespace"], restart=values["restart"], max_restarts=values["max_restarts"],
-                 port=values["port"], cpu=values["cpu"], memory=values["memory"])
+                 port=values["port"], cpu=values["cpu"], memory=values["memory"],
+                 token_secret=values["token_secret"] or None)
     return job, values["format"]
 
 
@@ -343,6 +356,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"tensorfleet k8s render: error: {exc}", file=sys.stderr)
         return 2
     text = to_yaml(RENDERERS[fmt](job))
+    if job.token_secret is None:
+        print(f"tensorfleet k8s render: the output holds the job's new token in the Secret {secret_name(job)!r}: "
+              "keep it as private as the token (or create the Secret yourself and pass --token-secret)",
+              file=sys.stderr)
     if args.output is None:
         sys.stdout.write(text)
         return 0
