@@ -200,3 +200,18 @@ def test_an_origin_from_the_future_or_of_no_replica_is_refused_and_cannot_lock_a
     assert torch.equal(store.read()[0]["w"], torch.zeros(2))
     real = Origin(0, time.time_ns(), 1)
     assert store.push(PushRequest(real, advance_step=True), {"w": torch.ones(2)}).reply.outcome.value == "applied"
+
+
+def test_a_stream_of_nonfinite_pushes_is_counted_whole_but_logged_sparingly(caplog):
+    """Issue 18 item 7: one WARNING per refused message flooded the log under fuzzing."""
+    import logging
+
+    from tensorfleet.ps.store import VariableStore
+
+    store = VariableStore(task="ps:0", replica_names=["worker:0"])
+    store.initialize({"w": torch.zeros(2)}, OptimizerSpec.sgd(lr=1.0))
+    with caplog.at_level(logging.WARNING, logger="tensorfleet.ps.store"):
+        for _ in range(250):
+            store.reject_nonfinite(["w"], None)
+    assert store.status().rejected_nonfinite == 250
+    assert len([r for r in caplog.records if "NaN/Inf" in r.getMessage()]) == 7  # 1-5, 100, 200

@@ -506,6 +506,8 @@ class VariableStore:
         with self._cond:
             self._rejected_nonfinite += 1
             count, step = self._rejected_nonfinite, self._global_step
+        if count > 5 and count % 100:  # the first five, then every hundredth: a stream of them must not flood the log
+            return PushReply(step, Outcome.REJECTED)
         sender = self._replica_name(origin.worker) if origin is not None else "a worker"
         log.warning("%s: rejected a push from %s with NaN/Inf in %s (%d rejected so far); nothing applied. "
                     "Lower the learning rate or check the data; Replica(nonfinite_gradients='apply') applies them",
