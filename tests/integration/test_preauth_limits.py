@@ -215,3 +215,27 @@ def test_grpc_refuses_a_call_without_the_token_before_reading_its_message():
     finally:
         process.kill()
         process.wait(timeout=10)
+
+
+def test_a_connection_that_gets_no_thread_is_closed_and_the_port_stays(monkeypatch):
+    server = echo_server(WireOptions(token=None, shared_memory=False))
+    real_start, failures = dataplane.threading.Thread.start, [1]
+
+    def start(thread):  # the first serving thread cannot start (out of threads), later ones can
+        if thread.name.startswith("data-echo") and failures:
+            failures.pop()
+            raise RuntimeError("can't start new thread")
+        return real_start(thread)
+
+    monkeypatch.setattr(dataplane.threading.Thread, "start", start)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as doomed:
+            assert closed_within(doomed, 3.0)
+        channel = channel_to(server, token=None)
+        try:
+            assert channel.call("Echo", {"after": True}, timeout=5)[0] == {"after": True}
+        finally:
+            channel.close()
+    finally:
+        monkeypatch.undo()
+        server.stop()

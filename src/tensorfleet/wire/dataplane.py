@@ -236,7 +236,15 @@ class DataServer:
                                           name=f"data-{self.task}")
                 # A thread stays here until it has ended, its locals freed included (join() waits for that).
                 self._threads = {t for t in self._threads if t.is_alive()} | {thread}
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError as exc:  # out of threads: this connection goes, the port stays
+                with self._lock:
+                    self._connections.discard(sock)
+                    self._unauthenticated -= self.gate.required
+                    self._threads.discard(thread)
+                sock.close()
+                self._warn(f"cannot start a thread for a data connection ({exc}); closed it")
 
     def _warn(self, message: str) -> None:
         """A warning at most every 10 s: a flood must not flood the log too."""
