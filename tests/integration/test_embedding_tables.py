@@ -17,6 +17,7 @@ from torch import nn
 
 from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.cluster.spec import TaskSpec
+from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.ps.api import OptimizerSpec, RowInitializer
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.testing.models import run_workers, seeded_mlp
@@ -300,3 +301,21 @@ def test_rows_travel_in_bf16_when_asked_and_train_like_fp32():
         torch.testing.assert_close(narrow[i], full[i], rtol=0.05, atol=0.02)
     assert narrow_lookup.dtype == torch.float32  # the worker's rows are fp32 again (bf16 values)
     assert torch.equal(narrow_lookup, narrow_lookup.to(torch.bfloat16).float())
+
+
+def test_a_table_used_after_its_replica_finished_says_where_the_rows_are(tmp_path):
+    with ps_servers(num_ps=1, num_workers=1) as (cluster, servers):
+        model = TableModel(OptimizerSpec("sgd", {"lr": 0.5}))
+        saver = Checkpointer(tmp_path)
+        with saver.start(Replica(model, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1))) \
+                as replica:
+            loss_of(model, batch_for(0, 0)).backward()
+            replica.push()
+            saver.save(replica)
+            with torch.no_grad():
+                inside = model(*batch_for(1, 0)[:3])
+    with pytest.raises(InvalidArgumentError, match="the Replica of /job:worker/task:0 has finished"):
+        model(*batch_for(1, 0)[:3])  # not silently the initial rows
+    load_into_module(model, tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(model(*batch_for(1, 0)[:3]), inside)

@@ -72,6 +72,7 @@ class EmbeddingTable(nn.Module):
         self._local_rows: torch.Tensor | None = None
         self._fetched: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's (unique ids, rows leaf)
         self._expected: tuple[torch.Tensor, Callable[[], torch.Tensor]] | None = None  # prefetched rows
+        self._released_by: str | None = None  # the Replica that held the rows, once it finished
 
     @property
     def name(self) -> str:
@@ -99,11 +100,14 @@ class EmbeddingTable(nn.Module):
 
     # --- binding ----------------------------------------------------------------------------------
 
-    def bind(self, lookup: Lookup | None) -> None:
+    def bind(self, lookup: Lookup | None, *, released_by: str | None = None) -> None:
         """Fetch rows with ``lookup`` (unique ids -> rows) from now on; None: answer from local rows.
-        ``Replica`` binds its tables on construction and unbinds them when it finishes."""
+        ``Replica`` binds its tables on construction and unbinds them when it finishes, naming itself in
+        ``released_by``: until rows are loaded, a forward then says where the trained rows are instead of
+        silently answering initial rows."""
         self._lookup = lookup
         self._fetched, self._expected = [], None
+        self._released_by = released_by
 
     def check_ids(self, ids: torch.Tensor) -> None:
         """Refuse ids outside a fixed-size table (InvalidArgumentError naming the first)."""
@@ -120,6 +124,7 @@ class EmbeddingTable(nn.Module):
             raise InvalidArgumentError(f"table {self.name!r}: rows of width {state.values.shape[1]}, dim is {self.dim}")
         self._local = {int(i): row for row, i in enumerate(state.ids.tolist())}
         self._local_rows = state.values.to(self._spec.dtype).clone()
+        self._released_by = None
 
     def pending_ids(self) -> torch.Tensor | None:
         """The unique ids of every row fetched this step (what ``take_gradients(complete=True)`` will give
@@ -191,6 +196,11 @@ class EmbeddingTable(nn.Module):
             if expected is not None and torch.equal(expected[0], unique):
                 return expected[1]()
             return self._lookup(unique)
+        if self._released_by is not None:
+            raise InvalidArgumentError(
+                f"EmbeddingTable {self.name!r}: its rows are on the ps, and {self._released_by} has finished: "
+                "evaluate inside the session (before the Replica exits), or load a checkpoint's rows with "
+                "tensorfleet.load_into_module(model, DIR)")
         rows = self._spec.initializer.rows(unique, self.dim, self._spec.dtype)
         if self._local:
             where = torch.tensor([self._local.get(i, -1) for i in unique.tolist()], dtype=torch.int64)

@@ -273,7 +273,7 @@ class Replica:
             self.client.done(self.replica_id)
         finally:
             for table in self.tables.values():
-                table.bind(None)  # the module serves its loaded rows again, not a closed client
+                table.bind(None, released_by=f"the Replica of {self.task.name}")  # not a closed client
             self.client.close()
 
     def __enter__(self) -> "Replica":
