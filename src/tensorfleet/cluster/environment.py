@@ -17,6 +17,9 @@ import the worker layer).  Read when asked, never at import.
 from __future__ import annotations
 
 import os
+from typing import Mapping
+
+from tensorfleet.errors import ConfigError
 
 STATUS_DIR_ENV = "TENSORFLEET_STATUS_DIR"
 # The job's --logdir, set by `tensorfleet launch` for every task: where the chief writes TensorBoard summaries.
@@ -26,6 +29,20 @@ LOGDIR_ENV = "TENSORFLEET_LOGDIR"
 # How long a finished ps keeps answering Status ("done") when no launcher is there to read its final
 # status file: a dashboard attached by hand polls about once a second, and must see the end.
 FINISHED_LINGER_S = 2.0
+
+
+def env_switch(name: str, *, default: bool, meaning: str, environ: Mapping[str, str] | None = None) -> bool:
+    """A yes/no setting from the environment: 1/true/on/yes or 0/false/off/no (any case), unset or empty
+    for ``default``; anything else is a ConfigError naming the variable, with ``meaning`` (what 1 and 0
+    do) as the help."""
+    text = (os.environ if environ is None else environ).get(name, "").strip().lower()
+    if text == "":
+        return default
+    if text in ("1", "true", "on", "yes"):
+        return True
+    if text in ("0", "false", "off", "no"):
+        return False
+    raise ConfigError(f"{name}={text!r}: give {meaning}")
 
 
 def finished_linger_s() -> float:

@@ -21,7 +21,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from tensorfleet.errors import ClusterSpecError, ConfigError
+from tensorfleet.cluster.environment import env_switch
+from tensorfleet.errors import ClusterSpecError
 
 KNOWN_JOBS = ("chief", "worker", "ps", "evaluator")
 TRAINING_JOBS = ("chief", "worker")
@@ -227,14 +228,9 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
 
 def insecure_from_env(environ: Mapping[str, str] | None = None) -> bool:
     """``TENSORFLEET_INSECURE``: 1 lets a ps without a token serve on a non-loopback address (off by default)."""
-    environ = os.environ if environ is None else environ
-    text = environ.get(INSECURE_ENV, "").strip().lower()
-    if text in ("", "0", "false", "off", "no"):
-        return False
-    if text in ("1", "true", "on", "yes"):
-        return True
-    raise ConfigError(f"{INSECURE_ENV}={text!r}: give 1 (a ps without a token may serve on a non-loopback "
-                      "address, accepting unauthenticated calls) or 0 (the default: it refuses to start)")
+    return env_switch(INSECURE_ENV, default=False, environ=environ,
+                      meaning="1 (a ps without a token may serve on a non-loopback address, accepting "
+                              "unauthenticated calls) or 0 (the default: it refuses to start)")
 
 
 def insecure_from_flags(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> bool:

@@ -197,6 +197,11 @@ class StoreStatus:
     tables: dict[str, dict[str, float]] = field(default_factory=dict)  # per table: rows, rows_created, bytes, ...
 
 
+def _entries(gradients: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Tensors as the (dtype, shape) entries a layout checks (for pushes whose head was not checked)."""
+    return {name: (grad.dtype, tuple(grad.shape)) for name, grad in gradients.items()}
+
+
 class VariableStore:
     """Variables of one shard. Thread-safe; every method is one atomic step (a sync push waits inside).
 
@@ -405,16 +410,15 @@ class VariableStore:
             DeadlineExceededError: sync: the step did not gather enough gradients in time
                 (``on_missing="error"``); the message names the replicas that did not push.
         """
-        entries = {n: (g.dtype, tuple(g.shape)) for n, g in gradients.items()}
         if layout is None:
             layout = self.layout
-            layout.check(entries, push, task=self.task, as_sent=False)
+            layout.check(_entries(gradients), push, task=self.task, as_sent=False)
         dense, rows = parts or layout.split(gradients, task=self.task)  # ids checked here, without the lock
         with self._cond:
             self._exclusive()  # first: from here on the lock is never released until the update is done
             self._require_initialized()
             if layout is not self._layout:  # an Init replaced the layout since: check against the new one
-                self._layout.check(entries, push, task=self.task, as_sent=False)
+                self._layout.check(_entries(gradients), push, task=self.task, as_sent=False)
                 dense, rows = self._layout.split(gradients, task=self.task)
             if push.step is None:
                 step, outcome = self._apply_async(push, dense, rows)

@@ -25,6 +25,7 @@ import grpc
 import torch
 
 from tensorfleet import errors
+from tensorfleet.cluster.environment import env_switch
 from tensorfleet.errors import ConfigError
 from tensorfleet.wire import auth, codec
 
@@ -103,13 +104,9 @@ SHARED_MEMORY_ENV = "TENSORFLEET_SHARED_MEMORY"
 
 def shared_memory_from_env() -> bool:
     """``TENSORFLEET_SHARED_MEMORY``: on unless set to 0 / false / off."""
-    text = os.environ.get(SHARED_MEMORY_ENV, "").strip().lower()
-    if text in ("", "1", "true", "on", "yes"):
-        return True
-    if text in ("0", "false", "off", "no"):
-        return False
-    raise ConfigError(f"{SHARED_MEMORY_ENV}={text!r}: give 1 (the default: bodies between tasks on one host go "
-                      "through shared memory) or 0 (always TCP)")
+    return env_switch(SHARED_MEMORY_ENV, default=True,
+                      meaning="1 (the default: bodies between tasks on one host go through shared memory) or 0 "
+                              "(always TCP)")
 
 
 @dataclass(frozen=True)
