@@ -16,7 +16,9 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
     data = batches(mnist.train, 50, seed=replica_id, limit=5000)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 10))
-    replica = tfl.Replica(model, cluster, task, optimizer=tfl.OptimizerSpec.adam(lr=0.01), mode=args.mode)
+    options = tfl.WireOptions(deadline_s=args.deadline_s) if args.deadline_s else None
+    replica = tfl.Replica(model, cluster, task, optimizer=tfl.OptimizerSpec.adam(lr=0.01), mode=args.mode,
+                          options=options)
     with tfl.TrainingSession(replica, hooks=[tfl.StopAtStepHook(last_step=args.last_step)],
                              checkpoint_dir=args.checkpoint_dir, save_checkpoint_steps=args.save_steps,
                              log_step_count_steps=None, recovery_timeout_s=60) as session:
@@ -38,6 +40,7 @@ def main() -> int:
     parser.add_argument("--last_step", type=int, default=3000)
     parser.add_argument("--save_steps", type=int, default=200)
     parser.add_argument("--mode", default="async")
+    parser.add_argument("--deadline_s", type=float, default=None, help="each RPC's deadline (default: 60 s)")
     return tfl.run_task(parser.parse_args(), train)
 
 

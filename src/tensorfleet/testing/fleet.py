@@ -1,8 +1,10 @@
-"""A fleet of real task processes on 127.0.0.1 that tests and benchmarks can kill and restart one by one.
+"""A fleet of real task processes that tests and benchmarks can kill and restart one by one.
 
 ps tasks run ``python -m tensorfleet.ps``; workers run a given script with given
 arguments; each task gets its TF_CONFIG and writes its output to its own log file
-(``<job>:<index>.<incarnation>.log``).
+(``<job>:<index>.<incarnation>.log``).  The tasks run on 127.0.0.1, or each on a host
+of its own in a ``tensorfleet.testing.network.Network`` (whose links the test can
+slow down or cut).
 """
 
 from __future__ import annotations
@@ -14,17 +16,30 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from tensorfleet.cluster.spec import TaskSpec
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.launch.local import local_cluster
+from tensorfleet.testing.network import Network
 from tensorfleet.wire.rpc import Channel
 
 
 class Fleet:
-    """``num_ps`` ps + ``num_workers`` workers running ``script``; ``kill``/``start`` any task by name."""
+    """``num_ps`` ps + ``num_workers`` workers running ``script``; ``kill``/``start`` any task by name.
+
+    With ``network``, each task runs on the host named after it (``"ps:0"``, ``"worker:1"``), and
+    listens on ``TASK_PORT`` of that host's address.
+    """
+
+    TASK_PORT = 2222
 
     def __init__(self, logdir: Path, script: str | Path, script_args: Sequence[str] = (), *,
-                 num_ps: int = 1, num_workers: int = 2) -> None:
-        self.cluster = local_cluster(num_ps, num_workers)
+                 num_ps: int = 1, num_workers: int = 2, network: Network | None = None) -> None:
+        self.network = network
+        if network is None:
+            self.cluster = local_cluster(num_ps, num_workers)
+        else:
+            self.cluster = ClusterSpec.from_dict({
+                job: [f"{network.address(f'{job}:{i}')}:{self.TASK_PORT}" for i in range(count)]
+                for job, count in (("ps", num_ps), ("worker", num_workers))})
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
         self.script, self.script_args = str(script), list(script_args)
@@ -38,6 +53,8 @@ class Fleet:
         env = {**os.environ, "TF_CONFIG": self.cluster.to_tf_config(TaskSpec(job, int(index)))}
         command = ([sys.executable, "-m", "tensorfleet.ps"] if job == "ps"
                    else [sys.executable, self.script, *self.script_args])
+        if self.network is not None:
+            command = self.network.command(name, command)
         self.starts[name] = self.starts.get(name, 0) + 1
         with open(self.logdir / f"{name}.{self.starts[name]}.log", "w") as log:
             self.procs[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -14,8 +14,8 @@ then per step ``before_step``, pull, the closure's forward, backward, push,
 of data (StopIteration) counts as a clean end.  The replica then tells the ps it
 is done, so the ps exits when every worker has.
 
-When a ps dies mid-step (UNAVAILABLE, or an empty restarted ps), the step waits
-for it to answer again (bounded by ``recovery_timeout_s``, with log lines), the chief
+When a ps dies mid-step (UNAVAILABLE, or an empty restarted ps) or stops answering
+(DEADLINE_EXCEEDED: a partition, a ps that hangs), the step waits for it to answer again (bounded by ``recovery_timeout_s``, with log lines), the chief
 rolls every shard back to the latest checkpoint (``Replica.recover``), and the step
 is run again from the restored parameters.
 
@@ -42,7 +42,7 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from tensorfleet.cluster.environment import LOGDIR_ENV
-from tensorfleet.errors import NanLossError, NotInitializedError, UnavailableError
+from tensorfleet.errors import DeadlineExceededError, NanLossError, NotInitializedError, UnavailableError
 from tensorfleet.train.checkpoint import Checkpointer, latest_checkpoint, load, split
 from tensorfleet.train.hooks import CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult
 from tensorfleet.worker.protocol import TrainingReplica
@@ -134,7 +134,14 @@ class TrainingSession:
                 for hook in self.hooks:
                     hook.end(self)
         finally:
-            self.replica.finish()
+            if clean:
+                self.replica.finish()
+            else:
+                try:
+                    self.replica.finish()
+                except Exception:  # noqa: BLE001 - the error that ended training is the one to report
+                    log.warning("%s: could not tell the ps this worker stopped", self.replica.task.name,
+                                exc_info=True)
         return clean and exc_type is not None  # swallow StopIteration: running out of data ends training
 
     # --- the loop --------------------------------------------------------------------------------
@@ -186,7 +193,7 @@ class TrainingSession:
             try:
                 value, dropped, skipped = self._step(closure)
                 break
-            except (UnavailableError, NotInitializedError) as exc:
+            except (UnavailableError, DeadlineExceededError, NotInitializedError) as exc:
                 if attempt == MAX_STEP_ATTEMPTS - 1:
                     raise
                 log.warning("%s: step failed (%s); recovering", self.replica.task.name, exc)

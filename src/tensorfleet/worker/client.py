@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 ShardCall = Callable[[], Any]
 Rows = Mapping[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (unique ids, one row gradient per id)
 STATUS_ATTEMPT_S = 2.0  # one Status attempt while waiting for a ps; then a fresh connection
+DONE_WAIT_S = 300.0  # how long a finished worker keeps telling a silent ps it is done
 PUSH_ATTEMPTS = 3  # a push whose connection broke is sent again (same sequence number) this many times in all
 
 
@@ -189,13 +190,27 @@ class PsClient:
                   for s, (meta, tensors) in ((s, f.result()) for s, f in futures.items())}
         return list(states.values()) if shards is None else states
 
-    def done(self, replica: int) -> None:
-        """Tell every shard this replica finished; a ps exits once all replicas have."""
-        for f in [ch.call_async("Done", DoneRequest(replica).to_meta()) for ch in self.channels]:
-            try:
-                f.result()
-            except UnavailableError:
-                pass  # that ps has already exited: nothing left to tell it
+    def done(self, replica: int, *, timeout_s: float = DONE_WAIT_S) -> None:
+        """Tell every shard this replica finished; a ps exits once all replicas have.
+
+        A ps that does not answer (a partition) is asked again until ``timeout_s``: without this
+        worker's Done it would wait for it forever. Done is idempotent (the ps keeps a set).
+        """
+        deadline = time.monotonic() + timeout_s
+        pending = list(range(len(self.channels)))
+        while pending:
+            calls = {s: self.channels[s].call_async("Done", DoneRequest(replica).to_meta()) for s in pending}
+            for shard, call in calls.items():
+                try:
+                    call.result()
+                except UnavailableError:
+                    pass  # that ps has already exited: nothing left to tell it
+                except DeadlineExceededError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    log.warning("%s: no answer to Done; asking again", self.channels[shard].task)
+                    continue
+                pending.remove(shard)
 
     # --- data path ----------------------------------------------------------------------------
 
