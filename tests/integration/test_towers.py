@@ -2,11 +2,15 @@
 
 The proofs: K towers on slices of a batch end where one process on the whole batch
 ends (to float tolerance), and a worker with K towers is one replica to the ps (one
-push per step: sync steps aggregate exactly one gradient per worker, none dropped).
+push per step: sync steps aggregate exactly one gradient per worker, none dropped). And
+the towers listen on loopback only, and meet in a directory that only their user can open.
 """
 
+import ipaddress
 import os
 import re
+import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -51,16 +55,65 @@ def assert_params_equal(saved: dict, expected: dict) -> None:
         torch.testing.assert_close(saved["params"][name], value, rtol=1e-5, atol=1e-6)
 
 
+def rendezvous_directories(tmp: Path) -> list[Path]:
+    return list(tmp.glob("tensorfleet-towers-*"))
+
+
 def test_two_cpu_towers_train_as_one_process_on_the_full_batch(tmp_path):
+    (tmp_path / "tmp").mkdir()
     job = start_job("local", "--towers", "2", "--tower_device", "cpu", "--steps", str(STEPS),
-                    "--out", str(tmp_path / "local"))
+                    "--out", str(tmp_path / "local"), env={"TMPDIR": str(tmp_path / "tmp")})
     output = job.communicate(timeout=120)[0]
     assert job.returncode == 0, output
+    assert rendezvous_directories(tmp_path / "tmp") == []  # tower 0 removed the rendezvous at the end
     towers = [torch.load(tmp_path / f"local.{k}") for k in range(2)]
     assert towers[0]["pid"] != towers[1]["pid"]  # two processes, each with half of every batch
     expected = one_process(num_workers=1)
     for saved in towers:
         assert_params_equal(saved, expected)
+
+
+def non_loopback_interface() -> str | None:
+    """An interface of this machine that is up with an IPv4 address other than loopback, if there is one."""
+    stats = psutil.net_if_stats()
+    for name, addresses in psutil.net_if_addrs().items():
+        if name in stats and stats[name].isup and any(
+                a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback for a in addresses):
+            return name
+    return None
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address.split("%")[0])
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback  # ::ffff:127.0.0.1 is loopback too
+
+
+def test_towers_listen_on_loopback_only_and_meet_in_a_directory_of_their_user(tmp_path):
+    # A task's GLOO_SOCKET_IFNAME naming a real interface (meant for groups across machines) must not put
+    # the towers' sockets on it; neither may the rendezvous listen anywhere (a TCPStore listens on "::").
+    interface = non_loopback_interface()
+    job = start_job("hang", "--towers", "2", "--tower_device", "cpu",
+                    env={"TMPDIR": str(tmp_path), **({"GLOO_SOCKET_IFNAME": interface} if interface else {})})
+    try:
+        lines = []
+        for line in job.stdout:  # every tower has joined the group (a barrier) once this line comes
+            lines.append(line)
+            if "towers up" in line:
+                break
+        assert "towers up" in "".join(lines), "".join(lines)
+        tower_0 = psutil.Process(job.pid)
+        towers = [tower_0, *(p for p in tower_0.children() if "spawn_main" in " ".join(p.cmdline()))]
+        assert len(towers) == 2
+        listening = [(p.pid, c.laddr) for p in towers for c in p.net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN]
+        assert listening, "gloo's listeners are not seen"  # the check below is not vacuous
+        assert all(is_loopback(address.ip) for _, address in listening), listening
+        [directory] = rendezvous_directories(tmp_path)
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, oct(directory.stat().st_mode)
+        assert [stat.S_IMODE(f.stat().st_mode) for f in directory.iterdir()] == [0o600]  # the FileStore's file
+    finally:
+        job.kill()
+        job.communicate()
 
 
 def test_sync_workers_with_two_towers_each_push_once_per_step_and_equal_one_process(tmp_path):

@@ -26,9 +26,11 @@ def helpers_exit():
     psutil.wait_procs(psutil.Process().children(recursive=True), timeout=10)
 
 
-def test_towers_exit_when_tower_0_is_killed():
+def test_towers_exit_when_tower_0_is_killed(tmp_path):
+    # TMPDIR: a tower 0 killed by a signal cannot remove its rendezvous directory; keep it in tmp_path
     tower_0 = subprocess.Popen([sys.executable, str(JOB), "hang", "--towers", "3", "--tower_device", "cpu"],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         lines = []
         for line in tower_0.stdout:  # every tower has joined the group (a barrier) once this line comes

@@ -5,10 +5,14 @@ batch, the towers' gradients averaged, one update) in PyTorch's terms:
 
 1. ``run_towers(fn, *args, options=TowerOptions(num_towers=K))`` is called by the
    process that already runs the task; it becomes **tower 0** (its Status RPC, its
-   logs and its exit code stay the task's). It opens a rendezvous (a ``TCPStore`` on
-   127.0.0.1 on a port the OS picks) and starts towers 1..K-1 with multiprocessing's
-   *spawn* context: fresh interpreters that import ``fn`` by name, so ``fn`` must be a
-   module-level function (a script's own functions are fine).
+   logs and its exit code stay the task's). It opens a rendezvous (torch's ``FileStore``
+   on a file in a new directory of mode 0700, which only this user can reach, removed
+   when the towers end) and starts towers 1..K-1 with multiprocessing's *spawn*
+   context: fresh interpreters that import ``fn`` by name, so ``fn`` must be a
+   module-level function (a script's own functions are fine). The rendezvous opens no
+   port; gloo's and NCCL's own sockets are bound to the loopback interface
+   (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, set for the towers' lifetime), so
+   the towers listen on nothing but 127.0.0.1.
 2. Every tower joins one process group: **NCCL** when the towers are GPUs (tower k on
    ``cuda:k`` of the GPUs this process sees), **gloo** when they are CPU processes
    (CPU towers share the machine's cores; they exist so that the whole path runs,
@@ -22,26 +26,31 @@ batch, the towers' gradients averaged, one update) in PyTorch's terms:
    pushes the average to the ps (``TowerReplica``).
 4. Nothing outlives tower 0: a spawned tower dies with it (a parent-death signal on
    Linux, and a watchdog on the parent's pid everywhere). Tower 0 waits for the others
-   at the end, kills any that do not finish, and raises if one failed.
+   at the end, kills any that do not finish, and raises if one failed. (A tower 0 killed
+   by a signal leaves its rendezvous directory, ``tensorfleet-towers-*`` in the temporary
+   directory, behind: mode 0700, a few hundred bytes.)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import logging
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,6 +65,11 @@ T = TypeVar("T")
 DEVICE_TYPES = ("auto", "cpu", "gpu")
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # as run_task's
 _PR_SET_PDEATHSIG = 1
+_LOOPBACK_INTERFACE = "lo0" if sys.platform == "darwin" else "lo"
+# Where gloo and NCCL bind their sockets: towers live on one machine, so the loopback interface suffices
+# (by default gloo binds to the address the hostname resolves to, NCCL to the first non-loopback interface).
+_SOCKET_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+_STORE_FILE = "rendezvous"
 
 
 @dataclass(frozen=True)
@@ -116,7 +130,7 @@ class _Plan:
 
     options: TowerOptions
     devices: tuple[torch.device, ...]
-    port: int
+    store_path: str  # the FileStore's file, in a directory only this user can reach
     parent_pid: int
     threads: int
     log_level: int = field(default=logging.INFO)
@@ -250,10 +264,10 @@ class Towers:
     # --- lifecycle ------------------------------------------------------------------------------
 
     @classmethod
-    def _join(cls, plan: _Plan, index: int, store: dist.TCPStore | None = None) -> "Towers":
+    def _join(cls, plan: _Plan, index: int, store: dist.Store | None = None) -> "Towers":
         timeout = datetime.timedelta(seconds=plan.options.timeout_s)
         if store is None:
-            store = dist.TCPStore("127.0.0.1", plan.port, len(plan.devices), False, timeout=timeout)
+            store = _open_store(plan.store_path, timeout)
             store.set(_arrived(index), str(os.getpid()))  # tower 0 waits for this before forming the group
         if plan.devices[index].type == "cuda":
             torch.cuda.set_device(plan.devices[index])
@@ -303,30 +317,75 @@ def run_towers(fn: Callable[..., T], *args: Any, options: TowerOptions) -> T:
         towers = Towers(options, 0, devices, None)
         return fn(towers, *args)
     _check_sendable(fn, args)
-    timeout = datetime.timedelta(seconds=options.timeout_s)
-    store = dist.TCPStore("127.0.0.1", 0, len(devices), True, timeout=timeout, wait_for_workers=False)
-    plan = _Plan(options, devices, store.port, os.getpid(), torch.get_num_threads(), logging.getLogger().level)
-    processes = _spawn(fn, args, plan)
-    try:
-        _await_arrivals(store, processes, options.timeout_s)
-        towers = Towers._join(plan, 0, store)
+    with _rendezvous_file() as store_path, _sockets_on_loopback():
+        store = _open_store(store_path, datetime.timedelta(seconds=options.timeout_s))
+        plan = _Plan(options, devices, store_path, os.getpid(), torch.get_num_threads(), logging.getLogger().level)
+        processes = _spawn(fn, args, plan)
         try:
-            result = fn(towers, *args)
-        except Exception as exc:
-            # A tower that died first is the cause, and tower 0's collective error only the symptom; an error
-            # of tower 0's own (a TensorfleetError: the ps, the data, the loss) is the cause itself.
-            failed = "" if isinstance(exc, TensorfleetError) else _failed(processes, within_s=2.0)
-            _kill(processes, grace_s=2.0)  # those that learnt of it exit; the rest wait on a dead collective
-            if failed:
-                raise TensorfleetError(f"{failed}; then tower 0 stopped with {type(exc).__name__}: "
-                                       f"{str(exc)[:300]}") from exc
-            raise
+            _await_arrivals(store, processes, options.timeout_s)
+            towers = Towers._join(plan, 0, store)
+            try:
+                result = fn(towers, *args)
+            except Exception as exc:
+                # A tower that died first is the cause, and tower 0's collective error only the symptom; an
+                # error of tower 0's own (a TensorfleetError: the ps, the data, the loss) is the cause itself.
+                failed = "" if isinstance(exc, TensorfleetError) else _failed(processes, within_s=2.0)
+                _kill(processes, grace_s=2.0)  # those that learnt of it exit; the rest wait on a dead collective
+                if failed:
+                    raise TensorfleetError(f"{failed}; then tower 0 stopped with {type(exc).__name__}: "
+                                           f"{str(exc)[:300]}") from exc
+                raise
+            finally:
+                towers._close()
+            _wait_for(processes, options.timeout_s)
+            return result
         finally:
-            towers._close()
-        _wait_for(processes, options.timeout_s)
-        return result
+            _kill(processes)  # before the rendezvous file goes: no tower is left to recreate it
+
+
+@contextlib.contextmanager
+def _rendezvous_file() -> Iterator[str]:
+    """The path of the towers' FileStore, in a new directory of mode 0700 (only this user can open it),
+    removed with everything in it when the towers end, however they end (short of a signal that kills
+    this process).
+
+    A file, not a port: a TCPStore's server listens on every interface and authenticates nobody, so anyone
+    who reached it could read or write the rendezvous (the process group's addresses) or block it.
+    """
+    directory = tempfile.mkdtemp(prefix="tensorfleet-towers-")  # mode 0700, a name nobody else holds
+    try:
+        path = os.path.join(directory, _STORE_FILE)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # the store's file: ours, 0600
+        yield path
     finally:
-        _kill(processes)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _open_store(path: str, timeout: datetime.timedelta) -> dist.Store:
+    # world_size -1: the store never deletes its file itself (tower 0 removes the directory at the end)
+    store = dist.FileStore(path, -1)
+    store.set_timeout(timeout)  # the rendezvous of the process group waits on the store this long
+    return store
+
+
+@contextlib.contextmanager
+def _sockets_on_loopback() -> Iterator[None]:
+    """Gloo and NCCL bind their sockets to the loopback interface while the towers run (in tower 0, and in
+    the towers it spawns, which inherit the environment); the previous settings come back afterwards.
+
+    The towers share one machine, so they need no other interface; a setting of the task's own for these
+    variables (meant for a process group across machines) is overridden for the towers.
+    """
+    saved = {name: os.environ.get(name) for name in _SOCKET_INTERFACE_VARIABLES}
+    os.environ.update(dict.fromkeys(_SOCKET_INTERFACE_VARIABLES, _LOOPBACK_INTERFACE))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _check_sendable(fn: Callable[..., Any], args: tuple) -> None:
@@ -360,7 +419,7 @@ def _arrived(index: int) -> str:
     return f"tensorfleet/tower/{index}/arrived"
 
 
-def _await_arrivals(store: dist.TCPStore, processes: Sequence[multiprocessing.process.BaseProcess],
+def _await_arrivals(store: dist.Store, processes: Sequence[multiprocessing.process.BaseProcess],
                     timeout_s: float) -> None:
     """Wait until every spawned tower reached the rendezvous; a tower that died on the way fails at once."""
     keys = [_arrived(index) for index in range(1, len(processes) + 1)]
@@ -422,6 +481,7 @@ def _kill(processes: Sequence[multiprocessing.process.BaseProcess], *, grace_s: 
 def _tower_main(fn: Callable[..., Any], args: tuple, plan: _Plan, index: int) -> None:
     """The entry of a spawned tower: die with tower 0, join the group, run ``fn``."""
     _die_with_parent(plan.parent_pid)
+    os.environ.update(dict.fromkeys(_SOCKET_INTERFACE_VARIABLES, _LOOPBACK_INTERFACE))  # as tower 0's, explicitly
     logging.basicConfig(level=plan.log_level, format=_LOG_FORMAT)
     torch.set_num_threads(plan.threads)
     towers = Towers._join(plan, index)
