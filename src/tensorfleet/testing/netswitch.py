@@ -15,8 +15,8 @@ when it is due:
 
 The kernel's ``sch_netem`` does the same in the kernel, but it is not built into every
 kernel (these machines lack it); this needs only TUN devices and network namespaces.
-Host 0 (the observer, the test process's own namespace) is never shaped nor cut, so a
-test can watch the cluster without disturbing it.
+Host 0 (the observer, the test process's own namespace) is never shaped nor cut itself, so
+a test can watch the cluster without disturbing it (a cut host is cut from it too).
 
 Control: one JSON object per line on stdin, answered by one JSON line on stdout:
 ``{"op": "shape", "delay_s": .., "jitter_s": .., "loss": .., "rate_bps": ..}``,
@@ -56,9 +56,11 @@ class Switch:
         self.up_free = [0.0] * len(fds)  # when each host's uplink is free again
         self.down_free = [0.0] * len(fds)
         self.last_due: dict[tuple[int, int], float] = {}  # per (src, dst): packets keep their order
-        self.queue: list[tuple[float, int, int, bytes]] = []  # (due, seq, destination host, packet)
+        self.queue: list[tuple[float, int, int, int, bytes]] = []  # (due, seq, source, destination, packet)
         self.seq = 0
         self.counts = {"forwarded": 0, "cut": 0, "lost": 0, "overflow": 0, "foreign": 0}
+        self.bytes_sent = [0] * len(fds)  # per host: bytes of the packets it sent that were delivered
+        self.bytes_received = [0] * len(fds)
 
     def control(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
@@ -74,7 +76,8 @@ class Switch:
             self.cut = (self.cut | hosts) if request.get("cut", True) else (self.cut - hosts)
             return {"ok": True, "cut": sorted(self.cut)}
         if op == "stats":
-            return {"ok": True, **self.counts, "queued": len(self.queue)}
+            return {"ok": True, **self.counts, "queued": len(self.queue), "bytes_sent": self.bytes_sent,
+                    "bytes_received": self.bytes_received}
         return {"ok": False, "error": f"unknown op {op!r}"}
 
     def _due(self, src: int, dst: int, size: int, now: float) -> float | None:
@@ -129,15 +132,17 @@ class Switch:
             if due is None:
                 continue
             if due <= now and not self.queue:
-                self._write(dst, packet)
+                self._write(src, dst, packet)
             else:
                 self.seq += 1
-                heapq.heappush(self.queue, (due, self.seq, dst, packet))
+                heapq.heappush(self.queue, (due, self.seq, src, dst, packet))
 
-    def _write(self, dst: int, packet: bytes) -> None:
+    def _write(self, src: int, dst: int, packet: bytes) -> None:
         try:
             os.write(self.fds[dst], packet)
             self.counts["forwarded"] += 1
+            self.bytes_sent[src] += len(packet)
+            self.bytes_received[dst] += len(packet)
         except OSError as exc:  # the device's queue is full or it is going away: the packet is lost
             if exc.errno not in (errno.EAGAIN, errno.ENOBUFS, errno.EIO, errno.EBADFD, errno.EINVAL):
                 raise
@@ -146,11 +151,11 @@ class Switch:
     def send_due(self, now: float) -> None:
         queue = self.queue
         while queue and queue[0][0] <= now:
-            _, _, dst, packet = heapq.heappop(queue)
-            if dst in self.cut:  # cut while the packet was on its way
+            _, _, src, dst, packet = heapq.heappop(queue)
+            if dst in self.cut or src in self.cut:  # cut while the packet was on its way
                 self.counts["cut"] += 1
                 continue
-            self._write(dst, packet)
+            self._write(src, dst, packet)
 
     def run(self, control_fd: int, control_out: Any) -> None:
         watched = [control_fd, *self.fds]

@@ -32,6 +32,7 @@ NAMESPACE_PREFIX = "tfnet-"
 _TUNSETIFF = 0x400454CA
 _IFF_TUN, _IFF_NO_PI = 0x0001, 0x1000
 OBSERVER = "observer"
+DEVICE = "tfnet0"  # each host's link, by the same name on every host (GLOO_SOCKET_IFNAME=tfnet0 and the like)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -71,7 +72,7 @@ class Network:
     Args:
         hosts: the hosts' names (a task's short name, say); each gets a namespace and an address.
         mtu: the links' MTU. 9000 (jumbo frames, as in a data centre) keeps the switch's per-packet
-            cost low; 1500 is an office network.
+            cost low; 1500 is an office network; 65000 lets the switch carry several Gbit/s.
         seed: the switch's random draws (loss, jitter), for repeatable runs.
     """
 
@@ -100,9 +101,10 @@ class Network:
                 namespace = self._namespaces[host] = f"{NAMESPACE_PREFIX}{pid}-{index}"
                 _ip("netns", "add", namespace)
                 _ip("link", "set", device, "netns", namespace)
+                _ip("-n", namespace, "link", "set", device, "name", DEVICE)
                 _ip("-n", namespace, "link", "set", "lo", "up")
-                _ip("-n", namespace, "addr", "add", address, "dev", device)
-                _ip("-n", namespace, "link", "set", device, "mtu", str(mtu), "txqueuelen", "1000", "up")
+                _ip("-n", namespace, "addr", "add", address, "dev", DEVICE)
+                _ip("-n", namespace, "link", "set", DEVICE, "mtu", str(mtu), "txqueuelen", "1000", "up")
             self._switch = subprocess.Popen(
                 [sys.executable, "-m", "tensorfleet.testing.netswitch", "--fds", ",".join(map(str, fds)),
                  "--addresses", ",".join(self.address(h) for h in self.hosts), "--seed", str(seed)],
@@ -155,9 +157,12 @@ class Network:
     def heal(self, *hosts: str) -> None:
         self._control({"op": "cut", "hosts": [self.hosts.index(h) for h in hosts], "cut": False})
 
-    def stats(self) -> dict[str, int]:
-        """Packets forwarded, cut, lost, dropped for a full queue, and not ours, so far."""
+    def stats(self) -> dict[str, Any]:
+        """Packets forwarded, cut, lost, dropped for a full queue, and not ours, so far; and per host
+        (by name) the bytes it sent and received (``bytes_sent``, ``bytes_received``)."""
         reply = self._control({"op": "stats"})
+        for key in ("bytes_sent", "bytes_received"):
+            reply[key] = dict(zip(self.hosts, reply[key]))
         return {key: value for key, value in reply.items() if key != "ok"}
 
     def _control(self, request: dict[str, Any]) -> dict[str, Any]:
