@@ -21,6 +21,13 @@ The headline row also runs a real ps: ``PsClient.push`` of a 64 MiB parameter se
 and through shared memory.
 
     python benchmarks/wire_throughput.py [--repeats 15] [--json wire.json] [--plot wire.png]
+
+With ``--tls`` it measures only what TLS costs on the data plane: push + pull of the same sizes
+through two data servers, one plaintext and one with TLS (a self-signed CA and certificate made
+with the openssl command in a temporary directory), interleaved in one run, shared memory off
+(so every byte goes through TLS), and prints the ratio:
+
+    python benchmarks/wire_throughput.py --tls [--repeats 5] [--json tls.json]
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent import futures
@@ -45,7 +53,7 @@ from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.launch.local import local_cluster
 from tensorfleet.ps.api import OptimizerSpec
 from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply
-from tensorfleet.wire.rpc import WireOptions
+from tensorfleet.wire.rpc import TlsFiles, WireOptions
 from tensorfleet.worker.client import PsClient
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -218,17 +226,94 @@ def measure_ps(repeats: int, *, shared_memory: bool) -> list[float]:
             ps.wait()
 
 
+def make_certificates(directory: Path) -> TlsFiles:
+    """A CA and a certificate for 127.0.0.1 signed by it (as tests/integration/test_tls.py makes them)."""
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True, timeout=60)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=tensorfleet bench CA")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "task.key", "-out", "task.csr", "-subj", "/CN=127.0.0.1")
+    (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "task.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "task.pem", "-days", "2", "-extfile", "san.cnf")
+    return TlsFiles(cert=str(directory / "task.pem"), key=str(directory / "task.key"), ca=str(directory / "ca.pem"))
+
+
+def measure_tls(repeats: int) -> dict:
+    """Push + pull of each size through a plaintext data server and a TLS one, interleaved: GB/s and ratios."""
+    with tempfile.TemporaryDirectory(prefix="tensorfleet-bench-tls-") as directory:
+        tls = make_certificates(Path(directory))
+        plain_env = {name: value for name, value in os.environ.items() if not name.startswith("TENSORFLEET_TLS_")}
+        plain_env["OMP_NUM_THREADS"] = "1"
+        envs = {"plaintext": plain_env, "TLS": {**plain_env, "TENSORFLEET_TLS_CERT": tls.cert,
+                                                "TENSORFLEET_TLS_KEY": tls.key, "TENSORFLEET_TLS_CA": tls.ca}}
+        servers = {name: subprocess.Popen([sys.executable, __file__, "--serve", "data"], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True, env=env)
+                   for name, env in envs.items()}
+        try:
+            channels = {}
+            for name, server in servers.items():
+                channel = DataChannel(task=f"bench {name}", options=WireOptions(
+                    tls=tls if name == "TLS" else None, shared_memory=False))
+                channel.set_address("127.0.0.1", int(server.stdout.readline()))
+                channels[name] = channel
+            out, into = torch.ones(max(SIZES), dtype=torch.uint8), torch.empty(max(SIZES), dtype=torch.uint8)
+
+            def push_pull(channel: DataChannel, size: int) -> float:
+                start = time.perf_counter()
+                channel.call("Sink", {}, {"x": out[:size]})
+                channel.call("Source", {"n": size}, into={"x": into[:size]})
+                return time.perf_counter() - start
+
+            rows = []
+            for size in SIZES:
+                times: dict[str, list[float]] = {name: [] for name in channels}
+                for channel in channels.values():
+                    push_pull(channel, size)  # warm up (and the TLS handshake, once)
+                for repeat in range(repeats):  # interleaved, alternating order
+                    order = list(channels.items())
+                    for name, channel in order if repeat % 2 else order[::-1]:
+                        times[name].append(push_pull(channel, size))
+                row = {"bytes": size, **{name: 2 * size / statistics.median(figures) / 1e9
+                                         for name, figures in times.items()}}
+                row["ratio"] = row["TLS"] / row["plaintext"]
+                rows.append(row)
+            version = channels["TLS"]._sock.version()  # noqa: SLF001 - None unless it really was TLS
+            if version is None or channels["plaintext"].shared or channels["TLS"].shared:
+                raise AssertionError("the comparison did not run as meant (no TLS, or bodies in shared memory)")
+            for channel in channels.values():
+                channel.close()
+        finally:
+            for server in servers.values():
+                server.stdin.close()
+                server.wait(timeout=30)
+    print(f"data plane over TCP, push + pull of N bytes, GB/s moved (2N / time), median of {repeats}; "
+          f"shared memory off; {version}")
+    print(f"{'N':>10}{'plaintext':>12}{'TLS':>12}{'TLS / plaintext':>18}")
+    for row in rows:
+        print(f"{_size(row['bytes']):>10}{row['plaintext']:>12.2f}{row['TLS']:>12.2f}{row['ratio']:>18.2f}")
+    return {"repeats": repeats, "tls_version": version, "rows_GBps": rows}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="write a PNG of throughput vs size (needs matplotlib)")
+    parser.add_argument("--tls", action="store_true",
+                        help="only compare the data plane over TCP with TLS against without (see above)")
     parser.add_argument("--serve", choices=["raw", "data", "grpc"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve)
         return 0
     torch.set_num_threads(1)
+    if args.tls:
+        result = measure_tls(args.repeats)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     servers = {kind: subprocess.Popen([sys.executable, __file__, "--serve", kind], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
                for kind in ("raw", "data", "grpc")}

@@ -1,4 +1,4 @@
-"""The data plane: pull and push over plain TCP, beside each task's gRPC control port.
+"""The data plane: pull and push over TCP (TLS when the job has certificates), beside each task's gRPC port.
 
 gRPC Python moves a 64 MiB unary message at a fraction of what the loopback link
 allows, and costs ~1 ms per call; the two calls of every training step (pull,
@@ -30,6 +30,16 @@ a client whose bodies reach ``SHARED_MIN_BYTES`` attaches a segment to its conne
 (``Attach``), sized to the largest request it sends and the largest reply it has seen;
 bodies that fit go there, heads stay on the socket.  A task that cannot map the segment
 (another host, another user, shared memory off) refuses, and the connection stays on TCP.
+
+With TLS (``WireOptions.tls``, the same certificates as gRPC) every connection is wrapped:
+the server presents the task's certificate, the client checks it against the fleet's CA
+and the host it dialled, and every byte on the stream is encrypted and authenticated; the
+token's challenge and response (``Hello``) then runs inside it.  The handshake happens on the
+connection's own thread, within the same ``HELLO_TIMEOUT_S`` as the Hello (a stranger holds
+neither the accepting thread nor a thread for longer).  A plaintext client of a TLS task is
+answered UNAVAILABLE naming TLS; a TLS client of a plaintext task fails its handshake with
+UNAVAILABLE naming TLS.  Shared memory stays on for TLS connections between tasks on one
+host: those bodies never cross a network (the segment is the same user's, see ``shm``).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import logging
 import math
 import select
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -68,7 +79,7 @@ SHARED_MIN_BYTES = 64 * 1024
 MAX_CONNECTIONS = 512  # connections a data server serves at once; more are closed at once
 MAX_UNAUTHENTICATED = 32  # of those, connections that have not said Hello yet
 HELLO_HEADER_BYTES = 4096  # a Hello's head is a token: a few hundred bytes
-HELLO_TIMEOUT_S = 10.0  # from accept to a complete Hello
+HELLO_TIMEOUT_S = 10.0  # from accept to a complete Hello (the TLS handshake included)
 IDLE_TIMEOUT_S = 900.0  # an authenticated connection silent this long is closed (the client reconnects)
 _ACCEPT_BACKOFF_S = (0.05, 1.0)  # out of descriptors or memory: wait, then accept again
 _RESOURCE_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
@@ -191,7 +202,12 @@ class DataServer:
         except OSError as exc:
             raise errors.UnavailableError(f"cannot listen for data on {host}:{port}: {exc}", task=task) from None
         self.host, self.port = host, self._listener.getsockname()[1]
-        self._connections: set[socket.socket] = set()
+        try:  # the files are read now: a task with unreadable certificates does not start
+            self._tls = options.tls.server_context() if options.tls is not None else None
+        except BaseException:
+            self._listener.close()
+            raise
+        self._connections: set[socket.socket] = set()  # a connection's TLS socket once wrapped
         self._unauthenticated = 0  # connections that still owe their Hello
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
@@ -254,19 +270,39 @@ class DataServer:
             log.warning("%s: %s", self.task, message)
 
     def _serve(self, sock: socket.socket) -> None:
-        reader = frame.Reader(sock, busy_poll_s=self.options.busy_poll_us * 1e-6)
-        link = _Link(sock, reader)
+        conn = sock  # the connection as _connections holds it: its TLS socket once wrapped
+        reader: frame.Reader | None = None
         owes_hello = self.gate.required
+        # The opening (TLS handshake, Hello) has HELLO_TIMEOUT_S in all, from accept: a timer shuts the socket
+        # then (each recv's own timeout alone would let a byte a minute through).
+        opening = _Opening(sock, HELLO_TIMEOUT_S) if owes_hello or self._tls is not None else None
         try:
-            # Waiting for the next request is bounded by the idle timeout (the client reconnects); a reply by
-            # the deadline: a client that stops reading must not hold the ps's live tensors forever.
-            frame.set_io_timeouts(sock, receive=IDLE_TIMEOUT_S, send=self.options.deadline_s)
+            if opening is not None:
+                frame.set_io_timeouts(sock, receive=HELLO_TIMEOUT_S, send=HELLO_TIMEOUT_S)
+            if self._tls is not None:
+                wrapped = self._wrap(sock, opening)
+                if wrapped is None:
+                    return
+                conn = wrapped
+                try:
+                    conn.do_handshake()  # bounded as a whole by the socket's timeout, and by the opening's timer
+                except ssl.SSLError as exc:
+                    self._warn(f"refused a data connection whose TLS handshake failed: {exc.reason or exc} (a "
+                               "client without TLS, or without the fleet's CA?)")
+                    return
+            reader = frame.Reader(conn, busy_poll_s=self.options.busy_poll_us * 1e-6)
             admitted = True
             if owes_hello:
-                admitted = self._hello(sock, reader)
+                admitted = self._hello(conn, reader, opening)
                 with self._lock:
                     self._unauthenticated -= 1
                 owes_hello = False
+            elif opening is not None:
+                opening.cancel()
+            # Waiting for the next request is bounded by the idle timeout (the client reconnects); a reply by
+            # the deadline: a client that stops reading must not hold the ps's live tensors forever.
+            frame.set_io_timeouts(conn, receive=IDLE_TIMEOUT_S, send=self.options.deadline_s)
+            link = _Link(conn, reader)
             while admitted and self._serve_one(link):
                 pass
         except (OSError, errors.UnavailableError):
@@ -274,20 +310,54 @@ class DataServer:
         except Exception:  # a bug must not leave a half-read stream open: say so, close this connection only
             log.exception("%s: unexpected error on a data connection; closing it", self.task)
         finally:
-            reader.close()
-            sock.close()
+            if opening is not None:
+                opening.cancel()
+            if reader is not None:
+                reader.close()
+            conn.close()
             with self._lock:
-                self._connections.discard(sock)
+                self._connections.discard(conn)
                 self._unauthenticated -= owes_hello
 
-    def _hello(self, sock: socket.socket, reader: frame.Reader) -> bool:
-        """A connection must open with ``Hello`` carrying the job's token; anything else is refused and closed."""
-        # A silent or dripping peer must not hold a thread: the whole Hello has HELLO_TIMEOUT_S (a timer shuts
-        # the socket; each recv's own timeout alone would let a byte a minute through), and a small head.
-        frame.set_io_timeouts(sock, receive=HELLO_TIMEOUT_S, send=HELLO_TIMEOUT_S)
-        watchdog = threading.Timer(HELLO_TIMEOUT_S, _shut, args=(sock,))
-        watchdog.daemon = True
-        watchdog.start()
+    def _wrap(self, sock: socket.socket, opening: "_Opening") -> ssl.SSLSocket | None:
+        """The accepted connection wrapped in TLS, its handshake still to come (on this thread); None if it is
+        over already: closed before a byte, or a client without TLS (answered why)."""
+        first = sock.recv(1, socket.MSG_PEEK)  # within the opening: SO_RCVTIMEO, and the timer
+        if not first:
+            return None  # closed before saying anything (a port probe)
+        if first == frame.MAGIC[:1]:  # a tensorfleet message in clear: a client without TLS
+            self._refuse_plaintext(sock)
+            return None
+        conn = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        with self._lock:  # the same descriptor in a new socket object: close() must find this one
+            self._connections.discard(sock)
+            self._connections.add(conn)
+            stopped = self._stopped
+        opening.follow(conn)
+        if stopped:
+            _shut(conn)
+        frame.set_io_timeouts(conn, receive=HELLO_TIMEOUT_S, send=HELLO_TIMEOUT_S)
+        return conn
+
+    def _refuse_plaintext(self, sock: socket.socket) -> None:
+        """Answer a client that speaks without TLS, in its own terms: UNAVAILABLE, naming the setting."""
+        self._warn("refused a data connection without TLS: this task's data plane requires it")
+        try:
+            # Its first head is read (bounded like a Hello), so that closing does not reset the reply away.
+            frame.Reader(sock).read_head(max_body_bytes=self.options.max_message_bytes,
+                                         max_header_bytes=HELLO_HEADER_BYTES)
+        except errors.WireError:
+            pass
+        frame.send_message(sock, errors.UnavailableError.code, {
+            "message": f"{self.task} serves data over TLS only, and this client connected without it: set "
+                       "TENSORFLEET_TLS_CERT, TENSORFLEET_TLS_KEY and TENSORFLEET_TLS_CA for every task"})
+
+    def _hello(self, sock: socket.socket, reader: frame.Reader, opening: "_Opening") -> bool:
+        """A connection must open with ``Hello`` carrying the job's token; anything else is refused and closed.
+
+        A silent or dripping peer must not hold a thread: ``opening`` ends it at HELLO_TIMEOUT_S from accept,
+        and its head is small.
+        """
         try:  # no body is ever read before the Hello: only its announced size is checked against the limit
             head = reader.read_head(max_body_bytes=self.options.max_message_bytes, max_header_bytes=HELLO_HEADER_BYTES)
             if head is None:
@@ -311,10 +381,9 @@ class DataServer:
             self.gate.admits(None)  # a head too large or malformed: refused like anything but the Hello
             proven = False
         finally:
-            watchdog.cancel()
+            opening.cancel()
         if proven:
             frame.send_message(sock, OK, {})
-            frame.set_io_timeouts(sock, receive=IDLE_TIMEOUT_S, send=self.options.deadline_s)
             return True
         self._warn(f"refused a data connection without the job's token ({self.gate.refused} refused so far)")
         frame.send_message(sock, errors.UnauthenticatedError.code, {
@@ -396,10 +465,7 @@ class DataServer:
             pass
         self._listener.close()
         for sock in connections:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shut(sock)
 
     def join(self, timeout_s: float) -> None:
         """Wait, up to ``timeout_s`` in all, for the accepting and serving threads to end (after ``close``).
@@ -450,6 +516,8 @@ class DataChannel:
         self._request_area: frame.SharedArea | None = None  # its request area
         self._tcp_only = False  # the task could not use a segment of ours (another host, shared memory off)
         self._largest_reply = 0  # bytes of the largest reply body seen: the reply area to ask for
+        # With TLS: the fleet's CA, read now (a client with unreadable files fails at once, not at its first call)
+        self._tls = self.options.tls.client_context() if self.options.tls is not None else None
         self._lock = threading.Lock()
 
     def set_address(self, host: str, port: int) -> None:
@@ -553,12 +621,16 @@ class DataChannel:
             if self.address is None:
                 raise errors.UnavailableError("the data port of this task is not known yet: ask its Status first",
                                               task=self.task)
+            address = self.address  # set_address may change it meanwhile: connect, check and remember one
             try:
-                sock = socket.create_connection(self.address, timeout=timeout or self.options.deadline_s)
+                sock = socket.create_connection(address, timeout=timeout or self.options.deadline_s)
             except OSError as exc:
-                raise errors.UnavailableError(f"cannot connect to the data port {self.address[0]}:{self.address[1]}: "
+                raise errors.UnavailableError(f"cannot connect to the data port {address[0]}:{address[1]}: "
                                               f"{exc}", task=self.task) from None
-            self._sock, self._sock_address = frame.configure(sock), self.address
+            frame.configure(sock)
+            if self._tls is not None:
+                sock = self._handshake(sock, address)
+            self._sock, self._sock_address = sock, address
             self._reader = frame.Reader(sock, busy_poll_s=self.options.busy_poll_us * 1e-6)
             self._io_timeout = None
             self._tcp_only = not (self.options.shared_memory and _same_host(sock))
@@ -567,6 +639,34 @@ class DataChannel:
                 self._say_hello()
         self._bound(timeout)
         return self._sock
+
+    def _handshake(self, sock: socket.socket, address: tuple[str, int]) -> ssl.SSLSocket:
+        """Wrap a new connection in TLS and shake hands within the connect timeout: the task must present a
+        certificate signed by the fleet's CA for the host dialled (``address[0]``, as named by the cluster)."""
+        host, port = address
+        conn = self._tls.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+        try:
+            conn.do_handshake()
+        except ssl.SSLCertVerificationError as exc:
+            conn.close()
+            raise errors.UnavailableError(f"the data port {host}:{port} presented a certificate this client does "
+                                          f"not trust ({exc.verify_message}): TENSORFLEET_TLS_CA must be the CA that "
+                                          f"signed the tasks' certificates, which must name {host}",
+                                          task=self.task) from None
+        except ssl.SSLError as exc:
+            conn.close()
+            raise errors.UnavailableError(f"the TLS handshake with the data port {host}:{port} failed "
+                                          f"({exc.reason or exc}): does the task have TLS? TENSORFLEET_TLS_* must be "
+                                          "set alike for every task", task=self.task) from None
+        except ConnectionError as exc:
+            conn.close()
+            raise errors.UnavailableError(f"the data port {host}:{port} closed the connection during the TLS "
+                                          f"handshake ({exc}): does the task have TLS? TENSORFLEET_TLS_* must be set "
+                                          "alike for every task", task=self.task) from None
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def _bound(self, timeout: float | None) -> None:
         """Each send and receive of this call gives up after ``timeout`` s without progress (set only on change)."""
@@ -645,7 +745,9 @@ class DataChannel:
         in step) and raise what the caller sees instead: a deadline, UNAVAILABLE, or the task's error
         naming the task.  Returns for anything else, which the caller re-raises as it is."""
         self._close()
-        if isinstance(exc, (TimeoutError, BlockingIOError)):  # BlockingIOError: the kernel's bound (EAGAIN)
+        # BlockingIOError: the kernel's bound (EAGAIN); with TLS a receive past Python's timeout is a TimeoutError
+        # (and OpenSSL's want-read/want-write, should a bound end one, is the same silence)
+        if isinstance(exc, (TimeoutError, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)):
             raise errors.DeadlineExceededError(
                 f"no progress on the data connection for {timeout or self.options.deadline_s:g} s",
                 task=self.task) from None
@@ -671,17 +773,52 @@ def _new_tensor(entry: TensorEntry) -> torch.Tensor:
 
 
 def _shut(sock: socket.socket) -> None:
-    """Wake and end whatever waits on ``sock`` (a Hello past its time)."""
+    """Wake and end whatever waits on ``sock`` (a Hello past its time, a server closing), from any thread.
+
+    The descriptor's own shutdown, also for a TLS socket: ``SSLSocket.shutdown`` would drop its TLS
+    state under the thread using it (which would then read and write in clear).
+    """
     try:
-        sock.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
     except OSError:
         pass
 
 
+class _Opening:
+    """The time a connection has for its opening (TLS handshake, Hello): when it runs out, the socket is shut."""
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        self._sock, self._expired, self._lock = sock, False, threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self._expired = True
+            _shut(self._sock)
+
+    def follow(self, sock: socket.socket) -> None:
+        """The connection is ``sock`` now (wrapped in TLS): shut that one when the time runs out."""
+        with self._lock:
+            self._sock = sock
+            if self._expired:
+                _shut(sock)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
 def _closed_by_peer(sock: socket.socket) -> bool:
-    """The server closed this idle connection (idle timeout, restart): readable with nothing to read."""
+    """The server closed this idle connection (idle timeout, restart): readable with nothing to read.
+
+    With TLS anything readable while idle ends it: the server sends nothing unasked, so it is a
+    close_notify, the end of the stream, or bytes out of step.
+    """
     try:
         readable, _, _ = select.select([sock], [], [], 0)
+        if isinstance(sock, ssl.SSLSocket):
+            return bool(readable) or sock.pending() > 0
         return bool(readable) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except (BlockingIOError, InterruptedError):
         return False

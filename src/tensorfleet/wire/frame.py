@@ -18,6 +18,11 @@ whole message in memory: ``send_message`` hands the kernel the tensors' own memo
 into tensors the receiver chose (a ps's gradient buffers, a worker's parameters).
 The header is read and validated before a byte of the body is, so a bad request
 can be refused (and its body skipped) without touching any tensor.  No pickle.
+
+The same functions serve a connection wrapped in TLS (``ssl.SSLSocket``, when the job has
+certificates): it has no ``sendmsg`` and takes no flags on a receive, so its buffers go out
+through ``sendall`` (small ones joined), its reader never polls, and its bounds are Python's
+own timeout (``set_io_timeouts``).
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ import json
 import math
 import select
 import socket
+import ssl
 import struct
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -46,6 +53,11 @@ IOV_MAX = 512  # buffers per sendmsg call, well under the kernel's 1024
 # Small messages arrive in one recv; larger bodies bypass the buffer.  Kept small: a head is read with
 # whatever of the body follows it, and that part is then copied out of the buffer.
 READ_BUFFER_BYTES = 64 * 1024
+# With TLS: buffers up to this size are joined into one write (a head and a small body: one record, one
+# syscall), and larger ones are written in pieces of TLS_SEND_BYTES, each with the whole send bound
+# (Python bounds one SSL write as a whole, not its progress).
+TLS_JOIN_BYTES = 16 * 1024
+TLS_SEND_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -236,8 +248,12 @@ def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
 
     Each call takes what the socket buffer holds and returns (MSG_DONTWAIT); then we wait
     for room in poll().  A blocking sendmsg of a large body keeps the socket locked while it
-    waits for room, and moved 64 MiB about a third slower on loopback.
+    waits for room, and moved 64 MiB about a third slower on loopback.  A TLS socket has no
+    sendmsg: ``_send_tls``.
     """
+    if isinstance(sock, ssl.SSLSocket):
+        _send_tls(sock, buffers)
+        return
     pending = [b for b in buffers if len(b)]
     first = 0
     while first < len(pending):
@@ -254,6 +270,33 @@ def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
             else:
                 pending[first] = pending[first][sent:]
                 sent = 0
+
+
+def _send_tls(sock: ssl.SSLSocket, buffers: list[memoryview]) -> None:
+    """``send_buffers`` on a TLS socket: small buffers joined (one record), large ones in pieces of
+    ``TLS_SEND_BYTES``, each within the socket's send bound (``set_io_timeouts``)."""
+    receive_bound, send_bound = _tls_bounds.get(sock, (sock.gettimeout(),) * 2)
+    if send_bound != receive_bound:
+        sock.settimeout(send_bound)
+    try:
+        joined = bytearray()
+        for buffer in buffers:
+            if len(joined) + len(buffer) <= TLS_JOIN_BYTES:
+                joined += buffer
+                continue
+            if joined:
+                sock.sendall(joined)
+                joined = bytearray()
+            if len(buffer) <= TLS_JOIN_BYTES:
+                joined += buffer
+                continue
+            for start in range(0, len(buffer), TLS_SEND_BYTES):
+                sock.sendall(buffer[start:start + TLS_SEND_BYTES])
+        if joined:
+            sock.sendall(joined)
+    finally:
+        if send_bound != receive_bound:
+            sock.settimeout(receive_bound)
 
 
 def _wait_for_room(sock: socket.socket) -> None:
@@ -276,7 +319,9 @@ class Reader:
     def __init__(self, sock: socket.socket, *, busy_poll_s: float = 0.0) -> None:
         self._sock = sock
         self.shared_area: SharedArea | None = None  # the peer's area of an attached segment (shm)
-        self._busy_poll_s = busy_poll_s
+        # A TLS socket takes no MSG_DONTWAIT (and its bytes may wait decrypted in OpenSSL, unseen by the
+        # kernel): it never polls.
+        self._busy_poll_s = 0.0 if isinstance(sock, ssl.SSLSocket) else busy_poll_s
         self._buffer = bytearray(READ_BUFFER_BYTES)
         self._view = memoryview(self._buffer)
         self._start = self._end = 0  # unread bytes are _buffer[_start:_end]
@@ -358,6 +403,9 @@ class Reader:
             raise UnavailableError(f"the stream ended after {len(prefix)} bytes of a message prefix")
         magic, version, flags, header_bytes, body_bytes = PREFIX.unpack(prefix)
         if magic != MAGIC:
+            if magic[:2] == b"\x16\x03":  # a TLS record of handshake: ClientHello
+                raise WireError("a TLS handshake on a plaintext data port: the client has TLS certificates "
+                                "(TENSORFLEET_TLS_*), this task has none")
             raise WireError(f"bad magic {magic!r}: not a tensorfleet data-plane message")
         if prefix[6:8] != b"\0\0":  # reserved for a later version: zero today, so that one can tell
             raise WireError(f"reserved prefix bytes are {prefix[6:8].hex()}, not zero")
@@ -430,11 +478,24 @@ def set_io_timeouts(sock: socket.socket, *, receive: float | None, send: float |
     Python's own ``settimeout`` costs an ioctl to set and a poll() before every call, on every
     message of every step.  A receive that times out raises BlockingIOError (EAGAIN); a send
     (``send_buffers``, which waits for room in poll() within SO_SNDTIMEO) raises TimeoutError.
+
+    A TLS socket gets Python's timeout instead: in blocking mode Python's ssl retries a read that
+    SO_RCVTIMEO cut short (OpenSSL's WANT_READ) forever, so the kernel's bound would never end it.
+    Its receives then raise TimeoutError past ``receive``; ``_send_tls`` switches to ``send`` while
+    it sends.
     """
-    sock.settimeout(None)
+    tls = isinstance(sock, ssl.SSLSocket)
+    sock.settimeout(receive if tls else None)
+    if tls:
+        _tls_bounds[sock] = (receive, send)
     for option, seconds in ((socket.SO_RCVTIMEO, receive), (socket.SO_SNDTIMEO, send)):
-        micros = 0 if seconds is None else max(1, round(seconds * 1e6))  # 0 means no bound to the kernel
+        micros = 0 if seconds is None or tls else max(1, round(seconds * 1e6))  # 0 means no bound to the kernel
         sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(micros // 1_000_000, micros % 1_000_000))
+
+
+# A TLS socket's (receive, send) bounds: its own timeout is the receive bound, and sends switch to theirs.
+_tls_bounds: "weakref.WeakKeyDictionary[ssl.SSLSocket, tuple[float | None, float | None]]" = \
+    weakref.WeakKeyDictionary()
 
 
 _TIMEVAL = struct.Struct("@ll")  # struct timeval {time_t tv_sec; suseconds_t tv_usec}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -45,9 +46,13 @@ Handler = Callable[[dict[str, Any], dict[str, torch.Tensor]], Message]
 
 @dataclass(frozen=True)
 class TlsFiles:
-    """PEM files for TLS on the gRPC channels: this task's certificate and key (servers), and the CA that
-    signed the fleet's certificates (clients).  The data plane is not encrypted (it is authenticated by
-    the job token); run it on a trusted network.
+    """PEM files for TLS on both planes: this task's certificate and key (servers), and the CA that signed
+    the fleet's certificates (clients, which check that the certificate names the host they dial).
+
+    gRPC uses them through ``server_credentials`` / ``channel_credentials``, the data plane
+    (``tensorfleet.wire.dataplane``) through ``server_context`` / ``client_context``: with TLS set,
+    gradients and values are encrypted and authenticated on the path too.  Bodies between tasks on
+    one host may still go through shared memory (``tensorfleet.wire.shm``): they never cross a network.
     """
 
     cert: str
@@ -80,6 +85,34 @@ class TlsFiles:
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.read("ca"))
+
+    def server_context(self) -> ssl.SSLContext:
+        """The data server's TLS context: this task's certificate and key, TLS 1.2 at least (1.3 when both
+        sides have it, which Python's ssl picks first)."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.num_tickets = 0  # no session resumption: a connection lives long; nothing arrives after the handshake
+        try:
+            context.load_cert_chain(self.cert, self.key)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"TLS certificate or key file {exc.filename or self.cert!r} cannot be read: "
+                              f"{exc.strerror}") from None
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"TLS certificate {self.cert!r} and key {self.key!r} cannot be loaded: {exc}") from None
+        return context
+
+    def client_context(self) -> ssl.SSLContext:
+        """A data channel's TLS context: the fleet's CA, the server's certificate checked and its name
+        matched against the host dialled (``check_hostname``), TLS 1.2 at least."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED and check_hostname
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_verify_locations(cafile=self.ca)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"TLS ca file {self.ca!r} cannot be read: {exc.strerror}") from None
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"TLS ca file {self.ca!r} cannot be loaded: {exc}") from None
+        return context
 
 
 BUSY_POLL_ENV = "TENSORFLEET_BUSY_POLL_US"
@@ -119,7 +152,8 @@ class WireOptions:
         token: the job's shared secret, sent with every call and required of every caller (None: no
             authentication). By default from ``TENSORFLEET_TOKEN`` / ``TENSORFLEET_TOKEN_FILE`` when the
             options are created (see ``tensorfleet.wire.auth``).
-        tls: certificate files for TLS on gRPC (None: plaintext); by default from ``TENSORFLEET_TLS_*``.
+        tls: certificate files for TLS on gRPC and the data plane (None: plaintext); by default from
+            ``TENSORFLEET_TLS_*``.
         busy_poll_us: how long a data connection waiting for a message polls before it sleeps (0: never;
             see ``tensorfleet.wire.frame.Reader``). By default from ``TENSORFLEET_BUSY_POLL_US``, which
             ``tensorfleet launch`` sets when every task has a core of its own.
