@@ -82,13 +82,15 @@ class StatusWatch:
             except Exception:  # noqa: BLE001 - cut off, or gone at the end: the next sample tells
                 pass
 
-    def moved_after(self, since: float, step: int, timeout_s: float) -> float | None:
-        """Seconds from ``since`` until the global step first exceeded ``step``; None if it did not."""
+    def moved_after(self, since: float, timeout_s: float) -> float | None:
+        """Seconds from ``since`` until the global step moved past the first one seen from then on (the
+        step at the heal: samples before it may be older than the cut); None if it did not."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for when, seen in list(self.samples):
-                if when >= since and seen > step:
-                    return when - since
+            after = [(when, seen) for when, seen in list(self.samples) if when >= since]
+            moved = [when for when, seen in after if seen > after[0][1]] if after else []
+            if moved:
+                return moved[0] - since
             time.sleep(0.1)  # the watch thread samples; wait for its next one
         return None
 
@@ -106,10 +108,8 @@ def run_partition(mode: str, victim: str, cut_s: float, steps: int) -> dict[str,
             poll(lambda: watch.last.get("global_step", 0) >= steps // 5, 300, "a fifth of the steps")
             network.cut(victim)
             time.sleep(cut_s)  # the partition
-            at_heal = watch.last.get("global_step", 0)
             network.heal(victim)
-            healed = time.monotonic()
-            resumed_s = watch.moved_after(healed, at_heal, 300)
+            resumed_s = watch.moved_after(time.monotonic(), 300)
             codes = fleet.wait_all(900)
             last = watch.last
         finally:

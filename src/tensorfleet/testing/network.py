@@ -23,6 +23,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -53,7 +54,8 @@ def _open_tun(name: str) -> int:
 
 
 def remove_leftovers() -> list[str]:
-    """Delete the namespaces of networks whose owner process is gone; return their names."""
+    """Delete the namespaces of networks whose owner process is gone, and kill what still runs in them
+    (the tasks of a test that was killed itself); return their names."""
     listed = _ip("netns", "list", check=False).stdout.split()
     removed = []
     for name in listed:
@@ -61,6 +63,11 @@ def remove_leftovers() -> list[str]:
             continue
         owner = name[len(NAMESPACE_PREFIX):].split("-")[0]
         if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            for pid in _ip("netns", "pids", name, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             _ip("netns", "delete", name, check=False)
             removed.append(name)
     return removed
