@@ -34,6 +34,7 @@ import select
 import socket
 import ssl
 import struct
+import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -501,8 +502,24 @@ _tls_bounds: "weakref.WeakKeyDictionary[ssl.SSLSocket, tuple[float | None, float
 _TIMEVAL = struct.Struct("@ll")  # struct timeval {time_t tv_sec; suseconds_t tv_usec}
 
 
+# After a partition heals, a connection resumes only at its next retransmission, and TCP doubles the wait
+# each time up to 120 s: a 120 s cut then stalled a sync job ~94 s more. Capped at 1 s (Linux >= 6.15),
+# the connection resumes within a second; the user timeout keeps the kernel from giving it up sooner than
+# it would have with the uncapped backoff (~15 min).
+_TCP_RTO_MAX_MS = getattr(socket, "TCP_RTO_MAX_MS", 44)
+RETRANSMIT_MAX_MS = 1000
+USER_TIMEOUT_MS = 900_000
+
+
 def configure(sock: socket.socket) -> socket.socket:
-    """Small messages leave at once (no Nagle delay): a step is a few small round trips."""
+    """Small messages leave at once (no Nagle delay): a step is a few small round trips. Where the kernel
+    allows, lost packets are sent again at least every second (``RETRANSMIT_MAX_MS``)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sys.platform == "linux":
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MAX_MS, RETRANSMIT_MAX_MS)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
+        except OSError:  # an older kernel (ENOPROTOOPT): TCP's own backoff, as before
+            pass
     return sock
 
