@@ -168,29 +168,9 @@ def lossy(args: argparse.Namespace) -> dict[str, Any]:
 BANDWIDTH_HOSTS = ["worker:0", "worker:1", "ps:0", "ps:1"]
 
 
-def ddp_role(rank: int, master: str, steps: int, bf16: bool) -> float:
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from vs_ddp import LR, MOMENTUM, WARMUP, batch, build_model
-    dist.init_process_group("gloo", init_method=f"tcp://{master}:29500", world_size=2, rank=rank)
-    model = nn.parallel.DistributedDataParallel(build_model())
-    if bf16:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    x, y = batch(rank)
-    for step in range(WARMUP + steps):
-        if step == WARMUP:
-            dist.barrier()
-            start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-    dist.barrier()
-    elapsed = time.perf_counter() - start
-    dist.destroy_process_group()
-    return elapsed
+def ddp_role(rank: int, master: str, steps: int, fp16: bool) -> float:
+    from vs_ddp import ddp_worker
+    return ddp_worker(rank, 29500, steps, master=master, fp16=fp16)
 
 
 def tensorfleet_role(cluster: ClusterSpec, index: int, steps: int, bf16: bool) -> float:
@@ -258,6 +238,8 @@ def bandwidth(args: argparse.Namespace) -> dict[str, Any]:
     for name, rate in rates.items():
         mb = statistics.median(r["busiest_link_mb_per_step"] for r in runs[name])
         print(f"{name:<30}{rate:>11.1f}{rate / ddp:>8.2f}x{mb:>22.1f}")
+    print("(MB/step: the busiest host's bytes in its busier direction over the whole run, start-up and "
+          "warm-up steps included, per step)")
     return {"rate_gbit": args.rate_gbit, "runs": runs, "samples_per_sec": rates,
             "ratio_to_ddp_fp32": {name: rate / ddp for name, rate in rates.items()}}
 

@@ -56,10 +56,15 @@ def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 2048, generator=generator), torch.randint(0, 10, (BATCH,), generator=generator)
 
 
-def ddp_worker(rank: int, port: int, steps: int) -> float:
+def ddp_worker(rank: int, port: int, steps: int, *, master: str = "127.0.0.1", fp16: bool = False) -> float:
+    """Seconds of ``steps`` DDP steps after the warm-up; ``fp16``: gradients all-reduced in 16 bits (DDP's
+    ``fp16_compress_hook``; its bf16 hook needs CUDA)."""
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", world_size=2, rank=rank)
     model = nn.parallel.DistributedDataParallel(build_model())
+    if fp16:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     x, y = batch(rank)
     for step in range(WARMUP + steps):
