@@ -83,10 +83,14 @@ class Network:
         seed: the switch's random draws (loss, jitter), for repeatable runs.
     """
 
+    _open = False
+
     def __init__(self, hosts: Sequence[str], *, mtu: int = 9000, seed: int = 0) -> None:
         reason = self.unavailable()
         if reason:
             raise RuntimeError(reason)
+        if Network._open:  # its names and addresses are this process's: one at a time
+            raise RuntimeError("a Network is already open in this process: close it first")
         remove_leftovers()
         if len(set(hosts)) != len(hosts) or len(hosts) > 250:
             raise ValueError(f"hosts must be distinct, at most 250: {list(hosts)}")
@@ -96,6 +100,7 @@ class Network:
         self._namespaces: dict[str, str] = {}
         self._switch: subprocess.Popen | None = None
         fds: list[int] = []
+        Network._open = True
         try:
             for index, host in enumerate(self.hosts):
                 device = f"tfn{pid % 100000}x{index}"
@@ -197,6 +202,7 @@ class Network:
         for namespace in self._namespaces.values():
             _ip("netns", "delete", namespace, check=False)
         self._namespaces.clear()
+        Network._open = False
 
     def __enter__(self) -> "Network":
         return self
