@@ -42,7 +42,7 @@ PACKAGE = SRC / "tensorfleet"
 #   layer         may import
 #   -----------   -------------------------------------------------------------
 ALL_LAYERS = frozenset({"errors", "cluster", "data", "wire", "ps.api", "ps", "worker", "train", "parallel",
-                        "dashboard", "launch", "testing", "tensorfleet"})
+                        "dashboard", "launch", "service", "testing", "tensorfleet"})
 ALLOWED: dict[str, frozenset[str]] = {
     "errors":      frozenset(),
     "cluster":     frozenset({"errors", "cluster"}),
@@ -54,7 +54,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "train":       frozenset({"errors", "cluster", "wire", "ps.api", "worker", "train"}),    # of ps: ps.api only
     "parallel":    frozenset({"errors", "cluster", "wire", "ps.api", "worker", "train", "parallel"}),  # ps.api only
     "dashboard":   frozenset({"errors", "dashboard"}),
-    "launch":      ALL_LAYERS - {"testing"},
+    "launch":      ALL_LAYERS - {"testing", "service"},
+    "service":     frozenset({"errors", "cluster", "launch", "service"}),                   # the job service (serve)
     "testing":     ALL_LAYERS,
     "tensorfleet": ALL_LAYERS - {"testing"},
 }
