@@ -53,7 +53,8 @@ from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.launch.local import local_cluster
 from tensorfleet.ps.api import OptimizerSpec
 from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply
-from tensorfleet.wire.rpc import TlsFiles, WireOptions
+from tensorfleet.testing.certificates import make_certificates
+from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import PsClient
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -224,20 +225,6 @@ def measure_ps(repeats: int, *, shared_memory: bool) -> list[float]:
         if ps.poll() is None:
             ps.kill()
             ps.wait()
-
-
-def make_certificates(directory: Path) -> TlsFiles:
-    """A CA and a certificate for 127.0.0.1 signed by it (as tests/integration/test_tls.py makes them)."""
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True, timeout=60)
-
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-            "-subj", "/CN=tensorfleet bench CA")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "task.key", "-out", "task.csr", "-subj", "/CN=127.0.0.1")
-    (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", "task.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", "task.pem", "-days", "2", "-extfile", "san.cnf")
-    return TlsFiles(cert=str(directory / "task.pem"), key=str(directory / "task.key"), ca=str(directory / "ca.pem"))
 
 
 def measure_tls(repeats: int) -> dict:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tensorfleet.errors import UnauthenticatedError
+from tensorfleet.testing.sockets import closed_within
 from tensorfleet.wire import dataplane, frame
 from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply
 from tensorfleet.wire.rpc import WireOptions
@@ -35,21 +36,6 @@ def channel_to(server: DataServer, token: str | None = TOKEN) -> DataChannel:
     channel = DataChannel(task="echo", options=WireOptions(token=token, shared_memory=False))
     channel.set_address("127.0.0.1", server.port)
     return channel
-
-
-def closed_within(sock: socket.socket, seconds: float) -> bool:
-    """The server closed ``sock`` (EOF or reset) within ``seconds``; any reply bytes before it are skipped."""
-    sock.settimeout(0.2)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if sock.recv(65536) == b"":
-                return True
-        except socket.timeout:
-            continue
-        except OSError:
-            return True
-    return False
 
 
 @pytest.fixture

@@ -17,7 +17,9 @@ import torch
 
 from tensorfleet.errors import ConfigError, DeadlineExceededError, UnavailableError
 from tensorfleet.ps.api import OptimizerSpec
+from tensorfleet.testing.certificates import make_certificates
 from tensorfleet.testing.local_cluster import ps_servers
+from tensorfleet.testing.sockets import closed_within
 from tensorfleet.wire import dataplane, shm
 from tensorfleet.wire.codec import TensorEntry
 from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply
@@ -31,18 +33,7 @@ pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs t
 @pytest.fixture(scope="module")
 def certificates(tmp_path_factory) -> TlsFiles:
     """A CA and a certificate for 127.0.0.1 signed by it, made with the openssl command."""
-    d = tmp_path_factory.mktemp("tls")
-
-    def openssl(*args):
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
-
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-            "-subj", "/CN=tensorfleet test CA")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "task.key", "-out", "task.csr", "-subj", "/CN=127.0.0.1")
-    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    openssl("x509", "-req", "-in", "task.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", "task.pem", "-days", "2", "-extfile", "san.cnf")
-    return TlsFiles(cert=str(d / "task.pem"), key=str(d / "task.key"), ca=str(d / "ca.pem"))
+    return make_certificates(tmp_path_factory.mktemp("tls"))
 
 
 def test_a_ps_with_tls_serves_tls_clients_and_refuses_plaintext_ones(certificates):
@@ -217,21 +208,6 @@ def _serving_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "data-echo" and t.is_alive()]
 
 
-def _closed_within(sock: socket.socket, seconds: float) -> bool:
-    """The server closed ``sock`` (end of stream or reset) within ``seconds``; bytes before that are skipped."""
-    sock.settimeout(0.2)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if sock.recv(65536) == b"":
-                return True
-        except socket.timeout:
-            continue
-        except OSError:
-            return True
-    return False
-
-
 def _until(condition, seconds: float = 5.0) -> bool:
     deadline = time.monotonic() + seconds
     while not condition() and time.monotonic() < deadline:
@@ -252,7 +228,7 @@ def test_a_plaintext_client_of_a_tls_data_server_is_refused_and_tls_clients_are_
         assert _until(lambda: not server._connections and not _serving_threads())  # noqa: SLF001 - nothing leaks
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as stranger:
             stranger.sendall(b"\x16\x03\x01\x00\x05hello, not a TLS handshake")  # garbage: the handshake fails
-            assert _closed_within(stranger, 5)  # at once (perhaps after an alert), not at the Hello deadline
+            assert closed_within(stranger, 5)  # at once (perhaps after an alert), not at the Hello deadline
         for step in range(3):
             meta, tensors = secure.call("Echo", {"step": step}, {"x": torch.arange(5.0)}, timeout=5)
             assert meta == {"step": step} and torch.equal(tensors["x"], torch.arange(5.0))
