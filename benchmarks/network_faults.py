@@ -39,9 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "examples" / "mnist_mlp.py"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tensorfleet.cluster.spec import ClusterSpec, TaskSpec  # noqa: E402
+from tensorfleet.cluster.spec import ClusterSpec  # noqa: E402
 from tensorfleet.testing.fleet import Fleet, poll  # noqa: E402
 from tensorfleet.testing.network import DEVICE, Network  # noqa: E402
+from vs_ddp import ps_processes  # noqa: E402
 
 MNIST_TASKS = ["ps:0", "worker:0", "worker:1"]
 
@@ -202,20 +203,10 @@ def run_bandwidth_config(kind: str, bf16: bool, steps: int, rate_gbit: float) ->
         else:
             cluster = ClusterSpec.from_dict({job: [f"{network.address(f'{job}:{i}')}:2222" for i in range(2)]
                                              for job in ("ps", "worker")})
-            ps = [subprocess.Popen(network.command(f"ps:{i}", [sys.executable, "-m", "tensorfleet.ps"]),
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   env={**env, "TF_CONFIG": cluster.to_tf_config(TaskSpec("ps", i))}) for i in range(2)]
-            try:
+            with ps_processes(cluster, env, on_host=network.command, wait_s=60):
                 spec = json.dumps(cluster.as_dict())
                 seconds = _run_roles(network, {f"worker:{i}": ["--role", "tensorfleet", "--cluster", spec, "--index",
                                                               str(i), *flags] for i in range(2)}, env)
-            finally:
-                for process in ps:
-                    try:
-                        process.wait(timeout=60)
-                    except subprocess.TimeoutExpired:
-                        process.kill()
-                        process.wait()
         stats = network.stats()
     from vs_ddp import BATCH, WARMUP
     busiest = max(max(stats["bytes_sent"][h], stats["bytes_received"][h]) for h in BANDWIDTH_HOSTS)

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -118,10 +118,14 @@ def run_ddp(steps: int) -> float:
 
 
 @contextlib.contextmanager
-def ps_processes(cluster: ClusterSpec, env: dict[str, str]) -> Iterator[None]:
-    """Every ps task of ``cluster`` as a quiet process; on leaving, wait for them to exit (they do once
-    every worker is done), killing any that does not."""
-    ps = [subprocess.Popen([sys.executable, "-m", "tensorfleet.ps"], stdout=subprocess.DEVNULL,
+def ps_processes(cluster: ClusterSpec, env: dict[str, str], *,
+                 on_host: Callable[[str, list[str]], list[str]] | None = None,
+                 wait_s: float = 30.0) -> Iterator[None]:
+    """Every ps task of ``cluster`` as a quiet process (``on_host(task, argv)``: the command that runs argv on
+    that task's host, if not this one); on leaving, wait up to ``wait_s`` for them to exit (they do once every
+    worker is done), killing any that does not."""
+    command = [sys.executable, "-m", "tensorfleet.ps"]
+    ps = [subprocess.Popen(on_host(f"ps:{i}", command) if on_host else command, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, env={**env, "TF_CONFIG": cluster.to_tf_config(TaskSpec("ps", i))})
           for i in range(len(cluster.ps_addresses))]
     try:
@@ -129,7 +133,7 @@ def ps_processes(cluster: ClusterSpec, env: dict[str, str]) -> Iterator[None]:
     finally:
         for process in ps:
             try:
-                process.wait(timeout=30)
+                process.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
