@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 from tensorfleet.cluster.environment import LOGDIR_ENV, STATUS_DIR_ENV
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
@@ -113,8 +113,11 @@ class LocalLauncher:
     """
 
     def __init__(self, config: JobConfig, *, out: TextIO | None = None, interactive: bool | None = None,
-                 progress_every_s: float = 10.0, gpus_available: int | None = None) -> None:
+                 progress_every_s: float = 10.0, gpus_available: int | None = None,
+                 on_tick: Callable[["LocalLauncher"], None] | None = None) -> None:
         self.config = config
+        self.on_tick = on_tick  # called from the supervising loop, about every LOOP_S (the job service's hook)
+        self.failed: list[TaskRecord] = []  # the tasks that failed for good, once run() has returned
         self.cluster = local_cluster(config.ps, config.workers, first_port=config.port)
         self.tasks = fleet_tasks(self.cluster)
         self._gpus = (gpu_assignment(config.gpus_per_worker, config.workers,
@@ -285,6 +288,7 @@ class LocalLauncher:
             self._write_events()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+        self.failed = failed
         code = 130 if self._interrupted else (1 if failed or not self.supervisor.workers_done() else 0)
         self.monitor.job_state = "succeeded" if code == 0 else "failed"
         self._stop_dashboard()
@@ -306,6 +310,8 @@ class LocalLauncher:
             for record in self.supervisor.due():
                 self._spawn(record)
             self.output.release_due(lambda name: self.supervisor.by_name[name].answered)
+            if self.on_tick is not None:
+                self.on_tick(self)
             now = time.monotonic()
             if now - last_progress >= 1.0:
                 last_progress = now

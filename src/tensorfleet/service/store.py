@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Mapping
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch.config import FIELDS, JobConfig
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class JobState(enum.StrEnum):
@@ -61,6 +61,7 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 }
 TERMINAL = frozenset(state for state, nexts in TRANSITIONS.items() if not nexts)
 ACTIVE = (_S.STARTING, _S.RUNNING)  # a supervisor process may exist
+BACKENDS = ("local", "kubernetes")
 
 
 class JobNotFoundError(TensorfleetError):
@@ -103,6 +104,9 @@ class JobRecord:
     reason: str | None = None  # why it last changed state: exit reason, error text, why it was lost
     restarts: int = 0  # task restarts done by its supervisor
     restarted_from: int | None = None  # the job this one was cloned/restarted from
+    backend: str = "local"  # what runs it: "local" processes, or "kubernetes"
+    stop_requested: str | None = None  # who asked it to stop, once someone has (its runner reads it)
+    workers_target: int | None = None  # the worker count a user scaled it to (its runner reads it)
 
     @property
     def job_config(self) -> JobConfig:
@@ -139,7 +143,10 @@ _SCHEMA = (
         logdir TEXT,
         reason TEXT,
         restarts INTEGER NOT NULL DEFAULT 0,
-        restarted_from INTEGER REFERENCES jobs(id))""",
+        restarted_from INTEGER REFERENCES jobs(id),
+        backend TEXT NOT NULL DEFAULT 'local',
+        stop_requested TEXT,
+        workers_target INTEGER)""",
     "CREATE INDEX jobs_by_state ON jobs (state, id)",
     """CREATE TABLE events (
         id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -150,6 +157,18 @@ _SCHEMA = (
     "CREATE INDEX events_by_job ON events (job_id, id)",
     "CREATE TRIGGER events_no_update BEFORE UPDATE ON events BEGIN SELECT RAISE(ABORT, 'events are append-only'); END",
     "CREATE TRIGGER events_no_delete BEFORE DELETE ON events BEGIN SELECT RAISE(ABORT, 'events are append-only'); END",
+    """CREATE TABLE users (
+        name TEXT PRIMARY KEY,
+        password TEXT NOT NULL,
+        admin INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL)""",
+    """CREATE TABLE tokens (
+        digest TEXT PRIMARY KEY,
+        user TEXT NOT NULL REFERENCES users(name) ON DELETE CASCADE,
+        kind TEXT NOT NULL CHECK (kind IN ('session', 'api')),
+        csrf TEXT,
+        created_at REAL NOT NULL,
+        expires_at REAL)""",
     f"INSERT INTO schema_version (version) VALUES ({SCHEMA_VERSION})",
 )
 _COLUMNS = ", ".join(f.name for f in dataclasses.fields(JobRecord))
@@ -185,7 +204,7 @@ class JobStore:
             raise
 
     def _init_schema(self) -> None:
-        with self._write() as conn:
+        with self.write() as conn:
             tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if not tables - {"sqlite_sequence"}:
                 for statement in _SCHEMA:
@@ -215,7 +234,7 @@ class JobStore:
         self.close()
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
+    def write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction, holding SQLite's write lock from its first statement (no stale reads)."""
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
@@ -255,15 +274,17 @@ class JobStore:
 
     # ----- writing
 
-    def submit(self, config: JobConfig | Mapping[str, Any], owner: str, name: str | None = None) -> JobRecord:
+    def submit(self, config: JobConfig | Mapping[str, Any], owner: str, name: str | None = None, *,
+               backend: str = "local") -> JobRecord:
         """A new queued job. ``name`` (if given) replaces the config's name; the record's name is the
         config's job name. Raises ConfigError (nothing stored) for an invalid config."""
         job_config = _job_config(config)
         if name is not None:
             job_config = dataclasses.replace(job_config, name=name)
-        return self._insert(job_config.validate(), owner, restarted_from=None, text=f"queued by {owner}")
+        return self._insert(job_config.validate(), owner, restarted_from=None, backend=_backend(backend),
+                            text=f"queued by {owner}")
 
-    def clone(self, job_id: int, owner: str, **changes: Any) -> JobRecord:
+    def clone(self, job_id: int, owner: str, *, backend: str | None = None, **changes: Any) -> JobRecord:
         """A new queued job with ``job_id``'s settings and ``changes`` (JobConfig fields), whatever state
         ``job_id`` is in; ``restarted_from`` names the source. A restart is a clone without changes."""
         unknown = sorted(set(changes) - FIELDS)
@@ -273,7 +294,36 @@ class JobStore:
         job_config = JobConfig(**{**source.config, **changes}).validate()
         changed = ", ".join(f"{k}={v!r}" for k, v in sorted(changes.items()))
         return self._insert(job_config, owner, restarted_from=source.id,
+                            backend=_backend(backend or source.backend),
                             text=f"cloned from job {source.id} by {owner}" + (f" with {changed}" if changed else ""))
+
+    def request_stop(self, job_id: int, by: str) -> JobRecord:
+        """``by`` asks the job to stop: a queued job is stopped at once; an active one is marked, for its
+        backend to act on (the caller signals it). Raises JobStateError for a finished job."""
+        with self.write() as conn:
+            job = self._get(conn, job_id)
+            if job.state is JobState.QUEUED:
+                return self._move(conn, job, JobState.STOPPED, expected=JobState.QUEUED,
+                                  reason=f"stopped by {by} before it started")
+            if job.finished:
+                raise JobStateError(f"job {job_id} has already finished ({job.state}): nothing to stop")
+            now = self._clock()
+            conn.execute("UPDATE jobs SET stop_requested = ?, updated_at = ? WHERE id = ?", (by, now, job_id))
+            self._event(conn, job_id, now, "stop", f"stop requested by {by}")
+            return self._get(conn, job_id)
+
+    def set_workers_target(self, job_id: int, workers: int, by: str) -> JobRecord:
+        """``by`` asks a running job to run ``workers`` workers (its runner acts on it)."""
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"workers must be an integer of at least 1, got {workers!r}")
+        with self.write() as conn:
+            job = self._get(conn, job_id)
+            if job.state not in ACTIVE:
+                raise JobStateError(f"job {job_id} is {job.state}: only a starting or running job can be scaled")
+            now = self._clock()
+            conn.execute("UPDATE jobs SET workers_target = ?, updated_at = ? WHERE id = ?", (workers, now, job_id))
+            self._event(conn, job_id, now, "scale", f"{by} asked for {workers} worker(s)")
+            return self._get(conn, job_id)
 
     def transition(self, job_id: int, new_state: JobState | str, *, expected: JobState | str | None = None,
                    reason: str | None = None, pid: int | None = None, logdir: str | None = None) -> JobRecord:
@@ -282,14 +332,14 @@ class JobStore:
         ``reason``, ``pid`` and ``logdir`` are stored when given. Raises JobStateError, changing nothing."""
         new_state = _state(new_state)
         expected = None if expected is None else _state(expected)
-        with self._write() as conn:
+        with self.write() as conn:
             return self._move(conn, self._get(conn, job_id), new_state, expected=expected, reason=reason,
                               pid=pid, logdir=logdir)
 
     def claim_next_queued(self) -> JobRecord | None:
         """Move the oldest queued job to starting and return it; None if none is queued. Atomic across
         threads and processes: each queued job is claimed by exactly one caller, so it starts once."""
-        with self._write() as conn:
+        with self.write() as conn:
             row = conn.execute("SELECT id FROM jobs WHERE state = ? ORDER BY id LIMIT 1",
                                (JobState.QUEUED.value,)).fetchone()
             if row is None:
@@ -301,7 +351,7 @@ class JobStore:
         no pid yet) becomes lost, with the reason; the others are returned, to be re-attached. ``alive``
         should make sure the pid is still the supervisor's (pids are reused), not only that it exists."""
         survivors = []
-        with self._write() as conn:
+        with self.write() as conn:
             for job in self._select(conn, "state IN (?, ?)", [state.value for state in ACTIVE]):
                 if job.pid is not None and alive(job.pid):
                     survivors.append(job)
@@ -314,7 +364,7 @@ class JobStore:
 
     def count_restart(self, job_id: int, text: str) -> JobRecord:
         """Its supervisor restarted a task: one more restart, and the event saying which and why."""
-        with self._write() as conn:
+        with self.write() as conn:
             job = self._get(conn, job_id)
             if job.state not in ACTIVE:
                 raise JobStateError(f"job {job_id} is {job.state}: only a starting or running job restarts tasks")
@@ -327,7 +377,7 @@ class JobStore:
         """Append to a job's history (a log line worth keeping: re-attached, scaled, a traceback)."""
         if not isinstance(kind, str) or not kind:
             raise ConfigError(f"an event kind must be a non-empty string, got {kind!r}")
-        with self._write() as conn:
+        with self.write() as conn:
             self._get(conn, job_id)
             return self._event(conn, job_id, self._clock(), kind, str(text))
 
@@ -343,19 +393,21 @@ class JobStore:
         rows = conn.execute(f"SELECT {_COLUMNS} FROM jobs WHERE {where} ORDER BY id", params).fetchall()
         return [_record(row) for row in rows]
 
-    def _insert(self, job_config: JobConfig, owner: str, *, restarted_from: int | None, text: str) -> JobRecord:
+    def _insert(self, job_config: JobConfig, owner: str, *, restarted_from: int | None, backend: str,
+                text: str) -> JobRecord:
         if not isinstance(owner, str) or not owner:
             raise ConfigError(f"a job's owner must be a non-empty string, got {owner!r}")
         try:
             config_json = json.dumps(dataclasses.asdict(job_config), sort_keys=True)
         except TypeError as exc:
             raise ConfigError(f"the job's settings must be plain values (text, numbers, lists, maps): {exc}") from None
-        with self._write() as conn:
+        with self.write() as conn:
             now = self._clock()
             job_id = conn.execute(
-                "INSERT INTO jobs (name, owner, config, state, created_at, updated_at, restarted_from) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (job_config.job_name, owner, config_json, JobState.QUEUED.value, now, now, restarted_from)).lastrowid
+                "INSERT INTO jobs (name, owner, config, state, created_at, updated_at, restarted_from, backend) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (job_config.job_name, owner, config_json, JobState.QUEUED.value, now, now, restarted_from,
+                 backend)).lastrowid
             self._event(conn, job_id, now, "submitted", text)
             if restarted_from is not None:
                 self._event(conn, restarted_from, now, "cloned", f"cloned as job {job_id} by {owner}")
@@ -391,6 +443,12 @@ class JobStore:
         event_id = conn.execute("INSERT INTO events (job_id, time, kind, text) VALUES (?, ?, ?, ?)",
                                 (job_id, now, kind, text)).lastrowid
         return JobEvent(event_id, job_id, now, kind, text)
+
+
+def _backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ConfigError(f"backend {name!r} is not valid: use one of {', '.join(BACKENDS)}")
+    return name
 
 
 def _state(value: JobState | str) -> JobState:

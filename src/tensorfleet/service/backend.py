@@ -1,0 +1,72 @@
+"""What the job service asks of a backend, the thing that actually runs a job (local processes, Kubernetes).
+
+The service owns the store and the queue; a backend only runs, observes and stops one job at a
+time, given its record. Every method may be called from any of the service's threads and after a
+service restart (a backend keeps no state that a restart would lose: what it needs is in the record,
+the job's folder, or the cluster).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from tensorfleet.service.store import JobRecord, JobState
+
+
+@dataclass(frozen=True)
+class Observed:
+    """A backend's view of an active job, for the service to record: ``state`` RUNNING while it runs,
+    or the terminal state it reached (SUCCEEDED, FAILED, STOPPED, LOST) with the ``reason``."""
+
+    state: JobState
+    reason: str | None = None
+    restarts: int | None = None  # task restarts so far, when the backend counts them
+
+
+@dataclass(frozen=True)
+class TaskView:
+    """One task of a job as the job page shows it: how it is started, where its log is."""
+
+    name: str  # "ps:0", "worker:1"
+    role: str  # "ps", "chief", "worker"
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # TF_CONFIG and the rest; never the job's secret token
+
+
+@dataclass(frozen=True)
+class LogChunk:
+    """Text of a task's log from ``offset``; ``next_offset`` is where the next read starts."""
+
+    text: str
+    next_offset: int
+
+
+class Backend(Protocol):
+    name: str  # "local", "kubernetes": the value of a job's ``backend`` setting
+
+    def start(self, job: JobRecord, jobdir: Path) -> None:
+        """Start ``job`` (state starting, claimed by this service); ``jobdir`` is its own folder. Returns once
+        started; the job moves to running (pid recorded) by the backend or by ``observe``. Raises
+        TensorfleetError when it cannot be started (the service records the job failed with that text)."""
+
+    def observe(self, job: JobRecord) -> Observed | None:
+        """An active job's state now; None when the backend has nothing new to say (its runner writes the
+        store itself)."""
+
+    def stop(self, job: JobRecord) -> None:
+        """Ask an active job to stop (every process or pod gone when it is recorded stopped)."""
+
+    def scale(self, job: JobRecord, workers: int) -> None:
+        """Ask a running async job to run ``workers`` workers. Raises ConfigError where not supported."""
+
+    def tasks(self, job: JobRecord) -> list[TaskView]:
+        """The tasks of ``job`` with their command and environment, for the job page."""
+
+    def log(self, job: JobRecord, task: str, offset: int = 0, limit: int = 1 << 20) -> LogChunk:
+        """At most ``limit`` bytes of ``task``'s output from ``offset``. Raises JobNotFoundError-like
+        TensorfleetErrors (NOT_FOUND) for an unknown task."""
+
+    def picture(self, job: JobRecord) -> dict[str, Any] | None:
+        """The job's latest dashboard picture (see ``tensorfleet.dashboard``), or None if there is none."""
