@@ -11,7 +11,7 @@ import pytest
 
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch.config import JobConfig
-from tensorfleet.service.store import (SCHEMA_VERSION, TERMINAL, TRANSITIONS, JobNotFoundError, JobState,
+from tensorfleet.service.store import (SCHEMA_VERSION, TERMINAL, TRANSITIONS, JobNotFoundError, JobRecord, JobState,
                                        JobStateError, JobStore, JobStoreError)
 
 S = JobState
@@ -202,13 +202,16 @@ def test_recover_marks_jobs_with_dead_supervisors_lost_and_returns_the_live_ones
     untouched = {job_id: store.get(job_id) for job_id in (queued, succeeded)}
     asked: list[int] = []
 
-    def alive(pid: int) -> bool:
-        asked.append(pid)
-        return pid in (4242, 6161)
+    def alive(job: JobRecord) -> str | None:
+        asked.append(job.id)
+        if job.pid in (4242, 6161):
+            return None
+        return (f"the service restarted and the job's supervisor (pid {job.pid}) was gone" if job.pid else
+                "the service restarted before the job's supervisor was started (no pid recorded)")
 
     survivors = store.recover(alive)
     assert [j.id for j in survivors] == [alive_job, starting_with_pid]
-    assert sorted(asked) == [4242, 5151, 6161]
+    assert sorted(asked) == sorted([alive_job, dead_job, starting_with_pid, starting_no_pid])
     assert store.get(alive_job).state is S.RUNNING and store.get(starting_with_pid).state is S.STARTING
     lost = store.get(dead_job)
     assert lost.state is S.LOST and lost.finished_at is not None

@@ -55,7 +55,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "parallel":    frozenset({"errors", "cluster", "wire", "ps.api", "worker", "train", "parallel"}),  # ps.api only
     "dashboard":   frozenset({"errors", "dashboard"}),
     "launch":      ALL_LAYERS - {"testing", "service"},
-    "service":     frozenset({"errors", "cluster", "launch", "service"}),                   # the job service (serve)
+    "service":     frozenset({"errors", "cluster", "wire", "dashboard", "launch", "service"}),  # the job service
     "testing":     ALL_LAYERS,
     "tensorfleet": ALL_LAYERS - {"testing"},
 }

@@ -30,7 +30,7 @@ import shlex
 import sys
 from pathlib import Path
 from importlib import metadata
-from typing import Callable, NoReturn, Sequence
+from typing import Callable, Mapping, NoReturn, Sequence
 
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch import k8s
@@ -145,9 +145,15 @@ def _add_dashboard_parser(commands: argparse._SubParsersAction) -> None:
     board.add_argument("--name", default="fleet", help="the job's name on the page")
 
 
-def build_parser() -> argparse.ArgumentParser:
+# A command added from a layer above (the job service's ``serve``, ``jobs``, ``users``): a function that
+# adds its parser to the subcommands, and one that runs it and returns the exit code.
+Command = tuple[Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], int]]
+
+
+def build_parser(commands: Mapping[str, Command] | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="tensorfleet", description="Parameter-server training for PyTorch.")
     parser.add_argument("--version", action="version", version=f"tensorfleet {version()}")
+    extra_commands = commands
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_launch_parser(commands)
     _add_dashboard_parser(commands)
@@ -163,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--cache", default=None, help="the cache folder (default: $TENSORFLEET_DATA, else "
                                                      "~/.cache/tensorfleet)")
     k8s.add_parser(commands)
+    for add, _run in (extra_commands or {}).values():
+        add(commands)
     return parser
 
 
@@ -242,7 +250,8 @@ def _dashboard(args: argparse.Namespace) -> int:
     return serve_dashboard(args)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, commands: Mapping[str, Command] | None = None) -> int:
+    """Run ``tensorfleet ARGV``; ``commands`` adds commands of the layers above (see ``Command``)."""
     task_grpc_verbosity = os.environ.get(GRPC_VERBOSITY, "ERROR")
     # This process's own gRPC (the monitor's Status calls) says nothing on the console: a task that went
     # away makes its C core log "Got goaway" at error level, unprefixed, between the task lines.
@@ -252,13 +261,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # on some paths and keep it on others).
     cut = argv.index("--") if "--" in argv else len(argv)
     head, after_separator = argv[:cut], argv[cut + 1:]
-    parser = build_parser()
+    parser = build_parser(commands)
     args, extras = parser.parse_known_args(head)
     path = [args.command] + ([args.k8s_command] if args.command == "k8s" else [])
     command = subcommand_parser(parser, *path)
     if extras:
         _unknown_flags(command, extras)
     try:
+        if commands and args.command in commands:
+            return commands[args.command][1](args)
         if args.command == "launch":
             return _launch(args, script_args(command, args, head, args.target, after_separator), task_grpc_verbosity)
         if args.command == "dashboard":

@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from tensorfleet.errors import TensorfleetError
 from tensorfleet.service.store import JobRecord, JobState
+
+
+class TaskNotFoundError(TensorfleetError):
+    """The job has no such task (names are ``ps:0``, ``worker:1``, or ``launcher`` for a local job)."""
+
+    code = "NOT_FOUND"
 
 
 @dataclass(frozen=True)
@@ -65,8 +72,7 @@ class Backend(Protocol):
         """The tasks of ``job`` with their command and environment, for the job page."""
 
     def log(self, job: JobRecord, task: str, offset: int = 0, limit: int = 1 << 20) -> LogChunk:
-        """At most ``limit`` bytes of ``task``'s output from ``offset``. Raises JobNotFoundError-like
-        TensorfleetErrors (NOT_FOUND) for an unknown task."""
+        """At most ``limit`` bytes of ``task``'s output from ``offset``. Raises TaskNotFoundError."""
 
     def picture(self, job: JobRecord) -> dict[str, Any] | None:
         """The job's latest dashboard picture (see ``tensorfleet.dashboard``), or None if there is none."""

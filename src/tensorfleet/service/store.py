@@ -233,6 +233,16 @@ class JobStore:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def now(self) -> float:
+        """The store's clock (seconds since the epoch; tests give a fake one)."""
+        return self._clock()
+
+    @contextmanager
+    def read(self) -> Iterator[sqlite3.Connection]:
+        """The connection, for reads (accounts.py shares the database)."""
+        with self._lock:
+            yield self._conn
+
     @contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction, holding SQLite's write lock from its first statement (no stale reads)."""
@@ -346,20 +356,18 @@ class JobStore:
                 return None
             return self._move(conn, self._get(conn, row[0]), JobState.STARTING, expected=JobState.QUEUED)
 
-    def recover(self, alive: Callable[[int], bool]) -> list[JobRecord]:
-        """At service start: every starting/running job whose supervisor ``alive(pid)`` denies (or that has
-        no pid yet) becomes lost, with the reason; the others are returned, to be re-attached. ``alive``
-        should make sure the pid is still the supervisor's (pids are reused), not only that it exists."""
+    def recover(self, lost_because: Callable[[JobRecord], str | None]) -> list[JobRecord]:
+        """At service start: every starting/running job for which ``lost_because(job)`` gives a reason
+        (its supervisor is gone) becomes lost with that reason; the others are returned, to be re-attached.
+        ``lost_because`` should make sure a pid is still the supervisor's (pids are reused)."""
         survivors = []
         with self.write() as conn:
             for job in self._select(conn, "state IN (?, ?)", [state.value for state in ACTIVE]):
-                if job.pid is not None and alive(job.pid):
+                reason = lost_because(job)
+                if reason is None:
                     survivors.append(job)
-                    continue
-                reason = (f"the service restarted and the job's supervisor (pid {job.pid}) was gone"
-                          if job.pid is not None else
-                          "the service restarted before the job's supervisor was started (no pid recorded)")
-                self._move(conn, job, JobState.LOST, expected=job.state, reason=reason)
+                else:
+                    self._move(conn, job, JobState.LOST, expected=job.state, reason=reason)
         return survivors
 
     def count_restart(self, job_id: int, text: str) -> JobRecord:

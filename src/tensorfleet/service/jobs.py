@@ -1,0 +1,297 @@
+"""The job service's operations and its loop: submit, stop, restart, clone, scale; admit queued jobs.
+
+Everything a user can do through the web page, the JSON API or ``tensorfleet jobs`` is a method here,
+taking the acting ``User``: anyone signed in may look at every job, only its owner or an admin may
+change one. Scripts come only from the workspace folder (a path that resolves outside it, through
+``..`` or a symlink, is refused), so a user can run code that is already on the machine, never upload
+new code.
+
+The loop (``tick``, every ``TICK_S`` in a thread of ``serve``) observes active jobs through their
+backend and admits queued ones first come, first served while the machine has room: a local job
+takes a core per task and its GPUs; the head of the queue waits until it fits, and a job is always
+admitted when nothing else runs (a 3-task job on a 2-core machine must run at all). Kubernetes jobs
+are not bound here: the cluster's scheduler queues them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from tensorfleet.errors import ConfigError, TensorfleetError
+from tensorfleet.launch.config import FIELDS, JobConfig, load_job_file
+from tensorfleet.launch.local import usable_cores
+from tensorfleet.service.accounts import User
+from tensorfleet.service.backend import Backend, LogChunk, TaskView
+from tensorfleet.service.store import ACTIVE, JobEvent, JobRecord, JobState, JobStore
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.5
+STOP_GRACE_S = 20.0  # after a stop request, how long a local runner has before it is killed
+MAX_SCRIPTS = 500
+SKIPPED_DIRS = {".git", ".venv", "venv", "node_modules", "__pycache__", "site-packages", ".tox"}
+# Settings a user may not set through the service: it chooses the job's folder, and the page is its dashboard.
+SERVICE_SET = {"logdir", "dashboard", "port"}
+
+
+class PermissionDeniedError(TensorfleetError):
+    code = "PERMISSION_DENIED"
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """What local jobs may use at once: cores (a task each) and GPUs."""
+
+    cores: int
+    gpus: int
+
+    @staticmethod
+    def of_machine() -> "Capacity":
+        return Capacity(usable_cores(), _visible_gpus())
+
+
+def _visible_gpus() -> int:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    return len(list(Path("/dev").glob("nvidia[0-9]*")))
+
+
+def job_cost(config: Mapping[str, Any]) -> tuple[int, int]:
+    """(cores, GPUs) a local job takes: a core per task, ``gpus_per_worker`` per worker."""
+    return config["ps"] + config["workers"], config["gpus_per_worker"] * config["workers"]
+
+
+class JobService:
+    """The service's operations over ``store``, running jobs through ``backends`` (by name)."""
+
+    def __init__(self, store: JobStore, backends: Mapping[str, Backend], *, home: Path, workspace: Path,
+                 capacity: Capacity | None = None) -> None:
+        self.store = store
+        self.backends = dict(backends)
+        self.home = Path(home)
+        self.workspace = Path(workspace).resolve()
+        self.capacity = capacity or Capacity.of_machine()
+        self._stop_asked: dict[int, float] = {}  # job id -> when this service signalled its runner
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # ----- the loop
+
+    def start(self) -> "JobService":
+        """Recover what a previous service left (re-attach or mark lost), then run the loop in a thread."""
+        self.recover()
+        self._thread = threading.Thread(target=self._run, name="tensorfleet-jobs", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the loop; running jobs keep running (a new service re-attaches to them)."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def recover(self) -> list[JobRecord]:
+        """Active jobs left by a previous service: those still running are re-attached (returned), the
+        others become lost with the reason."""
+        def lost_because(job: JobRecord) -> str | None:
+            backend = self.backends.get(job.backend)
+            if backend is None:
+                return f"the service restarted without the {job.backend} backend, which ran this job"
+            observed = backend.observe(job)
+            return observed.reason if observed is not None and observed.state is JobState.LOST else None
+
+        survivors = self.store.recover(lost_because)
+        for job in survivors:
+            self.store.add_event(job.id, "re-attached", "the service restarted and found it running"
+                                 + (f" (pid {job.pid})" if job.pid else ""))
+        return survivors
+
+    def _run(self) -> None:
+        while not self._stopping.wait(TICK_S):
+            try:
+                self.tick()
+            except Exception:  # the loop must survive a bad moment (disk full, a backend's error)
+                log.exception("the job service's loop failed; trying again")
+
+    def tick(self) -> None:
+        """One round: record what active jobs did, escalate slow stops, admit what fits."""
+        for job in self.store.list():
+            if job.state in ACTIVE:
+                self._observe(job)
+        self._admit()
+
+    def _observe(self, job: JobRecord) -> None:
+        backend = self.backends.get(job.backend)
+        if backend is None:
+            return
+        observed = backend.observe(job)
+        if observed is not None and observed.state is not job.state:
+            self._record(job, observed.state, observed.reason)
+            return
+        if job.stop_requested and job.state is JobState.RUNNING:
+            asked = self._stop_asked.setdefault(job.id, time.monotonic())
+            if time.monotonic() - asked > STOP_GRACE_S and hasattr(backend, "kill"):
+                backend.kill(job)
+                self.store.add_event(job.id, "killed", f"it did not stop within {STOP_GRACE_S:.0f} s")
+
+    def _record(self, job: JobRecord, state: JobState, reason: str | None) -> None:
+        try:
+            self.store.transition(job.id, state, expected=job.state, reason=reason)
+        except TensorfleetError:
+            pass  # its runner recorded something meanwhile: that record wins
+
+    def _admit(self) -> None:
+        while True:
+            queued = self.store.list(state=JobState.QUEUED)
+            if not queued or not self._fits(queued[0]):
+                return
+            job = self.store.claim_next_queued()
+            if job is None:
+                return
+            self._start(job)
+
+    def _fits(self, job: JobRecord) -> bool:
+        if job.backend != "local":
+            return True
+        running = [j for j in self.store.list() if j.state in ACTIVE and j.backend == "local"]
+        if not running:
+            return True
+        cores = sum(job_cost(j.config)[0] for j in running) + job_cost(job.config)[0]
+        gpus = sum(job_cost(j.config)[1] for j in running) + job_cost(job.config)[1]
+        return cores <= self.capacity.cores and gpus <= self.capacity.gpus
+
+    def _start(self, job: JobRecord) -> None:
+        jobdir = self.home / "jobs" / str(job.id)
+        try:
+            jobdir.mkdir(parents=True, exist_ok=True)
+            self.backends[job.backend].start(job, jobdir)
+        except (OSError, TensorfleetError, KeyError) as exc:
+            text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            self._record(self.store.get(job.id), JobState.FAILED, f"could not be started: {text}")
+
+    # ----- what users do
+
+    def scripts(self) -> list[str]:
+        """The ``.py`` files of the workspace (relative paths), for the form's list."""
+        found: list[str] = []
+        for root, dirs, files in os.walk(self.workspace):
+            dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS and not d.startswith("."))
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    found.append(str((Path(root) / name).relative_to(self.workspace)))
+                    if len(found) >= MAX_SCRIPTS:
+                        return found
+        return found
+
+    def workspace_script(self, script: str) -> str:
+        """The absolute path of ``script`` (relative to the workspace, or absolute inside it). Raises
+        ConfigError for a path outside the workspace or a file that is not there."""
+        if not isinstance(script, str) or not script.strip():
+            raise ConfigError("script: choose a Python file of the workspace")
+        candidate = Path(script)
+        path = (candidate if candidate.is_absolute() else self.workspace / candidate).resolve()
+        if not path.is_relative_to(self.workspace):
+            raise ConfigError(f"script {script!r} is outside the workspace {self.workspace}: only scripts in "
+                              f"the workspace can run")
+        if not path.is_file() or path.suffix != ".py":
+            raise ConfigError(f"script {script!r} is not a Python file of the workspace {self.workspace}")
+        return str(path)
+
+    def config_from(self, fields: Mapping[str, Any]) -> JobConfig:
+        """A validated JobConfig from a form's or the API's fields, with the script checked against the workspace."""
+        fields = {str(k).replace("-", "_"): v for k, v in fields.items()}
+        unknown = sorted(set(fields) - FIELDS)
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(FIELDS - SERVICE_SET))}")
+        chosen = sorted(SERVICE_SET & {k for k, v in fields.items() if v is not None})
+        if chosen:
+            raise ConfigError(f"{', '.join(chosen)} cannot be set here: the service gives every job its own folder "
+                              f"and shows its dashboard on the job's page")
+        if "script" not in fields:
+            raise ConfigError("no script: choose a Python file of the workspace")
+        fields["script"] = self.workspace_script(fields["script"])
+        config = JobConfig(**fields).validate()
+        if config.gpus_per_worker * config.workers > self.capacity.gpus:
+            raise ConfigError(f"{config.workers} worker(s) x {config.gpus_per_worker} GPU(s) needs "
+                              f"{config.gpus_per_worker * config.workers} GPU(s); this machine has "
+                              f"{self.capacity.gpus}: use fewer, or 0 to train on the CPU")
+        return config
+
+    def config_from_job_file(self, path: str | Path, overrides: Mapping[str, Any] = {}) -> JobConfig:
+        """A job file (YAML/TOML, as ``tensorfleet launch``) with ``overrides`` on top."""
+        return self.config_from({**load_job_file(path), **overrides})
+
+    def submit(self, user: User, fields: Mapping[str, Any], *, backend: str = "local") -> JobRecord:
+        self._backend(backend)
+        return self.store.submit(self.config_from(fields), user.name, backend=backend)
+
+    def get(self, job_id: int) -> JobRecord:
+        return self.store.get(job_id)
+
+    def list(self, state: str | None = None) -> list[JobRecord]:
+        return self.store.list(state=state or None)
+
+    def events(self, job_id: int) -> list[JobEvent]:
+        return self.store.events(job_id)
+
+    def stop(self, user: User, job_id: int) -> JobRecord:
+        job = self._owned(user, job_id)
+        job = self.store.request_stop(job_id, user.name)
+        if job.state is JobState.RUNNING:
+            self._backend(job.backend).stop(job)
+            if job.backend != "local":  # nothing else records it: the backend's stop is the whole stop
+                self._record(job, JobState.STOPPED, f"stopped by {user.name}")
+        return self.store.get(job_id)
+
+    def restart(self, user: User, job_id: int) -> JobRecord:
+        """A new run of ``job_id`` with the same settings (the old record keeps its history)."""
+        source = self.store.get(job_id)
+        self.workspace_script(source.config["script"])  # still there?
+        return self.store.clone(job_id, user.name)
+
+    def clone(self, user: User, job_id: int, fields: Mapping[str, Any], *, backend: str | None = None) -> JobRecord:
+        """A new job from ``job_id``'s settings with ``fields`` changed."""
+        source = self.store.get(job_id)
+        config = self.config_from({**{k: v for k, v in source.config.items() if k not in SERVICE_SET}, **fields})
+        return self.store.submit(config, user.name, backend=self._backend(backend or source.backend).name)
+
+    def scale(self, user: User, job_id: int, workers: int) -> JobRecord:
+        job = self._owned(user, job_id)
+        if job.state is not JobState.RUNNING:
+            raise ConfigError(f"job {job_id} is {job.state}: only a running job can be scaled")
+        self._backend(job.backend).scale(job, workers)
+        return self.store.set_workers_target(job_id, workers, user.name)
+
+    def tasks(self, job_id: int) -> list[TaskView]:
+        job = self.store.get(job_id)
+        return self._backend(job.backend).tasks(job) if job.logdir or job.backend != "local" else []
+
+    def log(self, job_id: int, task: str, offset: int = 0) -> LogChunk:
+        job = self.store.get(job_id)
+        return self._backend(job.backend).log(job, task, offset)
+
+    def picture(self, job_id: int) -> dict[str, Any] | None:
+        job = self.store.get(job_id)
+        backend = self.backends.get(job.backend)
+        return backend.picture(job) if backend is not None and job.logdir else None
+
+    def _owned(self, user: User, job_id: int) -> JobRecord:
+        job = self.store.get(job_id)
+        if job.owner != user.name and not user.admin:
+            raise PermissionDeniedError(f"job {job_id} belongs to {job.owner}: only they or an admin can change it")
+        return job
+
+    def _backend(self, name: str) -> Backend:
+        backend = self.backends.get(name)
+        if backend is None:
+            configured = ", ".join(sorted(self.backends))
+            raise ConfigError(f"backend {name!r} is not configured on this service (configured: {configured}); "
+                              f"start the service with --k8s-image to run jobs on Kubernetes")
+        return backend

@@ -1,0 +1,194 @@
+"""One local job of the job service, in a process of its own: ``python -m tensorfleet.service.runner STORE JOB``.
+
+The service starts a runner per local job, in a session of its own, and records it running with the
+runner's pid; the runner is the existing launcher (``LocalLauncher``: start the tasks, restart what
+dies, stop them all) plus what the service needs from outside the process:
+
+* it writes the job's state to the store itself (running -> succeeded | failed | stopped), so the
+  outcome is recorded even while the service is down, and a restarted service re-attaches by pid;
+* every second it leaves the dashboard's picture in ``JOBDIR/picture.json`` and each task's command and
+  environment in ``JOBDIR/tasks.json`` (the job page reads both), counts task restarts into the store,
+  and acts on what users asked through the store: a stop request, a new worker count.
+
+Killing the service leaves runners running. Killing a runner kills its tasks (they die with their
+launcher) and the service records the job lost. A failed job's reason names the task, how it ended and
+the last traceback in its log, once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from typing import TYPE_CHECKING
+
+from tensorfleet.errors import TensorfleetError
+from tensorfleet.service.store import JobState, JobStore
+
+if TYPE_CHECKING:
+    from tensorfleet.launch.local import LocalLauncher
+
+MODULE = "tensorfleet.service.runner"
+PICTURE_FILE = "picture.json"
+TASKS_FILE = "tasks.json"
+LAUNCHER_LOG = "launcher.log"
+TICK_S = 1.0
+CLAIM_WAIT_S = 30.0  # how long a new runner waits for the service to record it running
+TRACEBACK_LINES = 40
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Replace ``path`` atomically: a reader sees the old file or the new one, never half of one."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(value), encoding="utf-8")
+    os.replace(partial, path)
+
+
+def last_traceback(log: Path, limit: int = TRACEBACK_LINES) -> str | None:
+    """The last Python traceback in a task's log (its last ``limit`` lines), or None."""
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if not starts:
+        return None
+    block = lines[starts[-1]:]
+    end = next((i for i, line in enumerate(block[1:], 1) if line and not line.startswith(" ")), len(block) - 1)
+    return "\n".join(block[:end + 1][-limit:])
+
+
+class JobRunner:
+    """Runs job ``job_id`` of ``store`` with a LocalLauncher, keeping the store and the job's folder current."""
+
+    def __init__(self, store: JobStore, job_id: int) -> None:
+        self.store = store
+        self.job_id = job_id
+        self.job = store.get(job_id)
+        assert self.job.logdir is not None, "the service gives every job a folder before starting its runner"
+        self.jobdir = Path(self.job.logdir)
+        self._last_tick = 0.0
+        self._restarts_counted = 0
+        self._workers_target = self.job.workers_target
+        self._tasks_written = 0
+
+    def wait_until_claimed(self) -> bool:
+        """Wait for the service to record this process as the job's runner; False if it never does."""
+        deadline = time.monotonic() + CLAIM_WAIT_S
+        while time.monotonic() < deadline:
+            self.job = self.store.get(self.job_id)
+            if self.job.state is JobState.RUNNING:
+                return self.job.pid == os.getpid()
+            if self.job.state is not JobState.STARTING:
+                return False
+            time.sleep(0.05)
+        return False
+
+    def run(self) -> int:
+        from tensorfleet.launch.local import LocalLauncher  # after main() took SIGTERM over: see there
+        if self.store.get(self.job_id).stop_requested:  # asked before the tasks started: start none
+            self._finish(JobState.STOPPED, f"stopped by {self.store.get(self.job_id).stop_requested} before it started")
+            return 130
+        config = self.job.job_config
+        config.logdir = str(self.jobdir)
+        config.dashboard = None
+        config.env.setdefault("GRPC_VERBOSITY", "ERROR")
+        with open(self.jobdir / LAUNCHER_LOG, "a", encoding="utf-8", buffering=1) as out:
+            try:
+                launcher = LocalLauncher(config, out=out, interactive=False, on_tick=self._tick)
+            except TensorfleetError as exc:
+                out.write(f"[launch] cannot start: {exc}\n")
+                self._finish(JobState.FAILED, f"cannot start: {exc}")
+                return 1
+            self._write_tasks(launcher)
+            code = launcher.run()
+            self._tick(launcher, force=True)
+        self._finish(*self._outcome(launcher, code))
+        return code
+
+    # --- every second while the job runs -----------------------------------------------------
+
+    def _tick(self, launcher: LocalLauncher, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_tick < TICK_S:
+            return
+        self._last_tick = now
+        write_json(self.jobdir / PICTURE_FILE, launcher.monitor.picture())
+        if len(launcher.tasks) != self._tasks_written:
+            self._write_tasks(launcher)
+        restarts = [e for e in launcher.supervisor.events if e["event"] == "exited" and "restart" in e]
+        for event in restarts[self._restarts_counted:]:
+            self.store.count_restart(self.job_id, f"{event['task']} {event['how']}; restart {event['restart']} "
+                                                  f"in {event['delay_s']:.0f} s")
+        self._restarts_counted = len(restarts)
+        job = self.store.get(self.job_id)
+        if job.stop_requested and not force:
+            signal.raise_signal(signal.SIGTERM)  # the launcher's own way to stop everything in order
+        if job.workers_target is not None and job.workers_target != self._workers_target and not force:
+            self._workers_target = job.workers_target
+            try:
+                launcher.scale_workers(job.workers_target)
+                self.store.add_event(self.job_id, "scaled", f"now {job.workers_target} worker(s)")
+            except TensorfleetError as exc:
+                self.store.add_event(self.job_id, "scale-refused", str(exc))
+
+    def _write_tasks(self, launcher: LocalLauncher) -> None:
+        from tensorfleet.launch.monitor import task_role
+        from tensorfleet.wire import auth
+        tasks = []
+        for task in launcher.tasks:
+            env = {k: v for k, v in launcher.task_env(task).items() if k != auth.TOKEN_ENV}
+            tasks.append({"name": task.short, "role": task_role(launcher.cluster, task),
+                          "command": launcher.command, "env": env})
+        write_json(self.jobdir / TASKS_FILE, tasks)
+        self._tasks_written = len(launcher.tasks)
+
+    # --- the end ------------------------------------------------------------------------------
+
+    def _outcome(self, launcher: LocalLauncher, code: int) -> tuple[JobState, str]:
+        job = self.store.get(self.job_id)
+        if job.stop_requested:
+            return JobState.STOPPED, f"stopped by {job.stop_requested}"
+        if code == 0:
+            return JobState.SUCCEEDED, "every worker finished"
+        if code == 130:
+            return JobState.STOPPED, "its supervisor was stopped by a signal"
+        for record in launcher.failed:
+            event = next((e for e in reversed(launcher.supervisor.events)
+                          if e["task"] == record.name and e["event"] == "failed"), {})
+            reason = (f"{record.name} {event.get('how', 'failed')}; not restarted because "
+                      f"{event.get('reason', 'its restart policy says so')}")
+            traceback = last_traceback(launcher.log_path(record.task))
+            return JobState.FAILED, reason + (f"\n{traceback}" if traceback else "")
+        return JobState.FAILED, f"the launcher exited with code {code}"
+
+    def _finish(self, state: JobState, reason: str) -> None:
+        try:
+            self.store.transition(self.job_id, state, expected=JobState.RUNNING, reason=reason)
+        except TensorfleetError as exc:  # the service gave up on us meanwhile (lost): say so, change nothing
+            print(f"[runner] could not record job {self.job_id} {state}: {exc}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    # A stop can come while this process still imports torch: until the launcher installs its own handler,
+    # SIGTERM only wakes us (the stop request is in the store, and read before anything starts).
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print(f"usage: python -m {MODULE} STORE JOB_ID", file=sys.stderr)
+        return 2
+    with JobStore(argv[0]) as store:
+        runner = JobRunner(store, int(argv[1]))
+        if not runner.wait_until_claimed():
+            print(f"[runner] job {argv[1]} was not recorded as run by pid {os.getpid()}; exiting", file=sys.stderr)
+            return 1
+        return runner.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""The job service over HTTP with real jobs: run, stop, queue, re-attach after a restart, fail with the
+reason, and refuse what it must (no session, no CSRF token, scripts outside the workspace, too big)."""
+
+from __future__ import annotations
+
+import http.client
+import http.cookiejar
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tensorfleet.errors import TensorfleetError
+from tensorfleet.service.local import is_runner
+from tensorfleet.testing.fleet import poll
+from tensorfleet.testing.service import ADMIN_PASSWORD, running_service, start_service, stop_runners
+
+pytestmark = pytest.mark.cluster
+PACED = Path(__file__).resolve().parent / "paced_job.py"
+FAST = ["--last_step", "150", "--step_sleep_s", "0.01"]
+SLOW = ["--last_step", "100000", "--step_sleep_s", "0.02"]
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    folder = tmp_path / "workspace"
+    folder.mkdir()
+    shutil.copy(PACED, folder / "paced_job.py")
+    (folder / "crash.py").write_text("import tensorfleet\nraise RuntimeError('the model does not fit: on purpose')\n")
+    return folder
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+def job_fields(args: list[str], **more) -> dict:
+    return {"script": "paced_job.py", "args": args, "ps": 1, "workers": 2, "mode": "async", **more}
+
+
+def wait_state(under_test, job_id: int, states: set[str], timeout_s: float = 90) -> dict:
+    return poll(lambda: (job := under_test.job(job_id))["state"] in states and job, timeout_s,
+                f"job {job_id} to be {' or '.join(sorted(states))}", interval_s=0.2)
+
+
+def task_pids(home: Path, job_id: int) -> list[int]:
+    try:
+        picture = json.loads((home / "jobs" / str(job_id) / "picture.json").read_text())
+    except FileNotFoundError:  # the runner writes it once a second
+        return []
+    return [t["pid"] for t in picture["tasks"] if t.get("pid")]
+
+
+def gone(pids: list[int]) -> bool:
+    return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+
+
+def test_a_job_runs_to_success_with_its_logs_tasks_history_and_dashboard(home, workspace):
+    with running_service(home, workspace) as service:
+        api = service.client()
+        job = api.call("POST", "/api/jobs", job_fields(FAST))
+        assert job["state"] == "queued" and job["owner"] == "admin"
+        done = wait_state(service, job["id"], {"succeeded", "failed", "lost"})
+        assert done["state"] == "succeeded", done["reason"]
+        assert done["progress"]["global_step"] >= 150
+        log = api.call("GET", f"/api/jobs/{job['id']}/logs/worker:0")
+        assert "worker:0 done at global step" in log["text"]
+        rest = api.call("GET", f"/api/jobs/{job['id']}/logs/worker:0?offset={log['next_offset']}")
+        assert rest["text"] == ""
+        tasks = api.call("GET", f"/api/jobs/{job['id']}/tasks")["tasks"]
+        assert [t["name"] for t in tasks] == ["ps:0", "worker:0", "worker:1"]
+        assert all("TF_CONFIG" in t["env"] and "TENSORFLEET_TOKEN" not in t["env"] for t in tasks)
+        kinds = [e["text"] for e in api.call("GET", f"/api/jobs/{job['id']}/events")["events"]]
+        assert kinds[-1] == "running -> succeeded: every worker finished"
+        with pytest.raises(TensorfleetError, match="no task 'worker:7'"):
+            api.call("GET", f"/api/jobs/{job['id']}/logs/worker:7")
+
+
+def test_stopping_a_running_job_ends_every_process_and_records_who(home, workspace):
+    with running_service(home, workspace) as service:
+        api = service.client()
+        job_id = api.call("POST", "/api/jobs", job_fields(SLOW))["id"]
+        wait_state(service, job_id, {"running"})
+        pids = poll(lambda: len(task_pids(home, job_id)) == 3 and task_pids(home, job_id), 60, "three task pids")
+        runner = service.job(job_id)["pid"]
+        api.call("POST", f"/api/jobs/{job_id}/stop", {})
+        stopped = wait_state(service, job_id, {"stopped", "failed", "lost"}, 60)
+        assert stopped["state"] == "stopped" and stopped["reason"] == "stopped by admin"
+        poll(lambda: gone(pids + [runner]), 30, "every task and the runner to exit")
+
+
+def test_a_restarted_service_reattaches_to_running_jobs_and_marks_a_dead_runner_lost(home, workspace):
+    try:
+        first = start_service(home, workspace, slots=16)
+        api = first.client()
+        kept, killed = (api.call("POST", "/api/jobs", job_fields(SLOW))["id"] for _ in range(2))
+        for job_id in (kept, killed):
+            wait_state(first, job_id, {"running"})
+        killed_runner = first.job(killed)["pid"]
+        first.service.close()
+        first.service.store.close()  # the service is gone; its jobs are not
+
+        os.kill(killed_runner, signal.SIGKILL)
+        poll(lambda: not is_runner(killed_runner, home / "jobs.sqlite", killed), 10, "the runner to die")
+        second = start_service(home, workspace, slots=16)
+        try:
+            again = second.job(kept)
+            assert again["state"] == "running" and again["pid"] is not None
+            events = [e["kind"] for e in second.client().call("GET", f"/api/jobs/{kept}/events")["events"]]
+            assert events.count("re-attached") == 1 and events.count("state") == 2  # never started twice
+            lost = second.job(killed)
+            assert lost["state"] == "lost" and f"pid {killed_runner}" in lost["reason"]
+            second.client().call("POST", f"/api/jobs/{kept}/stop", {})
+            final = wait_state(second, kept, {"stopped", "failed", "lost"}, 60)
+            assert final["state"] == "stopped", final["reason"]
+        finally:
+            second.service.close()
+            second.service.store.close()
+    finally:
+        stop_runners(home)
+
+
+def test_queued_jobs_start_first_come_first_served_when_the_cores_free_up(home, workspace):
+    with running_service(home, workspace, slots=4) as service:
+        api = service.client()
+        first = api.call("POST", "/api/jobs", job_fields(["--last_step", "300", "--step_sleep_s", "0.01"]))["id"]
+        second = api.call("POST", "/api/jobs", job_fields(FAST))["id"]
+        wait_state(service, first, {"running"})
+        assert service.job(second)["state"] == "queued"  # 3 + 3 tasks > 4 slots
+        assert wait_state(service, first, {"succeeded", "failed"})["state"] == "succeeded"
+        assert wait_state(service, second, {"succeeded", "failed"})["state"] == "succeeded"
+        assert service.job(second)["started_at"] >= service.job(first)["finished_at"]
+
+
+def test_a_task_that_keeps_crashing_fails_the_job_with_its_traceback_once(home, workspace):
+    with running_service(home, workspace) as service:
+        job_id = service.client().call("POST", "/api/jobs", {"script": "crash.py", "workers": 1})["id"]
+        failed = wait_state(service, job_id, {"succeeded", "failed", "lost"}, 60)
+        assert failed["state"] == "failed"
+        assert failed["reason"].count("Traceback (most recent call last)") == 1
+        assert "RuntimeError: the model does not fit: on purpose" in failed["reason"]
+        assert "not restarted because" in failed["reason"]
+
+
+def test_what_the_service_refuses(home, workspace, tmp_path):
+    (tmp_path / "outside.py").write_text("print('not in the workspace')\n")
+    (workspace / "link.py").symlink_to(tmp_path / "outside.py")
+    with running_service(home, workspace) as service:
+        url, api = service.url, service.client()
+        with pytest.raises(TensorfleetError, match="sign in first"):
+            service.client("tfs_not-a-token").call("GET", "/api/jobs")
+        for script in ("../outside.py", str(tmp_path / "outside.py"), "link.py"):
+            with pytest.raises(TensorfleetError, match="outside the workspace"):
+                api.call("POST", "/api/jobs", {"script": script})
+        with pytest.raises(TensorfleetError, match="not a Python file of the workspace"):
+            api.call("POST", "/api/jobs", {"script": "missing.py"})
+        with pytest.raises(TensorfleetError, match="logdir cannot be set here"):
+            api.call("POST", "/api/jobs", {"script": "paced_job.py", "logdir": "/tmp/x"})
+        with pytest.raises(TensorfleetError, match="workers must be at least 1"):
+            api.call("POST", "/api/jobs", {"script": "paced_job.py", "workers": 0})
+        assert api.call("GET", "/api/jobs")["jobs"] == []  # nothing stored
+
+        # A browser session: a POST without the CSRF token changes nothing.
+        job_id = api.call("POST", "/api/jobs", job_fields(SLOW))["id"]
+        jar = http.cookiejar.CookieJar()
+        browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+        browser.open(url + "/login", urllib.parse.urlencode({"user": "admin", "password": ADMIN_PASSWORD}).encode())
+        assert any(c.name == "tensorfleet_session" for c in jar)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            browser.open(urllib.request.Request(url + f"/jobs/{job_id}/stop", data=b"x=1", method="POST"))
+        assert refused.value.code == 403
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            browser.open(urllib.request.Request(url + f"/api/jobs/{job_id}/stop", data=b"{}", method="POST",
+                                                headers={"Content-Type": "application/json"}))
+        assert refused.value.code == 403
+        assert service.job(job_id)["stop_requested"] is None
+
+        # Another user may look, not touch.
+        service.service.accounts.add_user("bob", "bob-password")
+        bob = service.client(service.service.accounts.new_api_token("bob"))
+        assert [j["id"] for j in bob.call("GET", "/api/jobs")["jobs"]] == [job_id]
+        with pytest.raises(TensorfleetError, match="belongs to admin"):
+            bob.call("POST", f"/api/jobs/{job_id}/stop", {})
+
+        # Bounded bodies, safe redirects.
+        address = urllib.parse.urlsplit(url)
+        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=10)
+        connection.putrequest("POST", "/api/jobs")
+        connection.putheader("Content-Length", str(2 << 20))  # announced, never sent: refused before reading
+        connection.endheaders()
+        assert connection.getresponse().status == 413
+        connection.close()
+        page = browser.open(url + "/login?next=//evil.example/").read().decode()
+        assert 'name="next" value="/"' in page
+        api.call("POST", f"/api/jobs/{job_id}/stop", {})
+        wait_state(service, job_id, {"stopped"}, 60)
+
+
+def test_a_full_disk_is_a_clear_error_not_a_500(home, workspace):
+    with running_service(home, workspace) as service:
+        store = service.service.store
+        with store.read() as conn:
+            pages = conn.execute("PRAGMA page_count").fetchone()[0]
+            conn.execute(f"PRAGMA max_page_count = {pages}")
+        with pytest.raises(TensorfleetError, match="could not save it: database or disk is full"):
+            for _ in range(200):  # fills the last free pages, then fails
+                service.client().call("POST", "/api/jobs", job_fields(FAST, name="filler-" + "x" * 200))
+        with store.read() as conn:
+            conn.execute("PRAGMA max_page_count = 1073741823")
+        assert all(j["state"] in ("queued", "running", "starting") for j in service.client().call(
+            "GET", "/api/jobs")["jobs"])
+        for job in service.client().call("GET", "/api/jobs")["jobs"]:
+            service.client().call("POST", f"/api/jobs/{job['id']}/stop", {})
+
+
+def test_the_jobs_command_submits_lists_follows_and_stops(home, workspace, tmp_path):
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(f"script: {workspace / 'paced_job.py'}\nargs: [--last_step, '150']\nworkers: 2\n"
+                        f"mode: async\n")
+    with running_service(home, workspace) as service:
+        def tensorfleet(*argv: str) -> str:
+            done = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", *argv, "--url", service.url,
+                                   "--token", service.token], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        out = tensorfleet("jobs", "submit", str(job_file), "--name", "from-cli")
+        assert out.startswith("job 1 (from-cli) queued")
+        logs = tensorfleet("jobs", "logs", "1", "worker:1", "--follow")
+        assert "worker:1 done at global step" in logs
+        assert "succeeded" in tensorfleet("jobs", "ls", "--state", "succeeded")
+        restarted = tensorfleet("jobs", "restart", "1")
+        assert "restarted as job 2" in restarted
+        wait_state(service, 2, {"running", "succeeded"})
+        tensorfleet("jobs", "stop", "2")
+        assert wait_state(service, 2, {"stopped", "succeeded", "failed"})["state"] in ("stopped", "succeeded")
+        bad = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", "jobs", "ls", "--url", service.url,
+                              "--token", "wrong"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and "sign in first" in bad.stderr
