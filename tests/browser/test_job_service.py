@@ -124,3 +124,41 @@ def test_a_user_runs_stops_and_finds_jobs_from_the_browser_only(browser_page: Pa
         service.service.close()
         service.service.store.close()
         stop_runners(home)
+
+
+def test_the_form_imports_a_job_file_and_shows_the_launchers_errors(browser_page: Page, tmp_path):
+    home, page = tmp_path / "home", browser_page
+    good, bad = tmp_path / "job.yaml", tmp_path / "bad.toml"
+    good.write_text("script: examples/mnist_cnn.py\nargs: [--train_steps, 300]\nworkers: 3\nmode: sync\n"
+                    "max-restarts: 1\nenv: {OMP_NUM_THREADS: 1}\n")
+    bad.write_text('script = "examples/mnist_cnn.py"\nwokers = 3\n')
+    service = start_service(home, REPO)
+    try:
+        sign_in(page, service.url)
+        page.goto(service.url + "/jobs/new")
+        page.set_input_files("#job-file", str(good))
+        page.click("#import")
+        expect(page.locator("#script")).to_have_value("examples/mnist_cnn.py")
+        expect(page.locator("#args")).to_have_value("--train_steps 300")
+        expect(page.locator("#workers")).to_have_value("3")
+        expect(page.locator("#mode")).to_have_value("sync")
+        expect(page.locator("#max-restarts")).to_have_value("1")
+        expect(page.locator("#env")).to_have_value("OMP_NUM_THREADS=1")
+
+        page.set_input_files("#job-file", str(bad))
+        page.click("#import")
+        expect(page.locator("#form-error")).to_contain_text("unknown field(s) wokers; valid fields:")
+
+        page.fill("#workers", "2")
+        page.fill("#gpus", "1000")  # the browser checks the bounds of the numbers; the service, the rest
+        page.click("#create")
+        expect(page.locator("#form-error")).to_contain_text("needs 2000 GPU(s); this machine has")
+        page.fill("#gpus", "0")
+        page.fill("#args", "--x 'open")
+        page.click("#create")
+        expect(page.locator("#form-error")).to_contain_text("args: No closing quotation")
+        assert service.client().call("GET", "/api/jobs")["jobs"] == []
+    finally:
+        service.service.close()
+        service.service.store.close()
+        stop_runners(home)
