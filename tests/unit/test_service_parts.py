@@ -251,3 +251,18 @@ def test_one_queued_job_is_started_once_by_two_services_on_one_folder(store, wor
             thread.join()
         started = first_backend.started + second_backend.started
         assert sorted(started) == sorted(set(started))
+
+
+def test_what_a_backend_observes_is_recorded_restarts_included(store, workspace, tmp_path):
+    service, backend = service_over(store, workspace, tmp_path)
+    job = service.submit(ALICE, {"script": "train.py"}).id
+    service.tick()
+    backend.observe = lambda record: Observed(JobState.RUNNING, restarts=2)
+    service.tick()
+    service.tick()  # the same count again: nothing more
+    assert service.get(job).restarts == 2
+    backend.observe = lambda record: Observed(JobState.FAILED, "task worker:1 failed: BackoffLimitExceeded", 3)
+    service.tick()
+    failed = service.get(job)
+    assert (failed.state, failed.reason, failed.restarts) == (JobState.FAILED,
+                                                              "task worker:1 failed: BackoffLimitExceeded", 3)

@@ -132,6 +132,9 @@ class JobService:
         if backend is None:
             return
         observed = backend.observe(job)
+        if observed is not None and observed.restarts is not None:
+            for _ in range(observed.restarts - job.restarts):  # a backend that counts them (Kubernetes pods)
+                self.store.count_restart(job.id, "a task of the job restarted (counted by its backend)")
         if observed is not None and observed.state is not job.state:
             self._record(job, observed.state, observed.reason)
             return

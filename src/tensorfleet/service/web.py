@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 COOKIE = "tensorfleet_session"
 MAX_BODY_BYTES = 1 << 20
+LIST_LIMIT = 500  # the newest jobs the list shows (each reads its picture file)
 STATES = [state.value for state in JobState]
 _CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
         "connect-src 'self'; frame-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
@@ -190,8 +191,8 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
 
     def summaries(state: str | None) -> list[dict[str, Any]]:
         now = service.store.now()
-        return [job_json(job, service.picture(job.id) if job.logdir else None, now)
-                for job in reversed(service.list(state))]
+        newest = service.list(state)[::-1][:LIST_LIMIT]
+        return [job_json(job, service.picture(job.id) if job.logdir else None, now) for job in newest]
 
     async def jobs_page(request: Request, session: Session) -> Response:
         state = request.query_params.get("state") or None
