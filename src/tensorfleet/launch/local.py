@@ -14,6 +14,18 @@ polls every task's Status for the progress line, the dashboard and the state
 "running".  The job is over when every worker is done: the ps tasks then exit by
 themselves (each worker's Done tells them) or are stopped after a grace period.
 A task that fails for good stops the job, since the others could only wait for it.
+
+An asynchronous job can be scaled while it runs (``scale_workers``, called from the
+supervising thread: the ``on_tick`` hook).  Worker indices stay ``0 .. N-1``, so the
+cluster (and the ``TF_CONFIG`` of every task started from now on) is always the current
+fleet.  Up: new workers get new free ports; every ps is told the new count (``Resize``)
+and only then do they start (their pushes and their Done must be accepted, and no ps may
+finish without them).  Down: the highest indices (never the chief) get the leave signal
+(``tensorfleet.worker.leave``), finish their step, say Done and exit 0; once they are
+gone the cluster shrinks and every ps is told, which forgets their Done, so that a later
+scale-up reuses their indices as new workers.  A ps that restarts meanwhile starts from
+the current cluster, or is told again.  One change at a time: a scale-up waits for the
+leavers of a scale-down, and for every ps to know the current count.
 """
 
 from __future__ import annotations
@@ -32,15 +44,17 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from tensorfleet.cluster.environment import LOGDIR_ENV, STATUS_DIR_ENV
-from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
-from tensorfleet.errors import ConfigError
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, parse_address
+from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch.config import JobConfig
 from tensorfleet.launch.console import Console
 from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks, progress_line, task_role
 from tensorfleet.launch.output import TaskOutput
 from tensorfleet.launch.supervisor import Decision, Supervisor, TaskRecord, describe_exit
+from tensorfleet.ps.api import MAX_REPLICAS, ResizeRequest
 from tensorfleet.wire import auth
-from tensorfleet.wire.rpc import BUSY_POLL_ENV, WireOptions
+from tensorfleet.wire.rpc import BUSY_POLL_ENV, Channel, WireOptions
+from tensorfleet.worker.leave import LEAVE_SIGNAL
 
 PS_EXIT_GRACE_S = 10.0
 KILL_GRACE_S = 5.0
@@ -50,6 +64,9 @@ SECRET_SHOWN = "<the job's secret token>"  # what --dry-run prints instead of th
 BUSY_POLL_US = 2000  # the polling budget of each data connection when every task has a core of its own
 PUMP_JOIN_S = 2.0  # how long an exit waits for the rest of the task's output
 _PR_SET_PDEATHSIG = 1
+LEAVE_TIMEOUT_S = 60.0  # a worker asked to leave (scale-down) that is still there after this is stopped
+RESIZE_TIMEOUT_S = 1.0  # one Resize call to a ps, made from the supervising loop
+RESIZE_RETRY_S = 1.0  # after a Resize that failed (a ps restarting), the next try
 
 
 def usable_cores() -> int:
@@ -120,8 +137,8 @@ class LocalLauncher:
         self.failed: list[TaskRecord] = []  # the tasks that failed for good, once run() has returned
         self.cluster = local_cluster(config.ps, config.workers, first_port=config.port)
         self.tasks = fleet_tasks(self.cluster)
-        self._gpus = (gpu_assignment(config.gpus_per_worker, config.workers,
-                                     visible_gpus() if gpus_available is None else gpus_available)
+        self._gpus_available = gpus_available
+        self._gpus = (gpu_assignment(config.gpus_per_worker, config.workers, self._visible_gpus())
                       if config.gpus_per_worker else None)
         self.console = Console(out or sys.stdout, interactive=interactive, every_s=progress_every_s)
         self.logdir = Path(config.logdir) if config.logdir else None
@@ -138,6 +155,13 @@ class LocalLauncher:
         self._events_written = 0
         self._interrupted: str | None = None
         self.dashboard = None
+        # Scaling (see the module docstring): the worker count asked for, and the steps towards it.
+        self.target_workers = config.workers
+        self._unstarted: list[int] = []  # worker indices in the cluster, started once every ps knows the count
+        self._leaving: dict[str, float] = {}  # workers asked to leave -> when (monotonic)
+        self._terminated: set[str] = set()  # leavers that outstayed LEAVE_TIMEOUT_S and were sent SIGTERM
+        self._ps_knows: dict[str, int] = {}  # ps task -> the worker count its incarnation started with or was told
+        self._resize_after = 0.0  # no Resize before this (monotonic): the last one failed
 
     # --- what each task gets --------------------------------------------------------------------
 
@@ -188,9 +212,14 @@ class LocalLauncher:
 
     # --- processes ------------------------------------------------------------------------------
 
+    def _visible_gpus(self) -> int:
+        return visible_gpus() if self._gpus_available is None else self._gpus_available
+
     def _spawn(self, record: TaskRecord) -> None:
         task = record.task
         env = {**os.environ, **self.task_env(task)}
+        if record.role == "ps":
+            self._ps_knows[record.name] = self.cluster.num_tasks("worker")  # its TF_CONFIG's workers
         process = subprocess.Popen(with_launcher_death(self.command), env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.processes[record.name] = process
@@ -244,6 +273,8 @@ class LocalLauncher:
                                   f"(restart {record.restarts} of {self.config.max_restarts})")
             elif decision is Decision.FAILED:
                 failed.append(record)
+            elif record.leaving:
+                self.console.line(f"[launch] {name} left the job ({describe_exit(code)})")
             elif decision is Decision.DONE and code == 0 and record.role == "ps" and not self.supervisor.workers_done():
                 self.console.line(f"[launch] {name} exited: every worker reported done")
         return failed
@@ -309,6 +340,7 @@ class LocalLauncher:
                 return []
             for record in self.supervisor.due():
                 self._spawn(record)
+            self._rescale()
             self.output.release_due(lambda name: self.supervisor.by_name[name].answered)
             if self.on_tick is not None:
                 self.on_tick(self)
@@ -348,6 +380,174 @@ class LocalLauncher:
         for name, pump in self._pumps.items():
             pump.join(timeout=PUMP_JOIN_S)
             self.output.release(name)
+
+    # --- scaling an asynchronous job -------------------------------------------------------------
+
+    def scale_workers(self, workers: int) -> None:
+        """Scale this running asynchronous job to ``workers`` workers; it happens over the next ticks.
+
+        Call it from the supervising thread (the ``on_tick`` hook).  Up: new workers (the next indices,
+        on new free ports) start once every ps knows the new count, and train from the current
+        parameters.  Down: the highest-index workers finish their step, say Done and exit 0; the chief
+        (worker 0) never leaves.  A new count replaces one not reached yet.
+
+        Args:
+            workers: the number of workers wanted, 1 or more.
+
+        Raises:
+            ConfigError: the job is not asynchronous (``--async``), ``workers`` is not a whole number from 1,
+                the machine lacks the GPUs, a worker with towers would have to leave, or the job is ending.
+
+        Example:
+            >>> LocalLauncher(config, on_tick=lambda launcher: launcher.scale_workers(4)).run()  # doctest: +SKIP
+        """
+        self._check_scalable(workers)
+        if workers == self.target_workers:
+            return
+        before, self.target_workers = self.target_workers, workers
+        self.supervisor.scaled(before, workers)
+        self._write_events()
+        self.console.line(f"[launch] scaling from {before} to {workers} worker(s)")
+        self._rescale()
+
+    def _check_scalable(self, workers: int) -> None:
+        if self.config.mode != "async":
+            raise ConfigError(f"scaling workers needs an asynchronous job (--async); this one's mode is "
+                              f"{self.config.mode or 'the script default'}: synchronous replicas aggregate a fixed "
+                              "number of gradients per step, so their count cannot change while it trains")
+        if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_REPLICAS:
+            raise ConfigError(f"workers must be a whole number from 1 to {MAX_REPLICAS}, got {workers!r}")
+        chief = self.supervisor.by_name[self.cluster.chief.short]
+        if self.supervisor.stopping or chief.state not in ("starting", "running", "restarting"):
+            raise ConfigError(f"the job is ending (its chief is {chief.state}): it can no longer be scaled")
+        towers = (self.config.env.get("TENSORFLEET_TOWERS") or os.environ.get("TENSORFLEET_TOWERS") or "1").strip()
+        if workers < self.cluster.num_tasks("worker") and towers not in ("", "1"):
+            raise ConfigError(f"workers with towers (TENSORFLEET_TOWERS={towers}) cannot leave a running job yet: "
+                              "scale it up only")
+        if self.config.gpus_per_worker:
+            self._gpus = gpu_assignment(self.config.gpus_per_worker, max(workers, self.cluster.num_tasks("worker")),
+                                        self._visible_gpus())
+
+    def _rescale(self) -> None:
+        """One step (or none) towards ``target_workers``; called on every tick of the supervising loop.
+
+        Every ps must know the cluster's current count before the next change: a ps told of a scale-down
+        only after a scale-up that reuses the indices would count the new workers as done already."""
+        if self._leaving:
+            if not self._leavers_gone():
+                return
+            self._set_workers(self.cluster.num_tasks("worker") - len(self._leaving))
+            self._leaving.clear()
+            self._terminated.clear()
+            self._fleet_changed()
+        size = self.cluster.num_tasks("worker")
+        if self.target_workers < size and self._unstarted:  # fewer asked for before these even started
+            keep = max(self.target_workers, size - len(self._unstarted))
+            self._unstarted = [i for i in self._unstarted if i < keep]
+            self._set_workers(keep)
+            size = keep
+        if not self._every_ps_knows(size):
+            return
+        if not self._unstarted and self.target_workers > size:
+            self._unstarted = list(range(size, self.target_workers))
+            self._set_workers(self.target_workers)
+            if not self._every_ps_knows(self.target_workers):
+                return
+        if self._unstarted:
+            self._start_added_workers()
+        elif self.target_workers < size:
+            self._ask_to_leave(range(size - 1, self.target_workers - 1, -1))
+
+    def _set_workers(self, count: int) -> None:
+        """The cluster with ``count`` workers: the first ones kept, new ones on new free ports."""
+        jobs = self.cluster.as_dict()
+        workers = jobs["worker"][:count]
+        host = parse_address(workers[0])[0]
+        used = {parse_address(address)[1] for addresses in jobs.values() for address in addresses}
+        while len(workers) < count:
+            for port in free_ports(count - len(workers), host):
+                if port not in used:
+                    used.add(port)
+                    workers.append(f"{host}:{port}")
+        self.cluster = ClusterSpec.from_dict({**jobs, "worker": workers})
+
+    def _every_ps_knows(self, size: int) -> bool:
+        """Tell every ps that does not know it yet that the job has ``size`` workers (Resize); True when all
+        do.  A ps waiting for its restart will start from the current cluster; a finished one ends the job."""
+        unknowing = [r for r in self.supervisor.records if r.role == "ps" and r.state != "restarting"
+                     and self._ps_knows.get(r.name) != size]
+        if not unknowing:
+            return True
+        if time.monotonic() < self._resize_after:
+            return False
+        for record in unknowing:
+            if record.state != "running" or not self._resize(record, size):
+                self._resize_after = time.monotonic() + RESIZE_RETRY_S
+                return False
+        return True
+
+    def _resize(self, record: TaskRecord, size: int) -> bool:
+        channel = Channel(self.cluster.task_address("ps", record.task.index), task=record.task.name,
+                          options=WireOptions(token=self.token))
+        try:
+            reply, _ = channel.call("Resize", ResizeRequest(size).to_meta(), timeout=RESIZE_TIMEOUT_S)
+        except TensorfleetError as exc:
+            self.console.line(f"[launch] {record.name} did not take the new worker count {size} ({exc}); "
+                              f"asking again in {RESIZE_RETRY_S:g} s")
+            return False
+        finally:
+            channel.close()
+        if reply.get("finished"):
+            return False  # every worker said Done: the job is ending, nothing to start or stop
+        self._ps_knows[record.name] = size
+        return True
+
+    def _start_added_workers(self) -> None:
+        for index in self._unstarted:
+            task = TaskSpec("worker", index)
+            record = TaskRecord(task, self.cluster.task_address("worker", index), task_role(self.cluster, task))
+            self.supervisor.add(record)
+            self._spawn(record)
+        self._unstarted = []
+        self._fleet_changed()
+
+    def _ask_to_leave(self, indices: range) -> None:
+        """Scale down: these workers finish their step, say Done and exit (highest index first)."""
+        now = time.monotonic()
+        for index in indices:
+            name = TaskSpec("worker", index).short
+            self._leaving[name] = now
+            process = self.processes.get(name)
+            if self.supervisor.leave(name) and process is not None and process.poll() is None:
+                self._send_leave(process)
+                self.console.line(f"[launch] {name} asked to leave: it finishes its step, says Done and exits")
+        self._write_events()
+
+    @staticmethod
+    def _send_leave(process: subprocess.Popen) -> None:
+        os.kill(process.pid, LEAVE_SIGNAL)  # the task's own process (tower 0), not its group
+
+    def _leavers_gone(self) -> bool:
+        """True once every worker asked to leave has exited; one that outstays LEAVE_TIMEOUT_S is stopped."""
+        now, gone = time.monotonic(), True
+        for name, asked in self._leaving.items():
+            process = self.processes.get(name)
+            if process is None:
+                continue
+            gone = False
+            if now - asked >= LEAVE_TIMEOUT_S + KILL_GRACE_S:
+                _signal_group(process, signal.SIGKILL)
+            elif now - asked >= LEAVE_TIMEOUT_S and name not in self._terminated:
+                self._terminated.add(name)
+                self.console.line(f"[launch] {name} did not leave within {LEAVE_TIMEOUT_S:g} s (does its loop check "
+                                  "session.should_stop()?); stopping it")
+                _signal_group(process, signal.SIGTERM)
+        return gone
+
+    def _fleet_changed(self) -> None:
+        """Every view of the fleet follows the cluster: the task list and the monitor's picture."""
+        self.tasks = fleet_tasks(self.cluster)
+        self.monitor.set_cluster(self.cluster)
 
     # --- dashboard and summary ------------------------------------------------------------------
 

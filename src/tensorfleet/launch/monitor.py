@@ -13,7 +13,9 @@ knows restarting, done and failed.  Without one (``tensorfleet dashboard`` attac
 to a running fleet) a task is running while it answers; done once its Status said so
 or a ps reports its Done (a finished ps answers "done" a little longer for this); and
 unreachable when it stops without either.  Once every task is done the job has
-succeeded, and the monitor stops polling: nothing will change any more.
+succeeded, and the monitor stops polling: nothing will change any more.  A scaled job
+changes its fleet (``set_cluster``): added workers are polled from then on, removed ones
+leave the picture.
 
 Rates (and so the ETA) are measured from the first poll that saw training under way
 (global step > 0), and only once ``MIN_RATE_SPAN_S`` of it is in the window: start-up
@@ -96,6 +98,7 @@ class FleetMonitor:
                  final_status_dir: Path | None = None, options: WireOptions | None = None) -> None:
         options = options or WireOptions()  # from the environment now, not when the module loaded
         self.cluster, self.job_name, self.mode = cluster, job_name, mode
+        self._options = options
         self.supervisor = supervisor
         self.final_status_dir = final_status_dir
         self.interval_s = interval_s
@@ -109,12 +112,33 @@ class FleetMonitor:
         # (when, global step, examples per worker, rows created per (ps task, table))
         self._samples: collections.deque[tuple[float, int, dict[str, int], dict[tuple[str, str], int]]] = \
             collections.deque()
+        self._closed_later: list[Channel] = []  # channels of tasks scaled away, closed at stop (a poll may use one)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.started = time.monotonic()
         self.ended: float | None = None  # when an attached monitor saw every task done
         self.job_state = "running"
+
+    def set_cluster(self, cluster: ClusterSpec) -> None:
+        """The fleet after a scale-up or down: new tasks are polled from now on, removed ones no longer shown.
+
+        With a supervisor, every task of ``cluster`` must have its record there already.
+        """
+        with self._lock:
+            tasks = fleet_tasks(cluster)
+            channels, seen = {}, {}
+            for t in tasks:
+                address = cluster.task_address(t.job_name, t.index)
+                old = self._channels.get(t.short)
+                if old is not None and old.address == address:
+                    channels[t.short], seen[t.short] = old, self._seen[t.short]
+                else:
+                    channels[t.short] = Channel(address, task=t.name, options=self._options)
+                    seen[t.short] = _Seen()
+            self._closed_later += [c for name, c in self._channels.items() if channels.get(name) is not c]
+            # New dicts, not changed ones: a poll running now goes on with the ones it took.
+            self.cluster, self.tasks, self._channels, self._seen = cluster, tasks, channels, seen
 
     # --- polling ------------------------------------------------------------------------------
 
@@ -127,7 +151,7 @@ class FleetMonitor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
-        for channel in self._channels.values():
+        for channel in [*self._channels.values(), *self._closed_later]:
             channel.close()
 
     def _run(self) -> None:
@@ -144,7 +168,7 @@ class FleetMonitor:
         """Ask every task once (concurrently), then update the picture."""
         asked = time.monotonic()
         pending = {name: channel.call_async("Status", timeout=timeout_s)
-                   for name, channel in self._channels.items() if self._worth_asking(name)}
+                   for name, channel in list(self._channels.items()) if self._worth_asking(name)}
         answers: dict[str, dict[str, Any]] = {}
         for name, future in pending.items():
             try:
@@ -161,7 +185,8 @@ class FleetMonitor:
         """
         now = time.monotonic()
         with self._lock:
-            answers = {name: self._clean(name, status) for name, status in answers.items()}
+            answers = {name: self._clean(name, status) for name, status in answers.items()
+                       if name in self._seen}  # not a task scaled away while it was asked
             for name, status in answers.items():
                 seen = self._seen[name]
                 seen.status, seen.at, seen.ever = status, now, True
@@ -232,8 +257,8 @@ class FleetMonitor:
             return {}
         finals = {}
         for task in self.tasks:
-            record, seen = self.supervisor.by_name[task.short], self._seen[task.short]
-            if record.state == "done" and not seen.final:
+            record, seen = self.supervisor.by_name[task.short], self._seen.get(task.short)
+            if record.state == "done" and seen is not None and not seen.final:
                 path = final_status_path(self.final_status_dir, task)
                 try:
                     finals[task.short] = json.loads(path.read_text(encoding="utf-8"))

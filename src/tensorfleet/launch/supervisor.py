@@ -13,7 +13,11 @@ A task goes
                                                              the task ever answered: a crash at
                                                              start-up, which a restart cannot help)
 
-and every exit, restart and give-up is recorded as an event.  A crash at start-up is
+and every exit, restart and give-up is recorded as an event.  A worker removed by a
+scale-down is *leaving* (``leave``): asked to finish its step and say Done, its exit ends
+it whatever the code (0: done; else stopped, an exit the launcher asked for), it is
+never restarted, and the job no longer waits for it.  Scaling itself is an event
+(``scaled``, from and to, with no task), as is each worker asked to leave.  A crash at start-up is
 retried once (it might have been the machine), not ``max_restarts`` times with growing
 backoff: the same traceback four times over half a minute helps nobody.  The job
 succeeds when every worker is done; a failed task fails the job (the others could only
@@ -88,6 +92,7 @@ class TaskRecord:
     restart_at: float | None = None
     answered: bool = False  # this incarnation answered its Status at least once
     startup_exit: int | None = None  # the exit code of the last incarnation if it failed before answering
+    leaving: bool = False  # removed by a scale-down: its exit ends it, it is not restarted
 
     @property
     def name(self) -> str:
@@ -130,6 +135,7 @@ class Supervisor:
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.records = list(self.records)  # ours: a scale-up adds to it
         self.by_name = {record.name: record for record in self.records}
         self.started_at = self.clock()
         self.stopping = False
@@ -137,8 +143,9 @@ class Supervisor:
         # each transition is one step under this lock (an answer must not revive a task that just died).
         self._lock = threading.RLock()
 
-    def _event(self, record: TaskRecord, kind: str, **details: Any) -> dict[str, Any]:
-        event = {"t": round(self.clock() - self.started_at, 3), "task": record.name, "event": kind, **details}
+    def _event(self, record: TaskRecord | None, kind: str, **details: Any) -> dict[str, Any]:
+        event = {"t": round(self.clock() - self.started_at, 3), "task": record.name if record else None,
+                 "event": kind, **details}
         self.events.append(event)
         return event
 
@@ -168,6 +175,10 @@ class Supervisor:
             record = self.by_name[name]
             now = self.clock()
             record.exit_code, record.pid = code, None
+            if record.leaving and code != 0:  # scaled away: no restart, and not a failure of the job
+                record.state, record.ended = "stopped", now
+                self._event(record, "stopped", code=code, how=describe_exit(code), reason="it was leaving the job")
+                return Decision.STOPPED
             if code == 0:
                 record.state, record.ended = "done", now
                 self._event(record, "exited", code=code)
@@ -201,6 +212,38 @@ class Supervisor:
             return f"it was already restarted {record.restarts} time(s) (--max-restarts {self.policy.max_restarts})"
         return None
 
+    # --- scaling --------------------------------------------------------------------------------
+
+    def scaled(self, before: int, after: int) -> None:
+        """The job's worker count goes from ``before`` to ``after`` (an event of the job, not of a task)."""
+        with self._lock:
+            self._event(None, "scaled", **{"from": before, "to": after})
+
+    def add(self, record: TaskRecord) -> None:
+        """A worker added by a scale-up, to be started now; it takes the place of an earlier record of the
+        same name (a worker that left)."""
+        with self._lock:
+            old = self.by_name.get(record.name)
+            if old is not None and old.state in ("starting", "running", "restarting"):
+                raise ValueError(f"{record.name} is still {old.state}: it cannot be added again")
+            if old is None:
+                self.records.append(record)
+            else:
+                self.records[self.records.index(old)] = record
+            self.by_name[record.name] = record
+
+    def leave(self, name: str) -> bool:
+        """A scale-down removes this worker; return whether it has a process to ask (else it is stopped now:
+        it was waiting for a restart)."""
+        with self._lock:
+            record = self.by_name[name]
+            record.leaving = True
+            self._event(record, "leaving")
+            if record.state == "restarting":
+                record.state, record.ended, record.restart_at = "stopped", self.clock(), None
+                self._event(record, "stopped", reason="it was leaving the job")
+            return record.state in ("starting", "running")
+
     def due(self) -> list[TaskRecord]:
         """Tasks whose restart backoff has elapsed, to be started again now."""
         now = self.clock()
@@ -208,10 +251,13 @@ class Supervisor:
 
     @property
     def workers(self) -> list[TaskRecord]:
-        return [r for r in self.records if r.role != "ps"]
+        """The training tasks the job waits for: not the ones leaving (or gone) by a scale-down."""
+        return [r for r in self.records if r.role != "ps" and not r.leaving]
 
     def workers_done(self) -> bool:
-        return all(r.state == "done" for r in self.workers)
+        """Every worker is done, and none that is leaving still runs (it is saying Done to the ps)."""
+        return (all(r.state == "done" for r in self.workers)
+                and not any(r.leaving and r.state in ("starting", "running") for r in self.records))
 
     def crashed_at_startup(self, name: str) -> bool:
         """The task's last exit was non-zero before it ever answered its Status."""

@@ -21,6 +21,7 @@ Everything that crosses between a worker (``tensorfleet.worker``, ``train``,
   Snapshot     -                      ``ShardState``      control
   Status       -                      a dict (see ps/service.py)
   Done         ``DoneRequest``        ``DoneReply``       control
+  Resize       ``ResizeRequest``      a dict              control (the launcher's, not a worker's)
   ===========  =====================  ==================  ========================
 
 Each request builds its ``meta`` (the JSON head of a wire message) with ``to_meta``
@@ -732,6 +733,34 @@ class DoneRequest:
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "DoneRequest":
         return cls(_count(meta, "replica", "Done"))
+
+
+MAX_REPLICAS = 65536  # what a Resize may ask for: far beyond any fleet, small enough to count in a set
+
+
+@dataclass(frozen=True)
+class ResizeRequest:
+    """Resize: the job's training replicas are now ``0 .. replicas-1`` (an asynchronous job scaled up or down).
+
+    Sent by the launcher, not by workers: before it starts new workers (so that their pushes and their
+    Done are accepted and the ps waits for them), and once removed workers have exited (so that a
+    replica id that comes back later is a new worker, not one that already said Done).
+    """
+
+    replicas: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) \
+                or not 1 <= self.replicas <= MAX_REPLICAS:
+            raise InvalidArgumentError(f"Resize 'replicas' must be an integer from 1 to {MAX_REPLICAS}, "
+                                       f"got {self.replicas!r:.50}")
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"replicas": self.replicas}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "ResizeRequest":
+        return cls(meta.get("replicas"))
 
 
 def _count(meta: Mapping[str, Any], name: str, method: str) -> int:

@@ -9,6 +9,12 @@ the launcher and dashboards rather than by workers, answers a dict: ``initialize
 worker said Done), ``done_replicas`` (the replica ids that said Done), ``workers_done``
 and ``num_workers``.
 
+Membership: the job's replicas are ``0 .. num_workers-1``, from the cluster at start
+(``TF_CONFIG``) and then from the launcher's Resize, as it scales an asynchronous job:
+grown before new workers start, shrunk once removed workers have exited (having said
+Done).  A shrink forgets the Done of the ids it removes, so an id that comes back is a
+new worker; the ps finishes when every replica of the current membership has said Done.
+
 A push is checked against the shard (``VariableStore.admit``) before its body is read,
 then handed to the store as one transaction (``VariableStore.push``).
 """
@@ -26,8 +32,8 @@ from typing import Any
 import torch
 
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.ps.api import (DoneRequest, InitRequest, LookupRequest, PullRequest, PushRequest, ShardState,
-                                StepReply)
+from tensorfleet.ps.api import (DoneRequest, InitRequest, LookupRequest, PullRequest, PushRequest, ResizeRequest,
+                                ShardState, StepReply)
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.wire import auth
 from tensorfleet.wire.dataplane import Method, Reply, Request
@@ -51,7 +57,8 @@ class PsService:
 
     def handlers(self) -> dict[str, Handler]:
         """The control plane's gRPC methods."""
-        return {"Init": self.init, "Snapshot": self.snapshot, "Status": self.status, "Done": self.done}
+        return {"Init": self.init, "Snapshot": self.snapshot, "Status": self.status, "Done": self.done,
+                "Resize": self.resize}
 
     def data_methods(self) -> dict[str, Method]:
         """The data plane's methods: the calls of every training step."""
@@ -136,14 +143,45 @@ class PsService:
 
     def done(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         replica = DoneRequest.from_meta(meta).replica
-        if replica >= self.num_workers:
-            raise InvalidArgumentError(f"Done 'replica' must be in 0..{self.num_workers - 1}, got {replica}")
-        count = self.store.replica_done(replica)
-        with self._done_lock:
+        with self._done_lock:  # one step with Resize: a Done is counted against the membership it was checked in
+            if replica >= self.num_workers:
+                raise InvalidArgumentError(f"Done 'replica' must be in 0..{self.num_workers - 1}, got {replica}")
+            self.store.replica_done(replica)
+            if replica not in self._done_replicas:
+                log.info("%s: %s said Done (%d of %d)", self.store.task, self.store.replica_name(replica),
+                         len(self._done_replicas) + 1, self.num_workers)
             self._done_replicas.add(replica)
-        if count >= self.num_workers:
+            self._finish_if_all_done()
+            return {"workers_done": len(self._done_replicas), "num_workers": self.num_workers}, {}
+
+    def resize(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
+        """The launcher scaled the job: its replicas are now ``0 .. replicas-1`` (see the module docstring).
+
+        A finished ps stays finished (its workers are gone; the launcher is ending the job): it answers
+        ``finished`` and changes nothing.  A sync ps refuses: its steps aggregate a fixed number of replicas.
+        """
+        if tensors:
+            raise InvalidArgumentError("a Resize carries no tensors")
+        count = ResizeRequest.from_meta(meta).replicas
+        with self._done_lock:
+            if not self.finished.is_set() and count != self.num_workers:
+                if self.store.sync_options is not None:
+                    raise InvalidArgumentError(f"this ps runs in sync mode, whose steps aggregate a fixed number "
+                                               f"of replicas ({self.num_workers}): it cannot be resized to {count}",
+                                               task=self.store.task)
+                log.info("%s: the job's workers are now %d (were %d)", self.store.task, count, self.num_workers)
+                self.num_workers = count
+                self.store.set_replicas(count)
+                self._done_replicas = {r for r in self._done_replicas if r < count}
+                self._finish_if_all_done()
+            return {"num_workers": self.num_workers, "workers_done": len(self._done_replicas),
+                    "finished": self.finished.is_set()}, {}
+
+    def _finish_if_all_done(self) -> None:
+        """Under ``_done_lock``: every replica of the membership said Done (none said it twice: a set; none
+        outside it: Done checks, Resize forgets), so the ps is finished."""
+        if len(self._done_replicas) >= self.num_workers:
             self.finished.set()
-        return {"workers_done": count, "num_workers": self.num_workers}, {}
 
 
 def _reply_with_values(meta: dict[str, Any], values: dict[str, torch.Tensor], release: Any,

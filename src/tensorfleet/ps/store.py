@@ -216,6 +216,7 @@ class VariableStore:
         self.shard = shard
         self._tables: dict[str, EmbeddingShard] = {}
         self.replica_names = list(replica_names)
+        self.num_replicas = len(self.replica_names)  # pushes name a replica below this (0: not checked)
         self._cond = threading.Condition()
         self._variables: dict[str, torch.Tensor] = {}
         self._layout: ShardLayout | None = None  # what pushes are checked against; replaced whole by Init
@@ -480,13 +481,13 @@ class VariableStore:
         known = self._origins.get(origin.worker)
         if known is not None and origin.incarnation < known.incarnation:
             raise StaleIncarnationError(
-                f"push from an old incarnation of {self._replica_name(origin.worker)} ({origin.incarnation}; "
+                f"push from an old incarnation of {self.replica_name(origin.worker)} ({origin.incarnation}; "
                 f"the current one is {known.incarnation}): that process was replaced, so its pushes are refused",
                 task=self.task)
         if known is not None and origin.incarnation == known.incarnation and origin.seq <= known.seq:
             self._retried_pushes += 1
             log.warning("%s: push %d from %s received again (its reply was lost); not applied twice",
-                        self.task, origin.seq, self._replica_name(origin.worker))
+                        self.task, origin.seq, self.replica_name(origin.worker))
             return False
         self._origins[origin.worker] = origin
         self._accepted_pushes += 1
@@ -496,9 +497,9 @@ class VariableStore:
         """An origin must name a replica of the job and an incarnation that is not from the future: one far
         ahead (a buggy or hostile client) would lock the real worker out until then (its pushes would look
         older), and unknown worker ids would grow the bookkeeping without bound."""
-        if self.replica_names and origin.worker >= len(self.replica_names):
+        if self.num_replicas and origin.worker >= self.num_replicas:
             raise InvalidArgumentError(f"push origin names worker {origin.worker}; the job's replicas are "
-                                       f"0..{len(self.replica_names) - 1}", task=self.task)
+                                       f"0..{self.num_replicas - 1}", task=self.task)
         ahead_s = (origin.incarnation - time.time_ns()) / 1e9
         if ahead_s > MAX_INCARNATION_AHEAD_S:
             raise InvalidArgumentError(f"push origin's incarnation is {ahead_s:.0f} s ahead of this ps's clock (at "
@@ -512,7 +513,7 @@ class VariableStore:
             count, step = self._rejected_nonfinite, self._global_step
         if count > 5 and count % 100:  # the first five, then every hundredth: a stream of them must not flood the log
             return PushReply(step, Outcome.REJECTED)
-        sender = self._replica_name(origin.worker) if origin is not None else "a worker"
+        sender = self.replica_name(origin.worker) if origin is not None else "a worker"
         log.warning("%s: rejected a push from %s with NaN/Inf in %s (%d rejected so far); nothing applied. "
                     "Lower the learning rate or check the data; Replica(nonfinite_gradients='apply') applies them",
                     self.task, sender, ", ".join(sorted(names)[:5]), count)
@@ -524,6 +525,19 @@ class VariableStore:
             self._done.add(replica)
             self._cond.notify_all()
             return len(self._done)
+
+    def set_replicas(self, count: int) -> None:
+        """The job's replicas are now ``0 .. count-1`` (an asynchronous job scaled): pushes from new ids are
+        accepted; what this shard knew of ids ``>= count`` (said Done, latest push) is forgotten, so that
+        an id that comes back is a new worker."""
+        with self._cond:
+            chiefs = 1 if self.replica_names[:1] and self.replica_names[0].startswith("/job:chief/") else 0
+            self.replica_names = [self.replica_names[i] if i < len(self.replica_names)
+                                  else f"/job:worker/task:{i - chiefs}" for i in range(count)]
+            self.num_replicas = count
+            self._done = {r for r in self._done if r < count}
+            self._origins = {w: origin for w, origin in self._origins.items() if w < count}
+            self._cond.notify_all()
 
     def _cannot_complete(self) -> bool:
         """True when the replicas still training cannot bring the current step to replicas_to_aggregate."""
@@ -567,8 +581,8 @@ class VariableStore:
 
     def _on_timeout(self, step: int) -> None:
         sync = self._sync
-        have = [self._replica_name(r) for r in sync.contributors]
-        missing = [self._replica_name(r) for r in range(sync.options.total_num_replicas)
+        have = [self.replica_name(r) for r in sync.contributors]
+        missing = [self.replica_name(r) for r in range(sync.options.total_num_replicas)
                    if r not in sync.contributors]
         summary = (f"step {step} gathered {len(have)} of {sync.options.replicas_to_aggregate} gradient(s) in "
                    f"{sync.options.timeout_s:g} s (from {', '.join(have)}); missing: {', '.join(missing)}")
@@ -583,14 +597,15 @@ class VariableStore:
     def _log_drop(self, offer: Outcome, replica: int, step: int) -> None:
         if offer is Outcome.ABANDONED:
             log.info("%s: step %d cannot complete: the other replicas have finished; released %s",
-                     self.task, step, self._replica_name(replica))
+                     self.task, step, self.replica_name(replica))
             return
         count = self._sync.dropped_stale if offer is Outcome.STALE else self._sync.dropped_duplicate
         if count <= 5 or count % 100 == 0:
             log.info("%s: dropped a %s gradient from %s (step %d, shard at step %d); %d %s dropped so far",
-                     self.task, offer.value, self._replica_name(replica), step, self._sync.step, count, offer.value)
+                     self.task, offer.value, self.replica_name(replica), step, self._sync.step, count, offer.value)
 
-    def _replica_name(self, replica: int) -> str:
+    def replica_name(self, replica: int) -> str:
+        """The task name of a replica id, for messages."""
         return self.replica_names[replica] if replica < len(self.replica_names) else f"replica {replica}"
 
     def status(self) -> StoreStatus:

@@ -23,6 +23,11 @@ A step whose loss is NaN or infinite never reaches the ps: the gradients are
 dropped before the push, and a ``NanLossHook`` decides whether that stops
 training (the default, with a clear error) or skips the step.
 
+Scaled away: when the launcher removes this worker from an asynchronous job (a
+scale-down), it sends the leave signal (``tensorfleet.worker.leave``, installed as the
+session starts); ``should_stop()`` then turns true, the loop ends after its current
+step, and the clean end above tells the ps this worker is done.  The task exits 0.
+
 TensorBoard by default, as MTS's ``summary_dir``: under ``tensorfleet launch``
 (which sets ``TENSORFLEET_LOGDIR`` for every task) the chief writes summaries to
 ``LOGDIR/train``, so ``tensorboard --logdir LOGDIR`` shows the job without a line
@@ -45,6 +50,7 @@ from tensorfleet.cluster.environment import LOGDIR_ENV
 from tensorfleet.errors import DeadlineExceededError, NanLossError, NotInitializedError, UnavailableError
 from tensorfleet.train.checkpoint import Checkpointer, latest_checkpoint, load, split
 from tensorfleet.train.hooks import CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult
+from tensorfleet.worker.leave import install_leave_handler, leave_requested
 from tensorfleet.worker.protocol import TrainingReplica
 
 log = logging.getLogger(__name__)
@@ -117,6 +123,7 @@ class TrainingSession:
     # --- lifecycle -------------------------------------------------------------------------------
 
     def __enter__(self) -> "TrainingSession":
+        install_leave_handler()  # a scale-down's signal asks the loop to stop after its step (should_stop)
         for hook in self.hooks:
             hook.begin(self)
         if self.checkpoint_dir is not None:
@@ -172,6 +179,11 @@ class TrainingSession:
         return self.replica.client.channels[0].call("Status")[0]["dropped_stale"]
 
     def should_stop(self) -> bool:
+        """True once a hook requested a stop, or the launcher asked this worker to leave the job."""
+        if not self._stop_requested and leave_requested():
+            log.info("%s: asked to leave the job (scaled down); stopping after %d local step(s), at global step %d",
+                     self.replica.task.name, self.local_step, self.global_step)
+            self._stop_requested = True
         return self._stop_requested
 
     def request_stop(self) -> None:

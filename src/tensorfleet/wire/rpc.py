@@ -38,6 +38,7 @@ METHODS = (
     "Snapshot",  # chief -> ps: the whole shard (values, optimizer slots, averages, counters) for a checkpoint
     "Status",  # anyone -> ps: initialized?, global step, counters, the data plane's port
     "Done",    # worker -> ps: this worker finished; the ps exits when every worker has
+    "Resize",  # launcher -> ps: the job's workers are now 0..N-1 (an asynchronous job scaled up or down)
 )
 
 Message = tuple[dict[str, Any], dict[str, torch.Tensor]]
