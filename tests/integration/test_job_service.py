@@ -247,3 +247,40 @@ def test_the_jobs_command_submits_lists_follows_and_stops(home, workspace, tmp_p
         bad = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", "jobs", "ls", "--url", service.url,
                               "--token", "wrong"], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and "sign in first" in bad.stderr
+
+
+def test_a_running_async_job_is_scaled_up_and_down_from_the_api(home):
+    repo = PACED.parents[2]
+    with running_service(home, repo) as service:
+        api = service.client()
+        job_id = api.call("POST", "/api/jobs", {"script": "examples/mnist_mlp.py", "workers": 2, "mode": "async",
+                                                "args": ["--train_steps", "1000000", "--log_every", "200"]})["id"]
+        poll(lambda: service.job(job_id)["progress"]["global_step"], 90, "training to start", interval_s=0.2)
+        api.call("POST", f"/api/jobs/{job_id}/scale", {"workers": 3})
+
+        def worker_running(name: str) -> bool:
+            picture = json.loads((home / "jobs" / str(job_id) / "picture.json").read_text())
+            return any(t["name"] == name and t["state"] == "running" for t in picture["tasks"])
+
+        poll(lambda: worker_running("worker:2"), 90, "worker:2 to join", interval_s=0.2)
+        assert [t["name"] for t in api.call("GET", f"/api/jobs/{job_id}/tasks")["tasks"]] == [
+            "ps:0", "worker:0", "worker:1", "worker:2"]
+        poll(lambda: "training begins" in api.call("GET", f"/api/jobs/{job_id}/logs/worker:2")["text"], 60,
+             "worker:2 to train")
+
+        api.call("POST", f"/api/jobs/{job_id}/scale", {"workers": 1})
+        launcher_log = lambda: api.call("GET", f"/api/jobs/{job_id}/logs/launcher")["text"]  # noqa: E731
+        poll(lambda: "worker:1 left the job (exit code 0)" in launcher_log()
+             and "worker:2 left the job (exit code 0)" in launcher_log(), 90, "workers 1 and 2 to leave")
+        assert service.job(job_id)["state"] == "running"
+        texts = [e["text"] for e in api.call("GET", f"/api/jobs/{job_id}/events")["events"]]
+        assert "admin asked for 3 worker(s)" in texts and "now 1 worker(s)" in texts
+        api.call("POST", f"/api/jobs/{job_id}/stop", {})
+        assert wait_state(service, job_id, {"stopped", "failed"}, 60)["state"] == "stopped"
+
+        sync = api.call("POST", "/api/jobs", job_fields(SLOW, mode="sync", script="tests/integration/paced_job.py"))["id"]
+        wait_state(service, sync, {"running"})
+        with pytest.raises(TensorfleetError, match="only an asynchronous job can be scaled"):
+            api.call("POST", f"/api/jobs/{sync}/scale", {"workers": 3})
+        api.call("POST", f"/api/jobs/{sync}/stop", {})
+        wait_state(service, sync, {"stopped"}, 60)
