@@ -405,3 +405,41 @@ def test_the_module_imports_without_loading_the_kubernetes_client():
             "assert 'kubernetes' not in sys.modules, 'imported at module level'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+# ----- through the job service: submitted, created, observed, stopped
+
+
+def test_the_job_service_runs_a_kubernetes_job_from_submit_to_success_and_stops_another(api, backend, workspace,
+                                                                                      tmp_path):
+    from tensorfleet.service.accounts import User
+    from tensorfleet.service.jobs import Capacity, JobService
+    from tensorfleet.service.store import JobStore
+
+    with JobStore(tmp_path / "jobs.sqlite") as store:
+        service = JobService(store, {"kubernetes": backend}, home=tmp_path / "home", workspace=workspace,
+                             capacity=Capacity(1, 0))
+        ann = User("ann", False)
+        first = service.submit(ann, {"script": "train/mnist.py", "workers": 2, "mode": "async"},
+                               backend="kubernetes").id
+        second = service.submit(ann, {"script": "train/mnist.py", "workers": 2}, backend="kubernetes").id
+        name = f"tf-{first}-mnist"
+        api.jobs = [job_object(t, name=name) for t in TASKS]
+        service.tick()  # not bound by the machine's cores: both start
+        assert [r.body["metadata"]["name"] for r in api.of("POST", JOBS_PATH)] == [
+            f"tf-{j}-mnist-{t.replace(':', '-')}" for j in (first, second) for t in TASKS]
+        service.tick()
+        assert service.get(first).state is JobState.RUNNING
+        api.jobs = [job_object("ps:0", name=name)] + [job_object(t, condition("Complete"), name=name)
+                                                     for t in TASKS[1:]]
+        service.tick()
+        done = service.get(first)
+        assert (done.state, done.reason) == (JobState.SUCCEEDED, "every worker finished")
+
+        assert service.get(second).state is JobState.LOST  # its Jobs are not in the (stand-in) cluster
+        third = service.submit(ann, {"script": "train/mnist.py"}, backend="kubernetes").id
+        service.tick()
+        stopped = service.stop(ann, third)  # still starting: stopped all the same, its objects deleted
+        assert (stopped.state, stopped.reason) == (JobState.STOPPED, "stopped by ann")
+        assert {r.path for r in api.of("DELETE")} >= {f"{JOBS_PATH}/tf-{third}-mnist-worker-0",
+                                                      f"{SECRETS_PATH}/tf-{third}-mnist-token"}

@@ -33,7 +33,7 @@ from starlette.staticfiles import StaticFiles
 from tensorfleet.dashboard.metrics import CONTENT_TYPE, render_metrics
 from tensorfleet.errors import LaunchError
 
-__all__ = ["Dashboard", "FleetPicture", "PictureSource", "create_app"]
+__all__ = ["Dashboard", "FleetPicture", "PictureSource", "create_app", "json_safe"]
 
 # The fleet as the dashboard shows it, a JSON-ready dict (its shape: see ``tensorfleet.dashboard``).
 # A "picture", not a "snapshot": that is a ps shard's state taken for a checkpoint (the Snapshot RPC).
@@ -58,14 +58,14 @@ _PAGE_HEADERS = {
 }
 
 
-def _finite(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """``value`` with NaN and infinities replaced by None: JSON has no spelling for them."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_finite(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -86,7 +86,7 @@ def create_app(picture: PictureSource) -> Starlette:
         return Response(page, media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
 
     def status(request: Request) -> Response:
-        return JSONResponse(_finite(picture()), headers={"Cache-Control": "no-store"})
+        return JSONResponse(json_safe(picture()), headers={"Cache-Control": "no-store"})
 
     def metrics(request: Request) -> Response:
         return Response(render_metrics(picture()), media_type=CONTENT_TYPE)

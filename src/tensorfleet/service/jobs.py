@@ -104,7 +104,10 @@ class JobService:
             backend = self.backends.get(job.backend)
             if backend is None:
                 return f"the service restarted without the {job.backend} backend, which ran this job"
-            observed = backend.observe(job)
+            try:
+                observed = backend.observe(job)
+            except TensorfleetError:  # cannot tell now (the cluster's API is away): not lost; the loop will see
+                return None
             return observed.reason if observed is not None and observed.state is JobState.LOST else None
 
         survivors = self.store.recover(lost_because)
@@ -122,9 +125,12 @@ class JobService:
 
     def tick(self) -> None:
         """One round: record what active jobs did, escalate slow stops, admit what fits."""
-        for job in self.store.list():
-            if job.state in ACTIVE:
-                self._observe(job)
+        for state in ACTIVE:
+            for job in self.store.list(state=state):
+                try:
+                    self._observe(job)
+                except TensorfleetError as exc:  # the cluster's API is away a moment: the next round asks again
+                    log.warning("could not observe job %d: %s", job.id, exc)
         self._admit()
 
     def _observe(self, job: JobRecord) -> None:
@@ -163,7 +169,7 @@ class JobService:
     def _fits(self, job: JobRecord) -> bool:
         if job.backend != "local":
             return True
-        running = [j for j in self.store.list() if j.state in ACTIVE and j.backend == "local"]
+        running = [j for state in ACTIVE for j in self.store.list(state=state) if j.backend == "local"]
         if not running:
             return True
         cores = sum(job_cost(j.config)[0] for j in running) + job_cost(job.config)[0]
@@ -247,8 +253,8 @@ class JobService:
     def stop(self, user: User, job_id: int) -> JobRecord:
         job = self._owned(user, job_id)
         job = self.store.request_stop(job_id, user.name)
-        if job.state is JobState.RUNNING:
-            self._backend(job.backend).stop(job)
+        if job.state in ACTIVE:
+            self._backend(job.backend).stop(job)  # a local runner records "stopped" itself as it ends
             if job.backend != "local":  # nothing else records it: the backend's stop is the whole stop
                 self._record(job, JobState.STOPPED, f"stopped by {user.name}")
         return self.store.get(job_id)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import math
 import sqlite3
 import tempfile
 import time
@@ -32,7 +31,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, RedirectRespons
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from tensorfleet.dashboard.server import json_safe
 from tensorfleet.errors import ConfigError, TensorfleetError
+from tensorfleet.launch.config import load_job_file
 from tensorfleet.service.accounts import Accounts, Session, TooBusyError
 from tensorfleet.service.forms import FORM_FIELDS, form_from_settings, settings_from_form
 from tensorfleet.service.jobs import JobService
@@ -70,16 +71,6 @@ class BodyLimit:
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return await PlainTextResponse(f"request body over {self.limit} bytes", 413)(scope, receive, send)
         await self.app(scope, receive, send)
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
 
 
 def job_json(job: JobRecord, picture: dict[str, Any] | None, now: float) -> dict[str, Any]:
@@ -241,7 +232,6 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
             try:
                 if suffix not in (".yaml", ".yml", ".toml"):
                     raise ConfigError(f"job file {upload.filename!r} must end in .yaml, .yml or .toml")
-                from tensorfleet.launch.config import load_job_file
                 settings = load_job_file(path)
                 if "script" in settings:  # as on the command line: relative to the workspace
                     settings["script"] = service.workspace_script(str(settings["script"]))
@@ -270,9 +260,11 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
             try:
                 target = await run_in_threadpool(do, request, session, job_id, form)
             except (TensorfleetError, OSError, sqlite3.Error) as exc:
-                text = str(exc) if isinstance(exc, TensorfleetError) else _os_text(exc)
-                return page("error.html", session, 400 if isinstance(exc, TensorfleetError) else 507,
-                            error=text, back=f"/jobs/{job_id}")
+                if isinstance(exc, TensorfleetError):
+                    text, status = str(exc), _STATUS_OF_CODE.get(getattr(exc, "code", ""), 400)
+                else:
+                    text, status = f"the service could not save it: {_os_text(exc)}", 507
+                return page("error.html", session, status, error=text, back=f"/jobs/{job_id}")
             return RedirectResponse(f"/jobs/{target}", 303)
         return handler
 
@@ -299,7 +291,7 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
             job = await run_in_threadpool(service.get, job_id)
             picture = {"job": {"name": job.name, "state": job.state.value, "global_step": 0}, "tasks": [],
                        "history": []}
-        return JSONResponse(_finite(picture), headers={"Cache-Control": "no-store"})
+        return JSONResponse(json_safe(picture), headers={"Cache-Control": "no-store"})
 
     # ----- the JSON API
 
@@ -307,7 +299,7 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
         state = request.query_params.get("state") or None
         if state is not None and state not in STATES:
             raise ConfigError(f"unknown state {state!r}; valid: {', '.join(STATES)}")
-        return JSONResponse({"jobs": _finite(await run_in_threadpool(summaries, state))}, headers=HEADERS)
+        return JSONResponse({"jobs": json_safe(await run_in_threadpool(summaries, state))}, headers=HEADERS)
 
     async def api_submit(request: Request, session: Session) -> Response:
         body = await _json_body(request)
@@ -319,7 +311,7 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
         job_id = request.path_params["job_id"]
         job = await run_in_threadpool(service.get, job_id)
         picture = await run_in_threadpool(service.picture, job_id)
-        return JSONResponse(_finite(job_json(job, picture, service.store.now())), headers=HEADERS)
+        return JSONResponse(json_safe(job_json(job, picture, service.store.now())), headers=HEADERS)
 
     async def api_action(request: Request, session: Session) -> Response:
         job_id, verb = request.path_params["job_id"], request.path_params["verb"]
