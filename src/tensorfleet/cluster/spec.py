@@ -18,6 +18,7 @@ import argparse
 import ipaddress
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -44,6 +45,7 @@ def parse_address(address: str) -> tuple[str, int]:
 LOOPBACK_HOSTS = ("localhost", "::1")
 # 1: a ps with no job token may serve on a non-loopback address (see ``insecure_from_env``).
 INSECURE_ENV = "TENSORFLEET_INSECURE"
+MEMORY_BUDGET_ENV = "TENSORFLEET_PS_MEMORY_BUDGET"
 
 
 def is_loopback_host(host: str) -> bool:
@@ -224,6 +226,32 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
                         help="on a non-loopback address with no job token (TENSORFLEET_TOKEN), let a ps start "
                              "anyway and accept unauthenticated calls: only on a trusted network "
                              f"(also: {INSECURE_ENV}=1)")
+    parser.add_argument("--ps_memory_budget", default=None, metavar="SIZE",
+                        help="what a ps's embedding tables may hold (e.g. 8GiB, 500MB): beyond it the least "
+                             f"recently updated rows are evicted (also: {MEMORY_BUDGET_ENV}; default: no bound)")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_size(text: str, *, what: str) -> int:
+    """Bytes from ``8GiB``, ``500MB``, ``1.5GiB`` or a plain number of bytes; ClusterSpecError naming ``what``."""
+    match = _SIZE.match(str(text))
+    if match is None or float(match.group(1)) <= 0:
+        raise ClusterSpecError(f"{what}={text!r} is not a size: write e.g. 8GiB, 500MB or a number of bytes")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()])
+
+
+def memory_budget_from_flags(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int | None:
+    """``--ps_memory_budget`` (from ``add_cluster_flags``), else ``TENSORFLEET_PS_MEMORY_BUDGET``, in bytes."""
+    environ = os.environ if environ is None else environ
+    text = getattr(args, "ps_memory_budget", None)
+    if text is not None:
+        return parse_size(text, what="--ps_memory_budget")
+    text = environ.get(MEMORY_BUDGET_ENV)
+    return parse_size(text, what=MEMORY_BUDGET_ENV) if text else None
 
 
 def insecure_from_env(environ: Mapping[str, str] | None = None) -> bool:

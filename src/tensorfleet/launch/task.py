@@ -18,7 +18,7 @@ import torch
 
 from tensorfleet.cluster.environment import finished_linger_s
 from tensorfleet.cluster.spec import (ClusterSpec, TaskSpec, bind_address, cluster_from_flags, insecure_from_flags,
-                                      is_loopback_host, parse_address)
+                                      is_loopback_host, memory_budget_from_flags, parse_address)
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.ps.server import Server
 from tensorfleet.wire import auth
@@ -47,12 +47,14 @@ def run_task(args: argparse.Namespace, train: TrainFn, *, intra_op_threads: int 
         cluster, task = cluster_from_flags(args)
         _check_towers_are_used(args)
         insecure = insecure_from_flags(args)
+        memory_budget = memory_budget_from_flags(args)
     except TensorfleetError as exc:
         return _config_error(exc)
     torch.set_num_threads(intra_op_threads)
     if task.job_name == "ps":
         try:
-            server = Server(cluster, job_name="ps", task_index=task.index, insecure=insecure)
+            server = Server(cluster, job_name="ps", task_index=task.index, insecure=insecure,
+                            memory_budget=memory_budget)
         except ConfigError as exc:  # no token on a non-loopback address, say: a restart would not fix it
             return _config_error(exc)
         server.join(linger_s=finished_linger_s())  # so that `tensorfleet dashboard` sees the job end

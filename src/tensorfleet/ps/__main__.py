@@ -11,7 +11,8 @@ import logging
 import sys
 
 from tensorfleet.cluster.environment import finished_linger_s
-from tensorfleet.cluster.spec import add_cluster_flags, cluster_from_flags, insecure_from_flags
+from tensorfleet.cluster.spec import (add_cluster_flags, cluster_from_flags, insecure_from_flags,
+                                       memory_budget_from_flags)
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.ps.server import Server
 
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster, task = cluster_from_flags(args)
         server = Server(cluster, job_name=task.job_name, task_index=task.index,
-                        insecure=insecure_from_flags(args))  # no token on a non-loopback address: refused
+                        insecure=insecure_from_flags(args),  # no token on a non-loopback address: refused
+                        memory_budget=memory_budget_from_flags(args))
         # A finished ps keeps answering a moment, so that `tensorfleet dashboard` sees the job end.
         server.join(linger_s=finished_linger_s())
     except TensorfleetError as exc:

@@ -359,6 +359,13 @@ class TableSpec:
         optimizer: the per-row rule the ps runs (``sgd``, ``adagrad`` or lazy ``adam``; see
             ``TABLE_OPTIMIZERS`` for the options each takes).
         dtype: the rows' dtype on the ps (floating point).
+        admit_after: an id gets a trained row once pushed this many times (counted in a bounded sketch;
+            see ``ps/admission.py``); until then its lookups answer the initial row and its gradients are
+            dropped and counted. 1: at once.
+        admit_probability: or: each push of a new id admits it with this probability (None: not used).
+        ttl_steps: a row not updated for this many of its shard's updates is evicted (None: never).
+        max_rows: at most this many rows on each ps shard: beyond it, the least recently updated rows
+            are evicted (None: no bound but the ps's memory budget).
     """
 
     name: str
@@ -367,6 +374,10 @@ class TableSpec:
     num_rows: int | None = None
     initializer: RowInitializer = field(default_factory=RowInitializer)
     dtype: torch.dtype = torch.float32
+    admit_after: int = 1
+    admit_probability: float | None = None
+    ttl_steps: int | None = None
+    max_rows: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not TABLE_NAME.fullmatch(self.name):
@@ -389,11 +400,33 @@ class TableSpec:
         if extra:
             raise InvalidArgumentError(f"table {self.name!r}: per-row {self.optimizer.name} takes "
                                        f"{sorted(allowed)}, not {extra}")
+        self._check_lifecycle()
         if self.optimizer.name == "adam" and "betas" in self.optimizer.options:
             betas = self.optimizer.options["betas"]
             if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(0 <= b < 1 for b in betas)):
                 raise InvalidArgumentError(f"table {self.name!r}: adam betas {betas!r:.40} must be two numbers "
                                            "in [0, 1)")
+
+    def _check_lifecycle(self) -> None:
+        """Admission and eviction settings: whole numbers where counts, a probability in (0, 1]."""
+        for name, minimum in (("admit_after", 1), ("ttl_steps", 1), ("max_rows", 1)):
+            value = getattr(self, name)
+            if value is None and name != "admit_after":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise InvalidArgumentError(f"table {self.name!r}: {name}={value!r:.30} must be an integer of at "
+                                           f"least {minimum}" + ("" if name == "admit_after" else " (or None)"))
+        p = self.admit_probability
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0):
+            raise InvalidArgumentError(f"table {self.name!r}: admit_probability={p!r:.30} must be in (0, 1] "
+                                       "(or None)")
+        if self.num_rows is not None and (self.admit_after > 1 or p is not None or self.ttl_steps or self.max_rows):
+            raise InvalidArgumentError(f"table {self.name!r}: admission and eviction are for growing tables "
+                                       "(num_rows=None); a fixed-size table keeps all its rows")
+
+    @property
+    def evicts(self) -> bool:
+        return self.ttl_steps is not None or self.max_rows is not None
 
     def check_ids(self, ids: torch.Tensor, *, task: str | None = None) -> None:
         """Refuse ids outside a fixed-size table's range (a growing table takes any int64)."""
@@ -410,7 +443,8 @@ class TableSpec:
     def to_meta(self) -> dict[str, Any]:
         return {"name": self.name, "dim": self.dim, "num_rows": self.num_rows,
                 "initializer": self.initializer.to_meta(), "optimizer": self.optimizer.to_meta(),
-                "dtype": DTYPE_NAMES[self.dtype]}
+                "dtype": DTYPE_NAMES[self.dtype], "admit_after": self.admit_after,
+                "admit_probability": self.admit_probability, "ttl_steps": self.ttl_steps, "max_rows": self.max_rows}
 
     @classmethod
     def from_meta(cls, meta: Any) -> "TableSpec":
@@ -421,7 +455,9 @@ class TableSpec:
             raise InvalidArgumentError(f"table dtype {meta.get('dtype')!r:.30} is not one of {list(DTYPES)}")
         return cls(name=meta.get("name"), dim=meta.get("dim"), num_rows=meta.get("num_rows"),
                    initializer=RowInitializer.from_meta(meta.get("initializer")),
-                   optimizer=OptimizerSpec.from_meta(meta.get("optimizer")), dtype=dtype)
+                   optimizer=OptimizerSpec.from_meta(meta.get("optimizer")), dtype=dtype,
+                   admit_after=meta.get("admit_after", 1), admit_probability=meta.get("admit_probability"),
+                   ttl_steps=meta.get("ttl_steps"), max_rows=meta.get("max_rows"))
 
 
 @dataclass(frozen=True)

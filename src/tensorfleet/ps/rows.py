@@ -18,7 +18,7 @@ MIN_ROWS = 1024
 
 # numpy has no bfloat16: its rows are stored as 16-bit integers and viewed as bfloat16.
 _STORED = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-           torch.bfloat16: np.uint16}
+           torch.bfloat16: np.uint16, torch.int64: np.int64}
 
 
 class GrowingRows:
@@ -52,6 +52,22 @@ class GrowingRows:
         if rows <= self.capacity:
             return
         capacity = max(MIN_ROWS, int(rows * GROWTH))
+        self._resize(capacity)
+
+    def keep(self, rows: np.ndarray, chunk: int = 1 << 16) -> None:
+        """Keep only the rows ``rows`` (increasing), moved to the front in order, then give back the storage
+        beyond them plus a quarter (after an eviction: memory goes back to the system).
+
+        Moved a chunk at a time: row ``rows[i] >= i``, so no row is overwritten before it is moved, and only
+        one chunk is copied at a time."""
+        for start in range(0, rows.shape[0], chunk):
+            stop = min(start + chunk, rows.shape[0])
+            self._array[start:stop] = self._array[rows[start:stop]]
+        wanted = max(MIN_ROWS, int(rows.shape[0] * GROWTH))
+        if wanted < self.capacity:
+            self._resize(wanted)
+
+    def _resize(self, capacity: int) -> None:
         self.tensor = None  # type: ignore[assignment]  # no view may survive the reallocation
         self._array.resize((capacity, *self._array.shape[1:]), refcheck=False)
         self.tensor = self._view()

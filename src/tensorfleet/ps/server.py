@@ -34,6 +34,8 @@ class Server:
             the chief, overwrite every value (a forced restore), snapshot it or stop it. True: start
             anyway, with a warning (a trusted network only); None: ``TENSORFLEET_INSECURE`` decides.
             Irrelevant with a token, or on loopback (127.0.0.0/8, ``::1``, ``localhost``).
+        memory_budget: bytes this ps's embedding tables may hold; beyond it the least recently updated rows
+            are evicted (None: no bound).
 
     Raises:
         ConfigError: no token, a non-loopback address and not ``insecure``; nothing was started.
@@ -43,7 +45,8 @@ class Server:
     """
 
     def __init__(self, cluster: ClusterSpec, *, job_name: str = "ps", task_index: int,
-                 options: rpc.WireOptions | None = None, insecure: bool | None = None) -> None:
+                 options: rpc.WireOptions | None = None, insecure: bool | None = None,
+                 memory_budget: int | None = None) -> None:
         if job_name != "ps":
             raise ClusterSpecError(f"Server serves ps tasks; got job_name {job_name!r} (workers use Replica)")
         self.task = TaskSpec(job_name, task_index)
@@ -54,7 +57,7 @@ class Server:
         self._check_exposure(cluster_address, address, options.token, insecure)  # before anything listens
         replicas = cluster.replicas
         self.store = VariableStore(task=self.task.name, replica_names=[r.name for r in replicas],
-                                   shard=(task_index, len(cluster.ps_addresses)))
+                                   shard=(task_index, len(cluster.ps_addresses)), memory_budget=memory_budget)
         self.service = PsService(self.store, num_workers=len(replicas))
         gate = self.service.gate = auth.Gate(options.token)  # one count of refusals for both planes
         self._data = DataServer(parse_address(address)[0], self.service.data_methods(), task=self.task.name,

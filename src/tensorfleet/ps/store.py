@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from tensorfleet.cluster.idhash import shard_of
@@ -33,6 +34,7 @@ from tensorfleet.ps.api import (NONFINITE_POLICIES, Mode, OptimizerSpec, Origin,
 from tensorfleet.ps.apply import Applier, MovingAverage, check_layout
 from tensorfleet.ps.table import EmbeddingShard, unique_ids_error
 
+BUDGET_EVICT_TO = 0.8  # over its memory budget, a ps evicts down to this fraction of it
 # Rows of one table in one request at most: a bound on what one message can make a shard allocate or send.
 MAX_IDS_PER_REQUEST = 1 << 24
 MAX_REPLY_ROW_BYTES = 1 << 30  # rows one lookup's reply may carry
@@ -211,9 +213,11 @@ class VariableStore:
         shard: (this shard's index, the number of ps shards): the rows of embedding tables it may hold.
     """
 
-    def __init__(self, *, task: str, replica_names: Sequence[str] = (), shard: tuple[int, int] = (0, 1)) -> None:
+    def __init__(self, *, task: str, replica_names: Sequence[str] = (), shard: tuple[int, int] = (0, 1),
+                 memory_budget: int | None = None) -> None:
         self.task = task
         self.shard = shard
+        self.memory_budget = memory_budget  # bytes the embedding tables may hold; evicted down to below it
         self._tables: dict[str, EmbeddingShard] = {}
         self.replica_names = list(replica_names)
         self.num_replicas = len(self.replica_names)  # pushes name a replica below this (0: not checked)
@@ -261,7 +265,7 @@ class VariableStore:
                              {table.name: table for table in tables}, self.shard)
         shards = {table.name: EmbeddingShard(table) for table in tables}
         if restore is not None:
-            self._restore_tables(layout, shards, restore.tables)
+            self._restore_tables(layout, shards, restore.tables, restore.applied_updates)
             applier.load_slots(restore.slots)
             if average is not None and restore.averages is not None:
                 for name, shadow in average.shadows.items():
@@ -286,7 +290,7 @@ class VariableStore:
             return True
 
     def _restore_tables(self, layout: ShardLayout, shards: Mapping[str, EmbeddingShard],
-                        saved: Mapping[str, TableState]) -> None:
+                        saved: Mapping[str, TableState], restore_update: int) -> None:
         """Load a checkpoint's rows into new (not yet live) table shards, each id checked to belong here."""
         unknown = sorted(set(saved) - set(shards))
         if unknown:
@@ -295,7 +299,7 @@ class VariableStore:
         for name, state in saved.items():
             layout.check_ids(name, state.ids, task=self.task, unique=True)
             try:
-                shards[name].load(state)
+                shards[name].load(state, update=restore_update)
             except ValueError as exc:
                 raise InvalidArgumentError(str(exc), task=self.task) from None
 
@@ -558,10 +562,42 @@ class VariableStore:
             self._applier.apply(gradients, step=self._applied_updates)
         for name, (ids, grads) in (rows or {}).items():
             table = self._tables[name]
-            table.apply(ids, grads, table.spec.optimizer.learning_rate(self._applied_updates))
+            table.apply(ids, grads, table.spec.optimizer.learning_rate(self._applied_updates), self._applied_updates)
+        for table in self._tables.values():  # TTL sweeps are due by the update count, pushed to or not
+            table.sweep(self._applied_updates)
+        self._keep_within_budget()
         if self._average is not None:
             self._average.update(self._applied_updates)
         self._applied_updates += 1
+
+    def _keep_within_budget(self) -> None:
+        """Evict the least recently updated rows of all tables (never those of this update) until the tables
+        hold at most ``BUDGET_EVICT_TO`` of the memory budget: evictions come in batches, as each one
+        rebuilds the id maps of the tables it touches."""
+        if self.memory_budget is None:
+            return
+        tables = list(self._tables.values())
+        for _ in range(3):  # a row's cost is estimated from what its table holds now: a round or two more
+            held = sum(table.nbytes for table in tables)
+            if held <= self.memory_budget:
+                return
+            ages = [table.last_updates() for table in tables]
+            owner = np.repeat(np.arange(len(tables)), [a.size for a in ages])
+            cost = np.array([table.nbytes / max(len(table), 1) for table in tables])[owner]
+            every = np.concatenate(ages) if ages else np.empty(0, dtype=np.int64)
+            order = np.argsort(every, kind="stable")
+            order = order[every[order] < self._applied_updates]  # the rows this update touched stay
+            if not order.size:
+                log.warning("%s: the embedding tables hold %d bytes, over the memory budget of %d, and every "
+                            "row was updated by this push: nothing can be evicted", self.task, held,
+                            self.memory_budget)
+                return
+            chosen = order[:int(np.searchsorted(np.cumsum(cost[order]), held - BUDGET_EVICT_TO * self.memory_budget))
+                           + 1]
+            starts = np.concatenate([[0], np.cumsum([a.size for a in ages])])
+            for index, table in enumerate(tables):
+                mine = chosen[owner[chosen] == index] - starts[index]
+                table.evict_rows(np.sort(mine))
 
     def _wait_for_step(self, step: int) -> Outcome:
         options = self._sync.options

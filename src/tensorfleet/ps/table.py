@@ -18,6 +18,21 @@ The per-row rules (plain torch on the touched rows; the caller holds the store's
 Storage grows by a quarter of its size when full, in place (``GrowingRows``: no copy, so no
 moment with the old and the new storage both alive), so a table of n rows holds at most
 1.25 n rows of memory, plus its ``IdMap`` (16-32 bytes per row).
+
+A table that lives for months must not grow without bound (see ``TableSpec``):
+
+* admission (``ps/admission.py``): a new id gets a row only once admitted; until then its gradients
+  are dropped and counted (``refused_updates``) and its lookups answer the initial row;
+* eviction: every row remembers the shard update that last changed it (``last_update``, 8 bytes, kept
+  in checkpoints as a per-row slot). ``ttl_steps``: rows not updated for that many updates go, swept
+  every quarter of it (so a row lingers at most 1.25 x ttl_steps). ``max_rows``: before new rows would
+  pass it, the least recently updated rows go, down to 90 % of it (an eviction renumbers the rows and
+  rebuilds the id map, so it is done in batches); the rows of the push being applied never go. The
+  store's memory budget evicts the same way, across its tables (``evict_lru``).
+
+Everything runs under the store's lock, as every update and lookup does: an eviction never meets a
+pull or a push of the same row, and a push resent after a lost reply is refused before it reaches
+here (exactly once), so it can neither admit twice nor recreate a row.
 """
 
 from __future__ import annotations
@@ -26,9 +41,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tensorfleet.ps.admission import Admission
 from tensorfleet.ps.api import TableSpec, TableState
 from tensorfleet.ps.idmap import IdMap
 from tensorfleet.ps.rows import GrowingRows
+
+LAST_UPDATE = "last_update"  # the per-row slot (in checkpoints) saying which update last changed the row
+EVICT_TO = 0.9  # a capacity eviction leaves this fraction of max_rows: evictions come in batches
 
 
 class EmbeddingShard:
@@ -37,12 +56,16 @@ class EmbeddingShard:
     def __init__(self, spec: TableSpec) -> None:
         self.spec = spec
         self._map = IdMap()
-        self._values, self._slots = self._empty_storage()
+        self._values, self._slots, self._updated = self._empty_storage()
+        self.admission = Admission(spec.admit_after, spec.admit_probability)
         self.rows_created = 0  # since start (a restore's rows are loaded, not created)
+        self.evicted = 0  # rows evicted since start
+        self._next_sweep = spec.ttl_steps  # the update at which rows past their TTL are looked for next
 
-    def _empty_storage(self) -> tuple[GrowingRows, dict[str, GrowingRows]]:
+    def _empty_storage(self) -> tuple[GrowingRows, dict[str, GrowingRows], GrowingRows]:
         return (GrowingRows((self.spec.dim,), self.spec.dtype),
-                {name: GrowingRows(shape[1:], dtype) for name, (shape, dtype) in self._slot_layout(0).items()})
+                {name: GrowingRows(shape[1:], dtype) for name, (shape, dtype) in self._slot_layout(0).items()},
+                GrowingRows((), torch.int64))
 
     # --- layout ---------------------------------------------------------------------------------
 
@@ -65,13 +88,15 @@ class EmbeddingShard:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held for this table: rows and slots as allocated (with room to grow), and the id map."""
-        return self._values.nbytes + sum(slot.nbytes for slot in self._slots.values()) + self._map.nbytes
+        """Bytes held for this table: rows and slots as allocated (with room to grow), the id map, the
+        admission sketch."""
+        return (self._values.nbytes + sum(slot.nbytes for slot in self._slots.values()) + self._updated.nbytes
+                + self._map.nbytes + self.admission.nbytes)
 
     def bytes_per_row(self) -> dict[str, float]:
         """What one row costs: its values and slots alone, and everything held divided by the rows."""
-        bare = self.spec.row_bytes() + sum(torch.empty(shape, dtype=dtype).nbytes
-                                           for shape, dtype in self._slot_layout(1).values())
+        bare = self.spec.row_bytes() + 8 + sum(torch.empty(shape, dtype=dtype).nbytes
+                                               for shape, dtype in self._slot_layout(1).values())
         rows = max(len(self), 1)
         return {"bare": float(bare), "held": self.nbytes / rows, "map": self._map.nbytes / rows}
 
@@ -90,11 +115,41 @@ class EmbeddingShard:
 
     # --- the update -----------------------------------------------------------------------------
 
-    def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
-        """One update of the rows of ``ids`` (unique, checked by the caller) with ``grads`` (one row each)."""
-        if not ids.numel():
-            return
-        rows = self._rows_for(ids)
+    def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float, update: int = 0) -> None:
+        """Update number ``update`` of the rows of ``ids`` (unique, checked by the caller) with ``grads`` (one
+        row each): new ids only if admitted, room made under ``max_rows`` first."""
+        if ids.numel():
+            ids, grads = self._admitted(ids, grads, update)
+        if ids.numel():
+            rows = self._rows_for(ids)
+            self._update(rows, grads, lr)
+            self._updated.tensor[rows] = update
+
+    def sweep(self, update: int) -> None:
+        """After update ``update`` (this table pushed to or not): evict the rows past their TTL, if a sweep
+        is due (every quarter of the TTL, so a row lingers at most 1.25 x ``ttl_steps``)."""
+        if self.spec.ttl_steps is not None and update >= self._next_sweep:
+            self.evict_before(update - self.spec.ttl_steps)
+            self._next_sweep = update + max(1, self.spec.ttl_steps // 4)
+
+    def _admitted(self, ids: torch.Tensor, grads: torch.Tensor, update: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids (and their gradients) that have a row or are admitted now; room made for the new ones."""
+        missing = self._map.find(ids.numpy()) < 0
+        if not missing.any():
+            return ids, grads
+        admitted = self.admission.admit(ids.numpy()[missing], update)
+        if not admitted.all():
+            keep = ~missing
+            keep[np.flatnonzero(missing)[admitted]] = True
+            ids, grads = ids[torch.from_numpy(keep)], grads[torch.from_numpy(keep)]
+        new = int(admitted.sum())
+        limit = self.spec.max_rows
+        if limit is not None and new and len(self) + new > limit:
+            target = min(int(limit * EVICT_TO), limit - new)
+            self.evict_lru(len(self) - max(target, 0), keep_ids=ids)
+        return ids, grads
+
+    def _update(self, rows: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         name, options = self.spec.optimizer.name, self.spec.optimizer.options
         grads = grads.to(self.spec.dtype)
         slots = {name: slot.tensor for name, slot in self._slots.items()}
@@ -135,15 +190,56 @@ class EmbeddingShard:
             self.rows_created += new_ids.numel()
         return torch.from_numpy(found)
 
-    def _append(self, ids: torch.Tensor, values: torch.Tensor, slots: dict[str, torch.Tensor]) -> None:
+    def _append(self, ids: torch.Tensor, values: torch.Tensor, slots: dict[str, torch.Tensor],
+                updated: torch.Tensor | int = 0) -> None:
         """Store rows ``len-n .. len-1`` (the id map has just numbered them), growing the storage if needed."""
         end = len(self._map)
         start = end - ids.numel()
-        for storage in (self._values, *self._slots.values()):
+        for storage in (self._values, *self._slots.values(), self._updated):
             storage.reserve(end)
         self._values.tensor[start:end] = values
         for name, slot in self._slots.items():
             slot.tensor[start:end] = slots[name]
+        self._updated.tensor[start:end] = updated
+
+    # --- eviction -------------------------------------------------------------------------------
+
+    def last_updates(self) -> np.ndarray:
+        """Each row's last update (a view: read it under the store's lock, before anything changes)."""
+        return self._updated.tensor[:len(self)].numpy()
+
+    def evict_before(self, update: int) -> int:
+        """Evict the rows last updated before ``update``; return how many went."""
+        stale = np.flatnonzero(self.last_updates() < update)
+        self.evict_rows(stale)
+        return stale.size
+
+    def evict_lru(self, count: int, keep_ids: torch.Tensor | None = None) -> int:
+        """Evict the ``count`` least recently updated rows, never those of ``keep_ids``; return how many went."""
+        ages = self.last_updates().copy()
+        if keep_ids is not None and keep_ids.numel():
+            kept = self._map.find(keep_ids.numpy())
+            ages[kept[kept >= 0]] = np.iinfo(np.int64).max
+        count = min(count, int((ages < np.iinfo(np.int64).max).sum()))
+        if count <= 0:
+            return 0
+        oldest = np.argpartition(ages, count - 1)[:count] if count < ages.size else np.arange(ages.size)
+        self.evict_rows(oldest)
+        return count
+
+    def evict_rows(self, rows: np.ndarray) -> None:
+        """Drop ``rows`` (row numbers): the others move to the front in their order, the id map is rebuilt."""
+        if not rows.size:
+            return
+        keep = np.ones(len(self), dtype=bool)
+        keep[rows] = False
+        survivors = np.flatnonzero(keep)
+        ids, _ = self._map.items()
+        for storage in (self._values, *self._slots.values(), self._updated):
+            storage.keep(survivors)
+        self._map = IdMap(int(survivors.size / 0.5))
+        self._map.insert(ids[survivors])
+        self.evicted += rows.size
 
     # --- checkpoints ------------------------------------------------------------------------------
 
@@ -151,11 +247,13 @@ class EmbeddingShard:
         """A copy of every row: ids, values, slots (ordered by creation)."""
         ids, _ = self._map.items()
         n = len(self)
-        return TableState(torch.from_numpy(ids.copy()), self._values.tensor[:n].clone(),
-                          {name: slot.tensor[:n].clone() for name, slot in self._slots.items()})
+        slots = {name: slot.tensor[:n].clone() for name, slot in self._slots.items()}
+        slots[LAST_UPDATE] = self._updated.tensor[:n].clone()
+        return TableState(torch.from_numpy(ids.copy()), self._values.tensor[:n].clone(), slots)
 
-    def load(self, state: TableState) -> None:
-        """Replace every row with a checkpoint's (which the caller checked: ids unique and of this shard)."""
+    def load(self, state: TableState, update: int = 0) -> None:
+        """Replace every row with a checkpoint's (which the caller checked: ids unique and of this shard).
+        Rows saved without their last update (older checkpoints) count as updated at ``update``."""
         expected = self._slot_layout(state.ids.numel())
         missing = set(expected) - set(state.slots)
         for name, (shape, dtype) in expected.items():
@@ -167,14 +265,20 @@ class EmbeddingShard:
                              f"the table's dim is {self.spec.dim}")
         slots = self._initial_slots(state.ids.numel())
         slots.update({name: state.slots[name].to(slots[name].dtype) for name in expected if name not in missing})
+        updated = state.slots.get(LAST_UPDATE)
+        if updated is not None and tuple(updated.shape) != (state.ids.numel(),):
+            raise ValueError(f"table {self.spec.name!r}: slot {LAST_UPDATE!r} is {tuple(updated.shape)}, "
+                             f"expected {(state.ids.numel(),)}")
         self._map = IdMap(int(state.ids.numel() / 0.5))
         self._map.insert(state.ids.numpy())
-        self._values, self._slots = self._empty_storage()
-        self._append(state.ids, state.values.to(self.spec.dtype), slots)
+        self._values, self._slots, self._updated = self._empty_storage()
+        self._append(state.ids, state.values.to(self.spec.dtype), slots,
+                     update if updated is None else updated.to(torch.int64))
 
     def status(self) -> dict[str, float]:
         return {"rows": len(self), "rows_created": self.rows_created, "bytes": self.nbytes,
-                **{f"bytes_per_row_{k}": v for k, v in self.bytes_per_row().items()}}
+                "admitted": self.admission.admitted, "refused_updates": self.admission.refused_updates,
+                "evicted": self.evicted, **{f"bytes_per_row_{k}": v for k, v in self.bytes_per_row().items()}}
 
 
 def unique_ids_error(ids: torch.Tensor) -> str | None:

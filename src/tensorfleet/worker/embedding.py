@@ -14,6 +14,8 @@ ps would: the same model class trains on the fleet and serves without one.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Callable
 
 import torch
@@ -44,6 +46,11 @@ class EmbeddingTable(nn.Module):
             ``OptimizerSpec("sgd", ...)`` or lazy ``OptimizerSpec("adam", ...)``. None: the Replica's
             optimizer, if it is one of those.
         dtype: the rows' dtype on the ps.
+        admit_after, admit_probability: admission of new ids (a growing table only): an id gets a trained
+            row once pushed ``admit_after`` times, or with ``admit_probability`` per push; until then it
+            answers its initial row and its gradients are dropped (counted in the ps's Status).
+        ttl_steps, max_rows: eviction: rows not updated for ``ttl_steps`` of their shard's updates go; at
+            most ``max_rows`` rows per ps shard, the least recently updated going first.
 
     Example:
         >>> class Model(nn.Module):                                            # doctest: +SKIP
@@ -58,7 +65,8 @@ class EmbeddingTable(nn.Module):
 
     def __init__(self, name: str, dim: int, *, num_rows: int | None = None, pooling: str | None = None,
                  initializer: RowInitializer | None = None, optimizer: OptimizerSpec | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, admit_after: int = 1, admit_probability: float | None = None,
+                 ttl_steps: int | None = None, max_rows: int | None = None) -> None:
         super().__init__()
         if pooling is not None and pooling not in POOLINGS:
             raise InvalidArgumentError(f"EmbeddingTable {name!r}: pooling={pooling!r}; use None or one of {POOLINGS}")
@@ -66,7 +74,8 @@ class EmbeddingTable(nn.Module):
         self.optimizer = optimizer
         # Validated now (name, dim, num_rows, dtype), with a placeholder rule until the Replica's is known.
         self._spec = TableSpec(name, dim, optimizer or OptimizerSpec("sgd", {"lr": 0.0}), num_rows,
-                               initializer or RowInitializer(), dtype)
+                               initializer or RowInitializer(), dtype, admit_after=admit_after,
+                               admit_probability=admit_probability, ttl_steps=ttl_steps, max_rows=max_rows)
         self._lookup: Lookup | None = None
         self._local: dict[int, int] | None = None  # id -> row of _local_rows (inference on loaded rows)
         self._local_rows: torch.Tensor | None = None
@@ -88,8 +97,7 @@ class EmbeddingTable(nn.Module):
         if optimizer is None:
             raise InvalidArgumentError(f"EmbeddingTable {self.name!r} has no optimizer: give it optimizer=...")
         try:
-            return TableSpec(self.name, self.dim, optimizer, self._spec.num_rows, self._spec.initializer,
-                             self._spec.dtype)
+            return dataclasses.replace(self._spec, optimizer=optimizer)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"{exc.message} (EmbeddingTable {self.name!r} without optimizer= uses the "
                                        "Replica's)" if self.optimizer is None else exc.message) from None

@@ -1,0 +1,201 @@
+"""Rows that come and go: admission, TTL and capacity eviction, the memory budget, their checkpoints and counts.
+
+On the ps's own objects (``EmbeddingShard``, ``VariableStore``), no sockets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.ps.admission import Admission
+from tensorfleet.ps.api import Origin, OptimizerSpec, RowInitializer, TableSpec, grads_key, ids_key
+from tensorfleet.ps.store import VariableStore
+from tensorfleet.ps.table import LAST_UPDATE, EmbeddingShard
+
+SGD = OptimizerSpec("sgd", {"lr": 1.0})
+ZERO = RowInitializer("constant", 0.0)
+
+
+def table(**options) -> EmbeddingShard:
+    return EmbeddingShard(TableSpec("t", 2, SGD, initializer=options.pop("initializer", ZERO), **options))
+
+
+def push(shard: EmbeddingShard, ids: list[int], update: int, grad: float = 1.0) -> None:
+    shard.apply(torch.tensor(ids, dtype=torch.int64), torch.full((len(ids), 2), grad), 1.0, update)
+    shard.sweep(update)
+
+
+def value(shard: EmbeddingShard, id_: int) -> float:
+    return float(shard.lookup(torch.tensor([id_]))[0, 0])
+
+
+# ----- admission
+
+
+def test_an_id_gets_a_row_on_its_nth_push_and_its_earlier_gradients_are_dropped_and_counted():
+    shard = table(admit_after=3)
+    push(shard, [7], 0)
+    push(shard, [7], 1)
+    assert len(shard) == 0 and value(shard, 7) == 0.0  # the initial row, untrained
+    push(shard, [7, 8], 2)
+    assert len(shard) == 1 and value(shard, 7) == -1.0  # admitted: this push's gradient only
+    status = shard.status()
+    assert (status["admitted"], status["refused_updates"]) == (1, 3)  # 7 twice, then 8 once
+
+
+def test_probability_admission_is_about_p_and_the_same_for_the_same_push():
+    ids = np.arange(20_000, dtype=np.int64)
+    first = Admission(probability=0.25).admit(ids, update=5)
+    again = Admission(probability=0.25).admit(ids, update=5)
+    assert 0.23 < first.mean() < 0.27 and (first == again).all()
+    assert (Admission(probability=0.25).admit(ids, update=6) != first).any()  # a later push: another chance
+
+
+def test_the_admission_counts_take_a_fixed_memory_whatever_the_number_of_candidates():
+    admission = Admission(after=5)
+    before = admission.nbytes
+    for start in range(0, 400_000, 100_000):
+        admission.admit(np.arange(start, start + 100_000, dtype=np.int64), update=start)
+    assert admission.nbytes == before == 4 * 65536 * 2
+    frequent = np.array([123_456_789], dtype=np.int64)
+    admitted_at = [bool(admission.admit(frequent, u)[0]) for u in range(5)]
+    assert admitted_at[-1] and not admitted_at[0]  # a crowded sketch may admit early, never late
+
+
+def test_a_sketch_with_room_counts_exactly():
+    admission = Admission(after=4)
+    admission.admit(np.arange(5_000, dtype=np.int64), update=0)
+    ids = np.array([5, 77, 4_999], dtype=np.int64)
+    assert [admission.admit(ids, u).tolist() for u in range(1, 4)] == [[False] * 3, [False] * 3, [True] * 3]
+
+
+# ----- eviction
+
+
+def test_rows_not_updated_for_ttl_steps_are_evicted_and_come_back_fresh():
+    shard = table(ttl_steps=8)
+    push(shard, [1, 2], 0)
+    for update in range(1, 20):
+        push(shard, [1], update)  # 1 stays fresh, 2 is never touched again
+    assert len(shard) == 1 and shard.status()["evicted"] == 1
+    assert value(shard, 2) == 0.0  # back to its initial row
+    assert value(shard, 1) == -20.0  # every one of its updates, none lost
+    push(shard, [2], 20)
+    assert value(shard, 2) == -1.0
+
+
+def test_a_capacity_keeps_the_most_recently_updated_rows_and_their_values():
+    shard = table(max_rows=100)
+    expected: dict[int, float] = {}
+    for update in range(300):
+        hot, cold = update % 10, 1000 + update  # ten hot ids every step, one new cold id each step
+        push(shard, [hot, cold], update)
+        expected[hot] = expected.get(hot, 0.0) - 1.0
+        assert len(shard) <= 100
+    for hot in range(10):
+        assert value(shard, hot) == expected[hot]  # never evicted, every update there once
+    recent = [1000 + u for u in range(290, 300)]
+    assert all(value(shard, i) == -1.0 for i in recent)
+    assert value(shard, 1000) == 0.0  # the oldest cold row went
+    assert shard.status()["evicted"] == 300 + 10 - len(shard)
+
+
+def test_eviction_never_takes_the_rows_of_the_push_being_applied():
+    shard = table(max_rows=4)
+    push(shard, [1, 2, 3, 4], 0)
+    push(shard, [1, 5], 1)  # needs room for 5: 1 is in this push, so 2, 3 or 4 go
+    assert value(shard, 1) == -2.0 and value(shard, 5) == -1.0 and len(shard) <= 4
+
+
+def test_a_checkpoint_of_an_evicting_table_restores_its_rows_and_their_ages():
+    shard = table(ttl_steps=10)
+    push(shard, [1, 2, 3], 0)
+    push(shard, [1], 6)
+    state = shard.state()
+    assert state.slots[LAST_UPDATE].tolist() == [6, 0, 0]
+    restored = table(ttl_steps=10)
+    restored.load(state, update=6)
+    push(restored, [], 12)  # 2 and 3 are now 12 updates old, 1 only 6
+    assert sorted(restored.state().ids.tolist()) == [1] and value(restored, 1) == -2.0
+
+
+def test_rows_of_a_checkpoint_without_ages_count_as_updated_at_the_restore():
+    saved = table().state()
+    shard = table()
+    push(shard, [4, 5], 0)
+    old = shard.state()
+    old.slots.pop(LAST_UPDATE)
+    restored = table(ttl_steps=5)
+    restored.load(old, update=100)
+    push(restored, [], 103)
+    assert len(restored) == 2 and saved.ids.numel() == 0
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"admit_after": 0}, "admit_after=0 must be an integer of at least 1"),
+    ({"admit_probability": 0.0}, "admit_probability=0.0 must be in (0, 1]"),
+    ({"ttl_steps": -1}, "ttl_steps=-1 must be an integer of at least 1"),
+    ({"max_rows": 2.5}, "max_rows=2.5 must be an integer"),
+    ({"max_rows": 10, "num_rows": 100}, "admission and eviction are for growing tables")])
+def test_bad_lifecycle_settings_are_refused(options, words):
+    with pytest.raises(InvalidArgumentError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        TableSpec("t", 2, SGD, **options)
+
+
+def test_the_settings_travel_to_the_ps_and_back():
+    spec = TableSpec("t", 2, SGD, admit_after=3, admit_probability=0.1, ttl_steps=100, max_rows=5000)
+    assert TableSpec.from_meta(spec.to_meta()) == spec
+
+
+# ----- the ps's memory budget, through the store
+
+
+def budget_store(budget: int) -> VariableStore:
+    store = VariableStore(task="/job:ps/task:0", memory_budget=budget)
+    store.initialize({}, OptimizerSpec("sgd", {"lr": 1.0}), tables=[
+        TableSpec("a", 16, SGD, initializer=ZERO), TableSpec("b", 4, SGD, initializer=ZERO)])
+    return store
+
+
+def test_the_tables_stay_within_the_memory_budget_and_recent_rows_stay():
+    budget = 2 << 20
+    store = budget_store(budget)
+    for step in range(120):
+        ids = torch.arange(step * 500, (step + 1) * 500, dtype=torch.int64)  # 500 new ids per table per step
+        store.apply({ids_key("a"): ids, grads_key("a"): torch.ones(500, 16),
+                     ids_key("b"): ids, grads_key("b"): torch.ones(500, 4)}, advance_step=True,
+                    origin=Origin(0, 0, step + 1))
+        tables = store.status().tables
+        assert tables["a"]["bytes"] + tables["b"]["bytes"] <= budget
+    tables = store.status().tables
+    assert tables["a"]["evicted"] > 0 and tables["b"]["evicted"] > 0
+    rows, _ = store.lookup({"a": torch.tensor([119 * 500, 0])})
+    assert rows["a"][0, 0] == -1.0 and rows["a"][1, 0] == 0.0  # the newest row is there, the oldest went
+
+
+def test_a_resent_push_neither_counts_towards_admission_twice_nor_applies_twice():
+    store = VariableStore(task="/job:ps/task:0")
+    store.initialize({}, OptimizerSpec("sgd", {"lr": 1.0}), tables=[
+        TableSpec("a", 2, SGD, initializer=ZERO, admit_after=2)])
+    one = {ids_key("a"): torch.tensor([9]), grads_key("a"): torch.ones(1, 2)}
+    store.apply(one, advance_step=True, origin=Origin(0, 0, 1))
+    store.apply(one, advance_step=True, origin=Origin(0, 0, 1))  # its reply was lost: sent again
+    assert store.status().tables["a"]["rows"] == 0  # counted once: not yet admitted
+    store.apply(one, advance_step=True, origin=Origin(0, 0, 2))
+    rows, _ = store.lookup({"a": torch.tensor([9])})
+    assert store.status().tables["a"]["rows"] == 1 and rows["a"][0, 0] == -1.0
+
+
+def test_the_memory_budget_flag_takes_sizes_and_names_a_bad_one():
+    import argparse
+
+    from tensorfleet.cluster.spec import ClusterSpecError, add_cluster_flags, memory_budget_from_flags
+    parser = argparse.ArgumentParser()
+    add_cluster_flags(parser)
+    assert memory_budget_from_flags(parser.parse_args(["--ps_memory_budget", "1.5GiB"]), {}) == 3 * 2 ** 29
+    assert memory_budget_from_flags(parser.parse_args([]), {"TENSORFLEET_PS_MEMORY_BUDGET": "500MB"}) == 5 * 10 ** 8
+    assert memory_budget_from_flags(parser.parse_args([]), {}) is None
+    with pytest.raises(ClusterSpecError, match="--ps_memory_budget='lots' is not a size"):
+        memory_budget_from_flags(parser.parse_args(["--ps_memory_budget", "lots"]), {})
