@@ -157,8 +157,10 @@ def test_embedding_tables_rows_per_shard_rate_and_unique_ids(sharded, clock):
         return {"ps:0": (100 * t, 10 * t), "ps:1": (50 * t, 20 * t)}
 
     picture = answer(sharded, clock, 1, tables_round(10, created(1)))
-    assert task(picture, "ps:1")["tables"] == {"users": {"rows": 1050, "bytes": 64 * 1050, "rows_per_sec": None},
-                                               "items": {"rows": 520, "bytes": 64 * 520, "rows_per_sec": None}}
+    shown = {table: {k: fields[k] for k in ("rows", "bytes", "rows_per_sec")}
+             for table, fields in task(picture, "ps:1")["tables"].items()}
+    assert shown == {"users": {"rows": 1050, "bytes": 64 * 1050, "rows_per_sec": None},
+                     "items": {"rows": 520, "bytes": 64 * 520, "rows_per_sec": None}}
     assert picture["job"]["table_rows"] == 1100 + 510 + 1050 + 520
     assert picture["job"]["rows_per_sec"] is None  # one poll: no rate yet
     assert [task(picture, name)["unique_ids"] for name in ("ps:0", "worker:0", "worker:1")] == [None, 300, 280]
@@ -294,7 +296,9 @@ def test_junk_tables_are_tolerated(sharded, clock, tables):
         answers["ps:1"]["tables"] = tables
         picture = answer(sharded, clock, t, answers)
     shown = task(picture, "ps:1")["tables"]
-    assert shown is None or shown == {"users": {"rows": None, "bytes": None, "rows_per_sec": None}}, shown
+    assert shown is None or shown == {"users": {"rows": None, "bytes": None, "rows_per_sec": None, "admitted": None,
+                                                "refused_updates": None, "evicted": None, "row_updates": None,
+                                                "lookups": None, "traffic_share": None}}, shown
     assert picture["job"]["table_rows"] == 1000 + 500 + 100 * 5 + 10 * 5  # ps:0's alone
     assert picture["job"]["rows_per_sec"] == pytest.approx(110)
     assert "table rows" in progress_line(picture)
@@ -306,3 +310,15 @@ def test_a_final_status_that_is_not_an_object_is_an_empty_answer(monitor, clock)
     picture = answer(monitor, clock, 0, {"ps:0": ["not", "a", "dict"], "worker:0": "abc", "worker:1": None})
     assert picture["job"]["global_step"] == 0 and set(states(picture).values()) == {"running"}
     assert progress_line(picture) == "step 0 | 3/3 tasks running"
+
+
+def test_each_shards_admissions_evictions_and_part_of_the_traffic_show_a_hot_shard(sharded, clock):
+    answers = tables_round(10, {"ps:0": (5, 5), "ps:1": (5, 5)})
+    for name, (updates, lookups, evicted) in {"ps:0": (9000, 18000, 40), "ps:1": (1000, 2000, 0)}.items():
+        answers[name]["tables"]["users"].update(row_updates=updates, lookups=lookups, evicted=evicted,
+                                                admitted=300, refused_updates=1200)
+    picture = answer(sharded, clock, 1, answers)
+    hot, cold = task(picture, "ps:0")["tables"]["users"], task(picture, "ps:1")["tables"]["users"]
+    assert (hot["traffic_share"], cold["traffic_share"]) == pytest.approx((0.9, 0.1))
+    assert (hot["evicted"], hot["admitted"], hot["refused_updates"]) == (40, 300, 1200)
+    assert task(picture, "ps:0")["tables"]["items"]["traffic_share"] is None  # no traffic counted anywhere

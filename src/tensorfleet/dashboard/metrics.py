@@ -142,6 +142,21 @@ class PictureCollector:
             "rows_per_sec": GaugeMetricFamily(
                 "tensorfleet_table_rows_created_per_second",
                 "Rows of the embedding table that the ps shard creates per second.", labels=_TABLE_LABELS),
+            "admitted": CounterMetricFamily(
+                "tensorfleet_table_admitted", "New ids the ps shard gave a row (admission).", labels=_TABLE_LABELS),
+            "refused_updates": CounterMetricFamily(
+                "tensorfleet_table_refused_updates", "Row gradients the ps shard dropped: their id was not "
+                "admitted yet.", labels=_TABLE_LABELS),
+            "evicted": CounterMetricFamily(
+                "tensorfleet_table_evicted", "Rows the ps shard evicted (TTL, max_rows, memory budget).",
+                labels=_TABLE_LABELS),
+            "traffic_share": GaugeMetricFamily(
+                "tensorfleet_table_traffic_share", "The ps shard's part of the table's row updates and lookups "
+                "since it started (a hot shard is far above 1 / shards).", labels=_TABLE_LABELS),
+            "row_updates": CounterMetricFamily(
+                "tensorfleet_table_row_updates", "Row gradients the ps shard applied.", labels=_TABLE_LABELS),
+            "lookups": CounterMetricFamily(
+                "tensorfleet_table_lookups", "Ids the ps shard was asked for.", labels=_TABLE_LABELS),
         }
         unique_ids = GaugeMetricFamily(
             "tensorfleet_unique_ids", "Unique ids (all embedding tables) in the worker's last push.",

@@ -394,7 +394,8 @@ class FleetMonitor:
                     "exit_code": record.exit_code if record is not None else None,
                     # embedding tables: a ps's rows per table, a worker's unique ids in its last push
                     "tables": {table: {"rows": fields.get("rows"), "bytes": fields.get("bytes"),
-                                       "rows_per_sec": rates["rows"].get((name, table))}
+                                       "rows_per_sec": rates["rows"].get((name, table)),
+                                       **{key: fields.get(key) for key in _LIFECYCLE_FIELDS}}
                                for table, fields in tables.items()} or None,
                     "unique_ids": None if is_ps else status.get("unique_ids"),
                 })
@@ -405,6 +406,7 @@ class FleetMonitor:
                    else None)
             dropped = max((s.get("dropped_stale") or 0 for name, s in statuses.items() if name in self._ps),
                           default=0)
+            _add_traffic_shares(tasks)
             mode = self.mode or ps0.get("mode")
             table_rows = [fields["rows"] for t in tasks for fields in (t["tables"] or {}).values()
                           if fields["rows"] is not None]
@@ -416,6 +418,22 @@ class FleetMonitor:
                    "table_rows": sum(table_rows) if table_rows else None,
                    "rows_per_sec": sum(rates["rows"].values()) if rates["rows"] else None}
             return {"job": job, "tasks": tasks, "history": list(self._history)}
+
+
+def _add_traffic_shares(tasks: list[dict[str, Any]]) -> None:
+    """Each shard's part of its table's traffic (row updates and lookups since start): a hot shard, one far
+    above 1 / shards, shows."""
+    traffic: dict[tuple[str, str], int] = {}
+    for task in tasks:
+        for table, fields in (task["tables"] or {}).items():
+            traffic[(task["name"], table)] = (fields.get("row_updates") or 0) + (fields.get("lookups") or 0)
+    totals: dict[str, int] = {}
+    for (_, table), count in traffic.items():
+        totals[table] = totals.get(table, 0) + count
+    for task in tasks:
+        for table, fields in (task["tables"] or {}).items():
+            total = totals.get(table, 0)
+            fields["traffic_share"] = traffic[(task["name"], table)] / total if total else None
 
 
 def _count(value: Any) -> int | None:
@@ -455,7 +473,8 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "state": (_text, f"a string of at most {MAX_TEXT} characters"),
     "mode": (_mode, " or ".join(repr(mode) for mode in MODES)),
 }
-_TABLE_FIELDS = ("rows", "bytes", "rows_created")
+_LIFECYCLE_FIELDS = ("admitted", "refused_updates", "evicted", "row_updates", "lookups")
+_TABLE_FIELDS = ("rows", "bytes", "rows_created", "admitted", "refused_updates", "evicted", "row_updates", "lookups")
 
 
 def progress_line(picture: dict[str, Any]) -> str:

@@ -60,6 +60,8 @@ class EmbeddingShard:
         self.admission = Admission(spec.admit_after, spec.admit_probability)
         self.rows_created = 0  # since start (a restore's rows are loaded, not created)
         self.evicted = 0  # rows evicted since start
+        self.row_updates = 0  # row gradients applied since start: with lookups, the shard's traffic
+        self.lookups = 0  # ids looked up since start
         self._next_sweep = spec.ttl_steps  # the update at which rows past their TTL are looked for next
 
     def _empty_storage(self) -> tuple[GrowingRows, dict[str, GrowingRows], GrowingRows]:
@@ -104,6 +106,7 @@ class EmbeddingShard:
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The current rows of ``ids`` (a new tensor); initial values for ids never updated."""
+        self.lookups += ids.numel()
         rows = torch.from_numpy(self._map.find(ids.numpy()))
         known = rows >= 0
         if bool(known.all()):
@@ -124,6 +127,7 @@ class EmbeddingShard:
             rows = self._rows_for(ids)
             self._update(rows, grads, lr)
             self._updated.tensor[rows] = update
+            self.row_updates += ids.numel()
 
     def sweep(self, update: int) -> None:
         """After update ``update`` (this table pushed to or not): evict the rows past their TTL, if a sweep
@@ -278,7 +282,7 @@ class EmbeddingShard:
     def status(self) -> dict[str, float]:
         return {"rows": len(self), "rows_created": self.rows_created, "bytes": self.nbytes,
                 "admitted": self.admission.admitted, "refused_updates": self.admission.refused_updates,
-                "evicted": self.evicted, **{f"bytes_per_row_{k}": v for k, v in self.bytes_per_row().items()}}
+                "evicted": self.evicted, "row_updates": self.row_updates, "lookups": self.lookups, **{f"bytes_per_row_{k}": v for k, v in self.bytes_per_row().items()}}
 
 
 def unique_ids_error(ids: torch.Tensor) -> str | None:

@@ -63,6 +63,7 @@
   const formatAge = (value) => (isNumber(value) ? `${value.toFixed(1)} s` : DASH);
   const megabytesFormat = new Intl.NumberFormat("en-US", { minimumFractionDigits: 1, maximumFractionDigits: 1 });
   const formatMegabytes = (bytes) => (isNumber(bytes) ? megabytesFormat.format(bytes / 1e6) : DASH);
+  const formatShare = (share) => (isNumber(share) ? `${(100 * share).toFixed(1)} %` : DASH);
   const stateClass = (state) => `badge state-${KNOWN_STATES.has(state) ? state : "unknown"}`;
 
   // ---- header -------------------------------------------------------------------------------
@@ -198,6 +199,10 @@
     { field: "rows", format: formatInteger, numeric: true },
     { field: "bytes", format: formatMegabytes, numeric: true },
     { field: "rows_per_sec", format: formatRate, numeric: true },
+    { field: "traffic_share", format: formatShare, numeric: true },
+    { field: "admitted", format: formatInteger, numeric: true },
+    { field: "refused_updates", format: formatInteger, numeric: true },
+    { field: "evicted", format: formatInteger, numeric: true },
   ];
 
   const tableRows = new Map(); // "table\0task" -> <tr>, updated in place as the task rows are
