@@ -23,7 +23,8 @@ BIND_ATTEMPTS = 3
 
 @contextlib.contextmanager
 def ps_servers(num_ps: int = 1, num_workers: int = 1, *,
-               options: WireOptions | None = None) -> Iterator[tuple[ClusterSpec, list[Server]]]:
+               options: WireOptions | None = None,
+               memory_budget: int | None = None) -> Iterator[tuple[ClusterSpec, list[Server]]]:
     """Start ``num_ps`` ps servers in this process on free ports; stop them on exit.
 
     A port found free can be taken by another process before the server binds it (the suite
@@ -34,7 +35,8 @@ def ps_servers(num_ps: int = 1, num_workers: int = 1, *,
         servers: list[Server] = []
         try:
             for i in range(num_ps):
-                servers.append(Server(cluster, job_name="ps", task_index=i, options=options or WireOptions()))
+                servers.append(Server(cluster, job_name="ps", task_index=i, options=options or WireOptions(),
+                                      memory_budget=memory_budget))
             break
         except UnavailableError:
             for server in servers:
