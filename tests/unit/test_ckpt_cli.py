@@ -47,7 +47,7 @@ def checkpoint_dir(tmp_path):
 
 def test_ls_lists_every_checkpoint_with_its_step_and_marks_the_latest(checkpoint_dir):
     lines = ckpt.list_text(checkpoint_dir).splitlines()
-    assert lines[0].split() == ["checkpoint", "global", "step", "size", "saved"]
+    assert lines[0].split() == ["checkpoint", "global", "step", "size", "saved", "kind"]
     assert [line.split()[:2] for line in lines[1:]] == [["model.ckpt-2.safetensors", "2"],
                                                         ["model.ckpt-3.safetensors", "3"]]
     assert not lines[1].endswith("(latest)") and lines[2].endswith("(latest)")
@@ -99,7 +99,7 @@ def test_a_manifest_naming_anything_but_a_checkpoint_file_is_refused(checkpoint_
     shutil.copy(checkpoint_dir / "model.ckpt-3.safetensors", outside)  # a readable file: it must not be read
     crafted = str(outside) if crafted == "ABSOLUTE" else crafted
     (checkpoint_dir / "checkpoint.json").write_text(json.dumps({"latest": crafted, "all": [crafted]}))
-    refused = f"{crafted!r:<32}{'?':>12}{'refused':>12}  not a checkpoint file name"
+    refused = f"{crafted!r:<38}{'?':>12}{'refused':>12}  not a checkpoint file name"
     assert ckpt.list_text(checkpoint_dir).splitlines()[1] == refused
     with pytest.raises(DataError, match="as the latest checkpoint: not a checkpoint file name"):
         ckpt.show_text(checkpoint_dir)

@@ -199,3 +199,30 @@ def test_the_memory_budget_flag_takes_sizes_and_names_a_bad_one():
     assert memory_budget_from_flags(parser.parse_args([]), {}) is None
     with pytest.raises(ClusterSpecError, match="--ps_memory_budget='lots' is not a size"):
         memory_budget_from_flags(parser.parse_args(["--ps_memory_budget", "lots"]), {})
+
+
+# ----- what a delta checkpoint is made of
+
+
+def test_a_delta_holds_the_rows_changed_and_the_ids_evicted_since_an_update():
+    shard = table(max_rows=4)
+    push(shard, [1, 2, 3, 4], 0)
+    push(shard, [1], 5)
+    push(shard, [9, 1], 6)  # room for 9: the oldest rows go
+    rows, evicted = shard.delta_state(5)
+    assert sorted(rows.ids.tolist()) == [1, 9] and rows.slots[LAST_UPDATE].tolist() == [6, 6]
+    assert set(evicted.tolist()) <= {2, 3, 4} and len(shard) + evicted.numel() == 5
+
+
+def test_a_delta_from_before_the_kept_evictions_is_refused_and_the_store_saves_whole(monkeypatch):
+    import tensorfleet.ps.table as table_module
+    monkeypatch.setattr(table_module, "EVICTION_LOG_IDS", 3)
+    store = VariableStore(task="/job:ps/task:0")
+    store.initialize({}, OptimizerSpec("sgd", {"lr": 1.0}), tables=[TableSpec("a", 2, SGD, initializer=ZERO,
+                                                                              max_rows=2)])
+    for step in range(6):  # every push evicts: the log keeps the latest evictions only
+        store.apply({ids_key("a"): torch.tensor([10 * step, 10 * step + 1]), grads_key("a"): torch.ones(2, 2)},
+                    advance_step=True, origin=Origin(0, 0, step + 1))
+    assert store.snapshot(since=1).since is None  # evictions of update 1 are forgotten: whole
+    recent = store.snapshot(since=5)
+    assert recent.since == 5 and recent.tables["a"].ids.numel() == 2 and recent.evicted["a"].numel() == 2

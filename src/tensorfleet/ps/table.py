@@ -48,6 +48,7 @@ from tensorfleet.ps.rows import GrowingRows
 
 LAST_UPDATE = "last_update"  # the per-row slot (in checkpoints) saying which update last changed the row
 EVICT_TO = 0.9  # a capacity eviction leaves this fraction of max_rows: evictions come in batches
+EVICTION_LOG_IDS = 10_000_000  # evicted ids kept per table and shard for delta checkpoints (80 MB)
 
 
 class EmbeddingShard:
@@ -63,6 +64,11 @@ class EmbeddingShard:
         self.row_updates = 0  # row gradients applied since start: with lookups, the shard's traffic
         self.lookups = 0  # ids looked up since start
         self._next_sweep = spec.ttl_steps  # the update at which rows past their TTL are looked for next
+        self._now = 0  # the update being applied (evictions are logged with it)
+        # Evictions since the oldest delta a checkpoint may still ask for: (update, ids), oldest first, at most
+        # EVICTION_LOG_IDS ids; a delta since before ``_log_from`` cannot be told (the chief then saves whole).
+        self._evictions: list[tuple[int, np.ndarray]] = []
+        self._log_from = 0
 
     def _empty_storage(self) -> tuple[GrowingRows, dict[str, GrowingRows], GrowingRows]:
         return (GrowingRows((self.spec.dim,), self.spec.dtype),
@@ -121,6 +127,7 @@ class EmbeddingShard:
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float, update: int = 0) -> None:
         """Update number ``update`` of the rows of ``ids`` (unique, checked by the caller) with ``grads`` (one
         row each): new ids only if admitted, room made under ``max_rows`` first."""
+        self._now = update
         if ids.numel():
             ids, grads = self._admitted(ids, grads, update)
         if ids.numel():
@@ -132,6 +139,7 @@ class EmbeddingShard:
     def sweep(self, update: int) -> None:
         """After update ``update`` (this table pushed to or not): evict the rows past their TTL, if a sweep
         is due (every quarter of the TTL, so a row lingers at most 1.25 x ``ttl_steps``)."""
+        self._now = update
         if self.spec.ttl_steps is not None and update >= self._next_sweep:
             self.evict_before(update - self.spec.ttl_steps)
             self._next_sweep = update + max(1, self.spec.ttl_steps // 4)
@@ -239,11 +247,40 @@ class EmbeddingShard:
         keep[rows] = False
         survivors = np.flatnonzero(keep)
         ids, _ = self._map.items()
+        self._log_evictions(ids[~keep])
         for storage in (self._values, *self._slots.values(), self._updated):
             storage.keep(survivors)
         self._map = IdMap(int(survivors.size / 0.5))
         self._map.insert(ids[survivors])
         self.evicted += rows.size
+
+    def _log_evictions(self, ids: np.ndarray) -> None:
+        self._evictions.append((self._now, ids.copy()))
+        logged = sum(entry.size for _, entry in self._evictions)
+        while logged > EVICTION_LOG_IDS and len(self._evictions) > 1:
+            update, dropped = self._evictions.pop(0)
+            logged -= dropped.size
+            self._log_from = update + 1
+
+    # --- delta checkpoints ------------------------------------------------------------------------
+
+    def delta_state(self, since: int) -> tuple[TableState, torch.Tensor] | None:
+        """The rows updated at or after update ``since`` and the ids evicted since then (for a delta
+        checkpoint); None when evictions that far back were not kept (``EVICTION_LOG_IDS``): save whole.
+        Evictions before ``since`` are forgotten: no delta will ask for them again (a chain's next delta
+        starts where its last file ends)."""
+        if since < self._log_from:
+            return None
+        self._evictions = [(update, ids) for update, ids in self._evictions if update >= since]
+        self._log_from = since
+        changed = np.flatnonzero(self.last_updates() >= since)
+        ids, _ = self._map.items()
+        index = torch.from_numpy(changed)
+        slots = {name: slot.tensor[index].clone() for name, slot in self._slots.items()}
+        slots[LAST_UPDATE] = self._updated.tensor[index].clone()
+        rows = TableState(torch.from_numpy(ids[changed].copy()), self._values.tensor[index].clone(), slots)
+        evicted = np.concatenate([ids for _, ids in self._evictions]) if self._evictions else np.empty(0, np.int64)
+        return rows, torch.from_numpy(evicted.astype(np.int64))
 
     # --- checkpoints ------------------------------------------------------------------------------
 

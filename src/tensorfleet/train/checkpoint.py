@@ -12,8 +12,18 @@ to every part) and sends each table row to the shard its id hashes to now.
 
 Files, in ``DIR``::
 
-    model.ckpt-<step>.safetensors     one per checkpoint
-    checkpoint.json                   manifest: {"latest": ..., "all": [...]} (oldest first)
+    model.ckpt-<step>.safetensors         a full checkpoint
+    model.ckpt-<step>.delta.safetensors   a delta: the rows changed since its base (metadata "base")
+    checkpoint.json                       manifest: {"latest": ..., "all": [...]} (oldest first)
+
+Delta checkpoints (``Checkpointer(full_every=N)``): a full checkpoint, then deltas holding, of each
+embedding table, only the rows updated since the previous file of the chain and the ids evicted since
+(``table/<name>/evicted``); dense variables ride along whole. Loading a delta loads its chain: the
+full checkpoint, then each delta in order (evicted ids removed, changed rows replaced or added), so a
+row evicted after an older file is not resurrected. Each shard tells which rows changed by their last
+update (``ps/table.py``), so a delta is only taken on the timeline its chain was saved from: the same ps
+processes, no restore in between (``ShardState.epoch``), the same number of ps; otherwise it is full.
+Old files go (``max_to_keep`` counts files) only when no kept file's chain needs them.
 
 Every file is written to a temporary name, flushed to disk and renamed, and the
 manifest is written last, so a crash at any moment leaves the previous
@@ -33,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_bytes
@@ -43,7 +54,7 @@ from tensorfleet.cluster.placement import Part, Placement
 from tensorfleet.errors import DataError, InvalidArgumentError
 from tensorfleet.ps.api import ShardState, TableState
 from tensorfleet.train.manifest import (FORMAT, MANIFEST, checkpoint_name, foreign_names, is_checkpoint_name,
-                                        latest_checkpoint, parse_header, read_manifest)
+                                        latest_checkpoint, parse_header, read_header, read_manifest)
 from tensorfleet.train.manifest import list_checkpoints  # noqa: F401 (re-exported: part of this module's API)
 from tensorfleet.worker.embedding import tables_of
 from tensorfleet.worker.protocol import TrainingReplica
@@ -85,7 +96,28 @@ def gather(placement: Placement, shards: list[ShardState]) -> ShardState:
     names = sorted({name for shard in shards for name in shard.tables})
     tables = {name: TableState.concat([shard.tables[name] for shard in shards if name in shard.tables])
               for name in names}
-    return ShardState(values, slots, averages or None, shards[0].global_step, shards[0].applied_updates, tables)
+    delta = all(shard.since is not None for shard in shards)
+    evicted = {name: torch.cat([shard.evicted.get(name, torch.empty(0, dtype=torch.int64)) for shard in shards])
+               for name in names} if delta else {}
+    return ShardState(values, slots, averages or None, shards[0].global_step, shards[0].applied_updates, tables,
+                      evicted, shards[0].since if delta else None)
+
+
+def apply_delta(base: ShardState, delta: ShardState) -> ShardState:
+    """``base`` brought forward by ``delta``: its dense state whole, and of each table the evicted ids removed,
+    the changed rows replaced or added."""
+    tables = {}
+    for name in sorted(set(base.tables) | set(delta.tables)):
+        old, new = base.tables.get(name), delta.tables.get(name)
+        gone = [ids for ids in (delta.evicted.get(name), new.ids if new is not None else None) if ids is not None]
+        if old is None:
+            tables[name] = new
+            continue
+        if gone:
+            stale = np.isin(old.ids.numpy(), torch.cat(gone).numpy())
+            old = old.select(torch.from_numpy(~stale))
+        tables[name] = TableState.concat([old, new]) if new is not None else old
+    return ShardState(delta.values, delta.slots, delta.averages, delta.global_step, delta.applied_updates, tables)
 
 
 def split(state: ShardState, placement: Placement, num_ps: int, *, sync: bool) -> list[ShardState]:
@@ -147,22 +179,68 @@ def _part_shape(part: Part, full: torch.Tensor) -> torch.Size:
 
 # --- files -------------------------------------------------------------------------------------
 
-def save(directory: str | Path, state: ShardState, *, info: Mapping[str, Any], max_to_keep: int = 5) -> Path:
-    """Write ``state`` as ``model.ckpt-<step>`` in ``directory`` atomically; keep the newest ``max_to_keep``."""
+def save(directory: str | Path, state: ShardState, *, info: Mapping[str, Any], max_to_keep: int = 5,
+         base: str | None = None) -> Path:
+    """Write ``state`` as ``model.ckpt-<step>`` in ``directory`` atomically (a delta on ``base``, a file of the
+    directory, when given); keep the newest ``max_to_keep`` files and every file their chains need."""
     if max_to_keep < 1:
         raise InvalidArgumentError(f"max_to_keep={max_to_keep} must be at least 1")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    name = checkpoint_name(state.global_step)
+    name = checkpoint_name(state.global_step, delta=base is not None)
+    if base is not None and (base == name or not is_checkpoint_name(base)):
+        raise InvalidArgumentError(f"a delta checkpoint's base must be another checkpoint file, got {base!r}")
     metadata = {"format": FORMAT, "global_step": str(state.global_step),
                 "applied_updates": str(state.applied_updates), "saved_at": f"{time.time():.3f}",
-                "info": json.dumps(dict(info))}
+                "info": json.dumps(dict(info)), "base": base or ""}
     tensors = {key: value.contiguous() for key, value in state.flatten().items()}
     _write_atomically(directory / name, save_bytes(tensors, metadata=metadata))
-    kept = [n for n in _previous_names(directory) if n != name and (directory / n).exists()] + [name]
-    dropped, kept = kept[:-max_to_keep], kept[-max_to_keep:]
+    previous = [n for n in _previous_names(directory) if n != name and (directory / n).exists()] + [name]
+    needed = set(previous[-max_to_keep:])
+    for kept in previous[-max_to_keep:]:
+        needed.update(path.name for path in chain(directory / kept)[:-1])
+    kept = [n for n in previous if n in needed]
     _write_atomically(directory / MANIFEST, json.dumps({"latest": name, "all": kept}, indent=1).encode())
-    for old in dropped:
+    for old in previous:
+        if old not in needed:
+            (directory / old).unlink(missing_ok=True)
+    return directory / name
+
+
+def chain(path: Path) -> list[Path]:
+    """The files to load for checkpoint ``path``, oldest first: its full checkpoint, then each delta up to it.
+    Reads headers only; DataError for a base that is missing or not a checkpoint file of the directory."""
+    files = [path]
+    while True:
+        base = read_header(files[0]).get("__metadata__", {}).get("base") or None
+        if base is None:
+            return files
+        if not is_checkpoint_name(base) or len(files) > 100_000:
+            raise DataError(f"{files[0]} names {base!r:.100} as its base: not a checkpoint file of its directory")
+        files.insert(0, path.parent / base)
+
+
+def compact_latest(directory: str | Path) -> Path:
+    """Write the latest checkpoint's whole state (its chain summed) as a full checkpoint, name it latest, and
+    delete the chain's files (``tensorfleet ckpt compact``)."""
+    directory = Path(directory)
+    latest = latest_checkpoint(directory)
+    if latest is None:
+        raise DataError(f"{directory} holds no checkpoint (no {MANIFEST})")
+    files = chain(latest)
+    merged = load(latest)
+    info = {**merged.info, "chain_length": 0}
+    info.pop("saved_at", None)
+    name = checkpoint_name(merged.global_step)
+    metadata = {"format": FORMAT, "global_step": str(merged.global_step),
+                "applied_updates": str(merged.state.applied_updates), "saved_at": f"{time.time():.3f}",
+                "info": json.dumps(info), "base": ""}
+    tensors = {key: value.contiguous() for key, value in merged.state.flatten().items()}
+    _write_atomically(directory / name, save_bytes(tensors, metadata=metadata))
+    replaced = {f.name for f in files} - {name}
+    kept = [n for n in _previous_names(directory) if n not in replaced and n != name] + [name]
+    _write_atomically(directory / MANIFEST, json.dumps({"latest": name, "all": kept}, indent=1).encode())
+    for old in replaced:
         (directory / old).unlink(missing_ok=True)
     return directory / name
 
@@ -198,13 +276,25 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 def load(path: str | Path) -> Checkpoint:
-    """Load a checkpoint file, or the latest one when ``path`` is a directory; raise DataError if damaged."""
+    """Load a checkpoint file (a delta: with its chain), or the latest one when ``path`` is a directory; raise
+    DataError if damaged."""
     path = Path(path)
     if path.is_dir():
         latest = latest_checkpoint(path)
         if latest is None:
             raise DataError(f"{path} holds no checkpoint (no {MANIFEST})")
         path = latest
+    files = chain(path)
+    loaded = _load_file(files[0])
+    state = loaded.state
+    for delta in files[1:]:
+        loaded = _load_file(delta)
+        state = apply_delta(state, loaded.state)
+    return Checkpoint(path, state, loaded.info)
+
+
+def _load_file(path: Path) -> Checkpoint:
+    """One file, as it is (a delta's rows and evicted ids, not yet applied to its base)."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -217,7 +307,8 @@ def load(path: str | Path) -> Checkpoint:
     if metadata.get("format") != FORMAT:
         raise DataError(f"{path} has format {metadata.get('format')!r}, expected {FORMAT!r}")
     state = ShardState.unflatten(tensors, global_step=int(metadata["global_step"]),
-                                 applied_updates=int(metadata["applied_updates"]))
+                                 applied_updates=int(metadata["applied_updates"]),
+                                 since=0 if metadata.get("base") else None)
     info = json.loads(metadata.get("info", "{}"))
     info["saved_at"] = float(metadata.get("saved_at", 0))
     return Checkpoint(path, state, info)
@@ -278,11 +369,15 @@ class Checkpointer:
         ...         saver.save(replica)
     """
 
-    def __init__(self, directory: str | Path, *, max_to_keep: int = 5) -> None:
+    def __init__(self, directory: str | Path, *, max_to_keep: int = 5, full_every: int = 1) -> None:
         if max_to_keep < 1:
             raise InvalidArgumentError(f"max_to_keep={max_to_keep} must be at least 1")
+        if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+            raise InvalidArgumentError(f"full_every={full_every!r} must be an integer of at least 1 (1: every "
+                                       "checkpoint whole; N: a full one, then N-1 deltas)")
         self.directory = Path(directory)
         self.max_to_keep = max_to_keep
+        self.full_every = full_every
 
     def start(self, replica: TrainingReplica) -> TrainingReplica:
         """Start ``replica``; the chief restores the latest checkpoint (if any) instead of initializing.
@@ -297,11 +392,34 @@ class Checkpointer:
         return replica.start(restore=restore)
 
     def save(self, replica: TrainingReplica) -> Path:
-        """Write every shard's state as one checkpoint named by the global step; return its path."""
-        whole = gather(replica.placement, replica.client.snapshot())
+        """Write every shard's state as one checkpoint named by the global step (a delta on the latest file when
+        ``full_every`` allows and the fleet is on the latest file's timeline); return its path."""
+        latest = latest_checkpoint(self.directory)
+        base = self._delta_base(latest, replica)
+        shards = replica.client.snapshot(since=base[1]) if base else replica.client.snapshot()
+        if base and any(shard.since is None or shard.epoch != epoch for shard, epoch in zip(shards, base[2])):
+            base, shards = None, replica.client.snapshot()  # a ps restarted or was restored: save it whole
+        whole = gather(replica.placement, shards)
+        if base and checkpoint_name(whole.global_step, delta=True) == base[0]:  # no step since the last delta
+            base, whole = None, gather(replica.placement, replica.client.snapshot())
         info = {"optimizer": replica.optimizer.to_meta(), "mode": replica.mode,
                 "sync": replica.sync.to_meta() if replica.sync else None, "average_decay": replica.average_decay,
                 "num_ps": replica.num_ps, "tables": [spec.to_meta() for spec in replica.client.tables.values()],
                 "placement": [{"name": p.name, "variable": p.variable, "shard": p.shard, "rows": p.rows}
-                              for p in replica.placement.parts]}
-        return save(self.directory, whole, info=info, max_to_keep=self.max_to_keep)
+                              for p in replica.placement.parts],
+                "shard_updates": [shard.applied_updates for shard in shards],
+                "epochs": [shard.epoch for shard in shards], "chain_length": base[3] + 1 if base else 0}
+        return save(self.directory, whole, info=info, max_to_keep=self.max_to_keep, base=base[0] if base else None)
+
+    def _delta_base(self, latest: Path | None, replica: TrainingReplica
+                    ) -> tuple[str, list[int], list[str], int] | None:
+        """(the base's file name, each shard's update count and epoch when it was saved, its chain's deltas)
+        if the next checkpoint may be a delta on ``latest``; else None."""
+        if self.full_every == 1 or latest is None:
+            return None
+        info = json.loads(read_header(latest).get("__metadata__", {}).get("info", "{}"))
+        updates, epochs, length = info.get("shard_updates"), info.get("epochs"), info.get("chain_length", 0)
+        if (info.get("num_ps") != replica.num_ps or not isinstance(updates, list) or not isinstance(epochs, list)
+                or len(updates) != replica.num_ps or len(epochs) != replica.num_ps or length + 1 >= self.full_every):
+            return None
+        return latest.name, updates, epochs, length

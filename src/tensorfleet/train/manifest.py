@@ -21,16 +21,22 @@ PREFIX = "model.ckpt-"
 SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 
-_NAME = re.compile(re.escape(PREFIX) + "[0-9]+" + re.escape(SUFFIX))
+DELTA = ".delta"
+
+_NAME = re.compile(re.escape(PREFIX) + "[0-9]+(" + re.escape(DELTA) + ")?" + re.escape(SUFFIX))
 
 
-def checkpoint_name(global_step: int) -> str:
-    """The file name of the checkpoint taken at ``global_step``."""
-    return f"{PREFIX}{global_step}{SUFFIX}"
+def checkpoint_name(global_step: int, *, delta: bool = False) -> str:
+    """The file name of the checkpoint taken at ``global_step`` (``.delta`` for a delta checkpoint)."""
+    return f"{PREFIX}{global_step}{DELTA if delta else ''}{SUFFIX}"
+
+
+def is_delta_name(name: str) -> bool:
+    return name.endswith(DELTA + SUFFIX)
 
 
 def is_checkpoint_name(name: Any) -> bool:
-    """True for a plain name the checkpointer writes (``model.ckpt-<step>.safetensors``).
+    """True for a plain name the checkpointer writes (``model.ckpt-<step>[.delta].safetensors``).
 
     A manifest is data: a crafted one must not make a reader open ``../x`` or ``/etc/...``.
     """
@@ -59,7 +65,7 @@ def foreign_names(names: list[Any]) -> list[Any]:
 def _damaged(directory: Path, name: Any, role: str) -> DataError:
     shown = repr(name) if len(repr(name)) <= 200 else repr(name)[:200] + "..."
     return DataError(f"{directory / MANIFEST} is damaged: it names {shown} {role}, not a checkpoint file name "
-                     f"(model.ckpt-<step>.safetensors in {directory}); nothing outside the directory is read")
+                     f"(model.ckpt-<step>[.delta].safetensors in {directory}); nothing outside the directory is read")
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:

@@ -176,17 +176,21 @@ class PsClient:
         return self.channels[0].call("Status")[0]["global_step"]
 
     @overload
-    def snapshot(self) -> list[ShardState]: ...
+    def snapshot(self, *, since: Sequence[int | None] | None = None) -> list[ShardState]: ...
     @overload
-    def snapshot(self, *, shards: Sequence[int]) -> dict[int, ShardState]: ...
+    def snapshot(self, *, shards: Sequence[int], since: Sequence[int | None] | None = None
+                 ) -> dict[int, ShardState]: ...
 
-    def snapshot(self, *, shards: Sequence[int] | None = None) -> list[ShardState] | dict[int, ShardState]:
+    def snapshot(self, *, shards: Sequence[int] | None = None,
+                 since: Sequence[int | None] | None = None) -> list[ShardState] | dict[int, ShardState]:
         """Every shard's whole state (values, optimizer slots, averages, counters, tables' rows), fetched
-        concurrently; with ``shards``, those shards' by index."""
+        concurrently; with ``shards``, those shards' by index. ``since`` (one entry per shard): ask shard s
+        for a delta since update ``since[s]`` (its ``since`` says whether it gave one)."""
         wanted = range(len(self.channels)) if shards is None else shards
-        futures = {s: self.channels[s].call_async("Snapshot") for s in wanted}
+        futures = {s: self.channels[s].call_async("Snapshot", {"since": since[s]} if since else {}) for s in wanted}
         states = {s: ShardState.unflatten(tensors, global_step=meta["global_step"],
-                                          applied_updates=meta["applied_updates"])
+                                          applied_updates=meta["applied_updates"], since=meta.get("since"),
+                                          epoch=meta.get("epoch", ""))
                   for s, (meta, tensors) in ((s, f.result()) for s, f in futures.items())}
         return list(states.values()) if shards is None else states
 

@@ -1,0 +1,121 @@
+"""Delta checkpoints of evicting tables on real ps servers: a chain loads to exactly what a full save holds,
+restores into another number of ps, is small, and starts over whole when the fleet's timeline changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorfleet.cluster.spec import TaskSpec
+from tensorfleet.errors import DataError
+from tensorfleet.ps.api import OptimizerSpec, RowInitializer
+from tensorfleet.testing.local_cluster import ps_servers
+from tensorfleet.train.checkpoint import Checkpointer, chain, gather, load, split
+from tensorfleet.train.manifest import read_manifest
+from tensorfleet.worker.embedding import EmbeddingTable
+from tensorfleet.worker.replica import Replica
+
+pytestmark = pytest.mark.cluster
+DIM = 4
+
+
+def model() -> torch.nn.ModuleDict:
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({
+        "t": EmbeddingTable("t", DIM, optimizer=OptimizerSpec("adagrad", {"lr": 0.1}),
+                            initializer=RowInitializer.normal(0.1, seed=3), max_rows=300),
+        "head": torch.nn.Linear(DIM, 1)})
+
+
+def train(replica: Replica, net: torch.nn.ModuleDict, steps: range, new: int = 40) -> None:
+    for step in steps:
+        ids = torch.cat([torch.arange(8), 10_000 + torch.arange(step * new, step * new + new)])  # 8 hot, the rest new
+        net["head"](net["t"](ids)).pow(2).mean().backward()
+        replica.push()
+
+
+def rows(state) -> dict[int, list[float]]:
+    table = state.tables["t"]
+    return {i: table.values[k].tolist() + table.slots["sum"][k].tolist()
+            for k, i in enumerate(table.ids.tolist())}
+
+
+def test_a_chain_of_deltas_loads_to_what_a_full_save_holds_and_restores_into_other_ps(tmp_path):
+    saver = Checkpointer(tmp_path / "ckpt", full_every=4, max_to_keep=2)
+    with ps_servers(num_ps=2) as (cluster, servers):
+        net = model()
+        with Replica(net, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1)) as replica:
+            paths = []
+            for block in range(6):
+                train(replica, net, range(block * 10, block * 10 + 10), new=40 if block < 5 else 0)
+                paths.append(saver.save(replica))
+                truth = gather(replica.placement, replica.client.snapshot())
+                restored = load(paths[-1]).state
+                assert rows(restored) == rows(truth)  # evicted rows gone, changed rows current
+                needed = {p.name for kept in paths[-2:] for p in chain(kept)}
+                assert set(read_manifest(tmp_path / "ckpt")["all"]) == needed  # a kept delta keeps its chain
+                assert restored.global_step == truth.global_step
+                assert torch.equal(restored.values["head.weight"], truth.values["head.weight"])
+            evicted = sum(server.status()["tables"]["t"]["evicted"] for server in servers)
+            assert evicted > 0
+    names = [p.name for p in paths]
+    assert [".delta." in n for n in names] == [False, True, True, True, False, True]
+    full, delta = paths[4].stat().st_size, paths[5].stat().st_size
+    assert delta < 0.1 * full  # the last block touched only the 8 hot rows of ~600
+    assert [p.name for p in chain(paths[5])] == names[4:]
+    kept = read_manifest(tmp_path / "ckpt")["all"]
+    assert kept == names[4:]  # the last 2: the newest full checkpoint and its delta; the older chain is gone
+    with pytest.raises(DataError, match="does not exist"):
+        load(tmp_path / "ckpt" / names[2])  # deleted with its chain's full file
+
+    with ps_servers(num_ps=3) as (cluster, servers):
+        net = model()
+        with Checkpointer(tmp_path / "ckpt").start(
+                Replica(net, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1))) as replica:
+            assert rows(gather(replica.placement, replica.client.snapshot())) == rows(load(paths[-1]).state)
+
+
+def test_a_restored_fleet_saves_whole_before_it_saves_deltas_again(tmp_path):
+    saver = Checkpointer(tmp_path / "ckpt", full_every=10)
+    with ps_servers(num_ps=2) as (cluster, servers):
+        net = model()
+        with Replica(net, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1)) as replica:
+            train(replica, net, range(0, 5))
+            first = saver.save(replica)
+            train(replica, net, range(5, 10))
+            second = saver.save(replica)
+            assert ".delta." in second.name
+            parts = split(load(first).state, replica.placement, 2, sync=False)
+            for server, part in zip(servers, parts):  # every shard rolled back (as after a lost ps): a new timeline
+                server.store.initialize(part.values, OptimizerSpec.sgd(lr=0.1), restore=part, force=True,
+                                        tables=list(replica.client.tables.values()))
+            train(replica, net, range(10, 12))
+            third = saver.save(replica)
+            assert ".delta." not in third.name
+            info = load(third).info
+            assert info["chain_length"] == 0 and len(info["epochs"]) == 2
+
+
+def test_ckpt_ls_shows_the_chain_and_compact_sums_it_into_one_full_checkpoint(tmp_path):
+    from tensorfleet.launch import ckpt
+
+    directory = tmp_path / "ckpt"
+    saver = Checkpointer(directory, full_every=5)
+    with ps_servers(num_ps=2) as (cluster, servers):
+        net = model()
+        with Replica(net, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1)) as replica:
+            paths = []
+            for block in range(3):
+                train(replica, net, range(block * 10, block * 10 + 10))
+                paths.append(saver.save(replica))
+    listed = ckpt.list_text(directory).splitlines()
+    assert listed[1].endswith("full") and listed[2].endswith(f"delta on {paths[0].name}")
+    assert listed[3].endswith(f"delta on {paths[1].name}  (latest)")
+    summed = rows(load(paths[-1]).state)
+    said = ckpt.compact(directory)
+    assert said.startswith("wrote model.ckpt-30.safetensors") and "the sum of 3 files" in said
+    assert read_manifest(directory)["all"] == ["model.ckpt-30.safetensors"]
+    assert not any(p.exists() for p in paths)
+    compacted = load(directory)
+    assert compacted.path.name == "model.ckpt-30.safetensors" and rows(compacted.state) == summed
+    assert ckpt.compact(directory).endswith("is a full checkpoint already: nothing to compact")
