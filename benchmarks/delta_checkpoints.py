@@ -1,0 +1,133 @@
+"""What a delta checkpoint costs against a full one, on a table of 10M rows (issue 20).
+
+    python benchmarks/delta_checkpoints.py                 # 10M rows, dim 32, Adagrad, 2 ps
+    python benchmarks/delta_checkpoints.py --rows 1000000 --steps 500
+
+A table of ``--rows`` rows (per-row Adagrad, dim ``--dim``) is filled on ``--ps`` in-process ps servers,
+a full checkpoint is saved, then ``--steps`` training steps of ``--batch`` ids drawn from a Zipf
+distribution over the table (exponent 1.1, as the synthetic click-through job's items), then a delta
+checkpoint. Printed: both saves' bytes and seconds and their ratio (targets: a delta after 1,000 steps
+at most 10 % of a full save's bytes and time), and the chief's training time lost to checkpoints
+at one delta per ``--steps`` steps, against one full save per ``--steps`` steps (target: under 1 %).
+The saves and the steps run in this process against real ps servers on 127.0.0.1: the steps lost are
+the chief's own pause while it saves (in async training the other workers keep pushing meanwhile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tensorfleet.cluster.spec import TaskSpec
+from tensorfleet.ps.api import OptimizerSpec, grads_key, ids_key
+from tensorfleet.testing.local_cluster import ps_servers
+from tensorfleet.train.checkpoint import Checkpointer, load
+from tensorfleet.worker.embedding import EmbeddingTable
+from tensorfleet.worker.replica import Replica
+
+FILL_BATCH = 200_000
+BYTES_TARGET = TIME_TARGET = 0.10
+LOST_TARGET = 0.01
+
+
+def fill(servers, rows: int, dim: int) -> None:
+    """``rows`` rows in the table, pushed straight into each shard's store (as training would create them)."""
+    from tensorfleet.cluster.idhash import shard_of
+    ids = np.arange(rows, dtype=np.int64)
+    owner = shard_of(ids, len(servers))
+    for index, server in enumerate(servers):
+        mine = torch.from_numpy(ids[owner == index])
+        for start in range(0, mine.numel(), FILL_BATCH):
+            chunk = mine[start:start + FILL_BATCH]
+            server.store.apply({ids_key("t"): chunk, grads_key("t"): torch.full((chunk.numel(), dim), 0.01)},
+                               advance_step=False)
+
+
+def zipf_batches(rows: int, batch: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    ranks = np.arange(1, rows + 1, dtype=np.float64)
+    weights = ranks ** -1.1
+    weights /= weights.sum()
+    draws = rng.choice(rows, size=(steps, batch), p=weights)
+    return [torch.from_numpy(np.unique(step)) for step in draws]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=10_000_000)
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--ps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    batches = zipf_batches(args.rows, args.batch, args.steps)
+    with tempfile.TemporaryDirectory() as folder, ps_servers(num_ps=args.ps) as (cluster, servers):
+        table = EmbeddingTable("t", args.dim, optimizer=OptimizerSpec("adagrad", {"lr": 0.05}))
+        model = torch.nn.ModuleDict({"t": table})
+        saver = Checkpointer(Path(folder), full_every=1_000_000, max_to_keep=10)
+        with Replica(model, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.05)) as replica:
+            started = time.perf_counter()
+            fill(servers, args.rows, args.dim)
+            print(f"filled {args.rows:,} rows in {time.perf_counter() - started:.1f} s", flush=True)
+
+            started = time.perf_counter()
+            full = saver.save(replica)
+            full_s = time.perf_counter() - started
+            full_bytes = full.stat().st_size
+            print(f"full save: {full_bytes / 1e6:,.1f} MB in {full_s:.2f} s", flush=True)
+
+            started = time.perf_counter()
+            for ids in batches:
+                table(ids).sum().backward()
+                replica.push()
+            train_s = time.perf_counter() - started
+            changed = len(np.unique(np.concatenate([b.numpy() for b in batches])))
+
+            started = time.perf_counter()
+            delta = saver.save(replica)
+            delta_s = time.perf_counter() - started
+            delta_bytes = delta.stat().st_size
+            assert ".delta." in delta.name, delta
+            print(f"{args.steps} steps of {args.batch} Zipf ids ({changed:,} distinct rows) in {train_s:.1f} s", flush=True)
+            print(f"delta save: {delta_bytes / 1e6:,.1f} MB in {delta_s:.2f} s", flush=True)
+
+            started = time.perf_counter()
+            restored = load(delta)
+            load_s = time.perf_counter() - started
+            assert restored.state.tables["t"].ids.numel() == args.rows
+
+    result = {"rows": args.rows, "dim": args.dim, "ps": args.ps, "steps": args.steps, "batch": args.batch,
+              "changed_rows": changed, "full_bytes": full_bytes, "delta_bytes": delta_bytes,
+              "full_s": full_s, "delta_s": delta_s, "train_s": train_s, "chain_load_s": load_s}
+    return report(result, args.json)
+
+
+def report(result: dict, json_path: str | None) -> int:
+    bytes_ratio = result["delta_bytes"] / result["full_bytes"]
+    time_ratio = result["delta_s"] / result["full_s"]
+    lost_delta = result["delta_s"] / (result["train_s"] + result["delta_s"])
+    lost_full = result["full_s"] / (result["train_s"] + result["full_s"])
+    result.update(bytes_ratio=bytes_ratio, time_ratio=time_ratio, lost_with_deltas=lost_delta,
+                  lost_with_full_saves=lost_full)
+    verdict = lambda ok: "met" if ok else "MISSED"  # noqa: E731
+    print(f"delta / full bytes: {bytes_ratio:.3f} (target <= {BYTES_TARGET}: {verdict(bytes_ratio <= BYTES_TARGET)})")
+    print(f"delta / full time:  {time_ratio:.3f} (target <= {TIME_TARGET}: {verdict(time_ratio <= TIME_TARGET)})")
+    print(f"chief's time lost to a save every {result['steps']} steps: {100 * lost_delta:.2f} % with deltas, "
+          f"{100 * lost_full:.2f} % with full saves (target < {100 * LOST_TARGET:.0f} %: "
+          f"{verdict(lost_delta < LOST_TARGET)})")
+    print(f"loading the chain (full + delta): {result['chain_load_s']:.2f} s")
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
