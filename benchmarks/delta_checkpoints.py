@@ -6,8 +6,9 @@
 A table of ``--rows`` rows (per-row Adagrad, dim ``--dim``) is filled on ``--ps`` in-process ps servers,
 a full checkpoint is saved, then ``--steps`` training steps of ``--batch`` ids drawn from a Zipf
 distribution over the table (exponent 1.1, as the synthetic click-through job's items), then a delta
-checkpoint. Printed: both saves' bytes and seconds and their ratio (targets: a delta after 1,000 steps
-at most 10 % of a full save's bytes and time), and the chief's training time lost to checkpoints
+checkpoint. Printed: both saves' bytes and seconds to disk and their ratio (targets: a delta after
+1,000 steps at most 10 % of a full save's bytes and time), and the chief's training time lost to
+checkpoints (its pause in ``save``: with ``--background`` only the snapshot, a thread writes the file)
 at one delta per ``--steps`` steps, against one full save per ``--steps`` steps (target: under 1 %).
 The saves and the steps run in this process against real ps servers on 127.0.0.1: the steps lost are
 the chief's own pause while it saves (in async training the other workers keep pushing meanwhile).
@@ -65,6 +66,8 @@ def main() -> int:
     parser.add_argument("--ps", type=int, default=2)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--background", action="store_true",
+                        help="Checkpointer(background=True): the chief's pause is the snapshot; a thread writes")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -72,7 +75,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder, ps_servers(num_ps=args.ps) as (cluster, servers):
         table = EmbeddingTable("t", args.dim, optimizer=OptimizerSpec("adagrad", {"lr": 0.05}))
         model = torch.nn.ModuleDict({"t": table})
-        saver = Checkpointer(Path(folder), full_every=1_000_000, max_to_keep=10)
+        saver = Checkpointer(Path(folder), full_every=1_000_000, max_to_keep=10, background=args.background)
         with Replica(model, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.05)) as replica:
             started = time.perf_counter()
             fill(servers, args.rows, args.dim)
@@ -80,9 +83,12 @@ def main() -> int:
 
             started = time.perf_counter()
             full = saver.save(replica)
-            full_s = time.perf_counter() - started
+            full_s = time.perf_counter() - started  # with --background: the chief's pause only
+            saver.wait()
+            full_write_s = time.perf_counter() - started
             full_bytes = full.stat().st_size
-            print(f"full save: {full_bytes / 1e6:,.1f} MB in {full_s:.2f} s", flush=True)
+            print(f"full save: {full_bytes / 1e6:,.1f} MB; the chief paused {full_s:.2f} s, on disk after "
+                  f"{full_write_s:.2f} s", flush=True)
 
             started = time.perf_counter()
             for ids in batches:
@@ -94,10 +100,13 @@ def main() -> int:
             started = time.perf_counter()
             delta = saver.save(replica)
             delta_s = time.perf_counter() - started
+            saver.wait()
+            delta_write_s = time.perf_counter() - started
             delta_bytes = delta.stat().st_size
             assert ".delta." in delta.name, delta
             print(f"{args.steps} steps of {args.batch} Zipf ids ({changed:,} distinct rows) in {train_s:.1f} s", flush=True)
-            print(f"delta save: {delta_bytes / 1e6:,.1f} MB in {delta_s:.2f} s", flush=True)
+            print(f"delta save: {delta_bytes / 1e6:,.1f} MB; the chief paused {delta_s:.2f} s, on disk after "
+                  f"{delta_write_s:.2f} s", flush=True)
 
             started = time.perf_counter()
             restored = load(delta)
@@ -106,20 +115,22 @@ def main() -> int:
 
     result = {"rows": args.rows, "dim": args.dim, "ps": args.ps, "steps": args.steps, "batch": args.batch,
               "changed_rows": changed, "full_bytes": full_bytes, "delta_bytes": delta_bytes,
-              "full_s": full_s, "delta_s": delta_s, "train_s": train_s, "chain_load_s": load_s}
+              "full_s": full_s, "delta_s": delta_s, "full_write_s": full_write_s, "delta_write_s": delta_write_s,
+              "background": args.background, "train_s": train_s, "chain_load_s": load_s}
     return report(result, args.json)
 
 
 def report(result: dict, json_path: str | None) -> int:
     bytes_ratio = result["delta_bytes"] / result["full_bytes"]
-    time_ratio = result["delta_s"] / result["full_s"]
+    time_ratio = result["delta_write_s"] / result["full_write_s"]
     lost_delta = result["delta_s"] / (result["train_s"] + result["delta_s"])
     lost_full = result["full_s"] / (result["train_s"] + result["full_s"])
     result.update(bytes_ratio=bytes_ratio, time_ratio=time_ratio, lost_with_deltas=lost_delta,
                   lost_with_full_saves=lost_full)
     verdict = lambda ok: "met" if ok else "MISSED"  # noqa: E731
     print(f"delta / full bytes: {bytes_ratio:.3f} (target <= {BYTES_TARGET}: {verdict(bytes_ratio <= BYTES_TARGET)})")
-    print(f"delta / full time:  {time_ratio:.3f} (target <= {TIME_TARGET}: {verdict(time_ratio <= TIME_TARGET)})")
+    print(f"delta / full time to disk: {time_ratio:.3f} (target <= {TIME_TARGET}: "
+          f"{verdict(time_ratio <= TIME_TARGET)})")
     print(f"chief's time lost to a save every {result['steps']} steps: {100 * lost_delta:.2f} % with deltas, "
           f"{100 * lost_full:.2f} % with full saves (target < {100 * LOST_TARGET:.0f} %: "
           f"{verdict(lost_delta < LOST_TARGET)})")

@@ -119,3 +119,34 @@ def test_ckpt_ls_shows_the_chain_and_compact_sums_it_into_one_full_checkpoint(tm
     compacted = load(directory)
     assert compacted.path.name == "model.ckpt-30.safetensors" and rows(compacted.state) == summed
     assert ckpt.compact(directory).endswith("is a full checkpoint already: nothing to compact")
+
+
+def test_a_background_checkpoint_is_written_after_save_returns_and_its_error_is_not_lost(tmp_path, monkeypatch):
+    directory = tmp_path / "ckpt"
+    saver = Checkpointer(directory, full_every=3, background=True)
+    with ps_servers(num_ps=2) as (cluster, servers):
+        net = model()
+        with Replica(net, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1)) as replica:
+            train(replica, net, range(0, 5))
+            first = saver.save(replica)
+            train(replica, net, range(5, 10))
+            second = saver.save(replica)  # waits for the first: it is the base of this delta
+            assert first.exists() and ".delta." in second.name
+            saver.wait()
+            assert rows(load(second).state) == rows(gather(replica.placement, replica.client.snapshot()))
+
+            import errno
+
+            import tensorfleet.train.checkpoint as checkpoint_module
+
+            def full_disk(*args, **kwargs):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            monkeypatch.setattr(checkpoint_module, "save", full_disk)
+            train(replica, net, range(10, 12))
+            saver.save(replica)  # returns: the writing fails in the background
+            with pytest.raises(OSError, match="No space left on device"):
+                saver.wait()
+            saver.wait()  # said once
+            monkeypatch.undo()
+            assert load(directory).path == second  # the manifest still names the last file written

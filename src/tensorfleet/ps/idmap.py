@@ -115,8 +115,8 @@ class IdMap:
         self._place(ids, rows)
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every (id, row), ordered by row."""
+        """Every (id, row), ordered by row (rows are 0..len-1: a scatter, not a sort)."""
         occupied = self._rows != _EMPTY
-        ids, rows = self._keys[occupied], self._rows[occupied].astype(np.int64)
-        order = np.argsort(rows, kind="stable")
-        return ids[order], rows[order]
+        ids = np.empty(self._size, dtype=np.int64)
+        ids[self._rows[occupied]] = self._keys[occupied]
+        return ids, np.arange(self._size, dtype=np.int64)

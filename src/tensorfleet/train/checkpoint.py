@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -369,7 +370,8 @@ class Checkpointer:
         ...         saver.save(replica)
     """
 
-    def __init__(self, directory: str | Path, *, max_to_keep: int = 5, full_every: int = 1) -> None:
+    def __init__(self, directory: str | Path, *, max_to_keep: int = 5, full_every: int = 1,
+                 background: bool = False) -> None:
         if max_to_keep < 1:
             raise InvalidArgumentError(f"max_to_keep={max_to_keep} must be at least 1")
         if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
@@ -378,6 +380,11 @@ class Checkpointer:
         self.directory = Path(directory)
         self.max_to_keep = max_to_keep
         self.full_every = full_every
+        # background: save() returns once the fleet's state is in memory; a thread writes the file (one at a
+        # time, in order: the next save first waits for it, so a delta's base is on disk before it is named).
+        self.background = background
+        self._writer: threading.Thread | None = None
+        self._write_error: BaseException | None = None
 
     def start(self, replica: TrainingReplica) -> TrainingReplica:
         """Start ``replica``; the chief restores the latest checkpoint (if any) instead of initializing.
@@ -394,6 +401,7 @@ class Checkpointer:
     def save(self, replica: TrainingReplica) -> Path:
         """Write every shard's state as one checkpoint named by the global step (a delta on the latest file when
         ``full_every`` allows and the fleet is on the latest file's timeline); return its path."""
+        self.wait()  # the previous file first: it may be this one's base
         latest = latest_checkpoint(self.directory)
         base = self._delta_base(latest, replica)
         shards = replica.client.snapshot(since=base[1]) if base else replica.client.snapshot()
@@ -409,7 +417,28 @@ class Checkpointer:
                               for p in replica.placement.parts],
                 "shard_updates": [shard.applied_updates for shard in shards],
                 "epochs": [shard.epoch for shard in shards], "chain_length": base[3] + 1 if base else 0}
-        return save(self.directory, whole, info=info, max_to_keep=self.max_to_keep, base=base[0] if base else None)
+        if not self.background:
+            return save(self.directory, whole, info=info, max_to_keep=self.max_to_keep,
+                        base=base[0] if base else None)
+        self._writer = threading.Thread(target=self._write, args=(whole, info, base[0] if base else None),
+                                        name="tensorfleet-checkpoint-writer", daemon=True)
+        self._writer.start()
+        return self.directory / checkpoint_name(whole.global_step, delta=base is not None)
+
+    def _write(self, state: ShardState, info: dict[str, Any], base: str | None) -> None:
+        try:
+            save(self.directory, state, info=info, max_to_keep=self.max_to_keep, base=base)
+        except BaseException as exc:  # noqa: BLE001 - reported by the next save() or wait()
+            self._write_error = exc
+
+    def wait(self) -> None:
+        """Wait for a checkpoint being written in the background; raise what its writing raised."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        error, self._write_error = self._write_error, None
+        if error is not None:
+            raise error
 
     def _delta_base(self, latest: Path | None, replica: TrainingReplica
                     ) -> tuple[str, list[int], list[str], int] | None:

@@ -123,10 +123,12 @@ class CheckpointSaverHook(Hook):
     """
 
     def __init__(self, directory: str | Path, *, save_steps: int | None = None, save_secs: float | None = None,
-                 max_to_keep: int = 5, full_every: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_to_keep: int = 5, full_every: int = 1, background: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if save_steps is None and save_secs is None:
             save_secs = 600.0  # MonitoredTrainingSession's default
-        self.checkpointer = Checkpointer(directory, max_to_keep=max_to_keep, full_every=full_every)
+        self.checkpointer = Checkpointer(directory, max_to_keep=max_to_keep, full_every=full_every,
+                                         background=background)
         self._timer = StepTimer(every_steps=save_steps, every_secs=save_secs, clock=clock)
         self.saved: list[Path] = []
 
@@ -140,6 +142,7 @@ class CheckpointSaverHook(Hook):
     def end(self, session: "TrainingSession") -> None:
         if session.replica.is_chief:
             self._save(session, None)
+            self.checkpointer.wait()  # the last checkpoint is on disk when the session ends
 
     def _save(self, session: "TrainingSession", step: int | None) -> None:
         """Save unless this step was just saved. A ps that is down skips the save: the next step recovers."""

@@ -91,6 +91,8 @@ class TrainingSession:
         max_to_keep: checkpoints kept in ``checkpoint_dir``.
         full_checkpoint_every: 1: every checkpoint whole; N: a full checkpoint, then N-1 delta checkpoints
             holding only the embedding rows changed (and evicted) since the previous one.
+        background_checkpoints: the chief pauses only to take the fleet's state; a thread writes the file
+            (the session's end waits for it).
         log_step_count_steps: a LoggingHook line every N local steps (None: no log lines).
         summary_dir: where the chief writes TensorBoard summaries (a SummaryHook every
             ``save_summaries_steps`` global steps and at the last step). None (default):
@@ -103,6 +105,7 @@ class TrainingSession:
     def __init__(self, replica: TrainingReplica, *, hooks: Sequence[Hook] = (), chief_only_hooks: Sequence[Hook] = (),
                  checkpoint_dir: str | Path | None = None, save_checkpoint_steps: int | None = None,
                  save_checkpoint_secs: float | None = None, max_to_keep: int = 5, full_checkpoint_every: int = 1,
+                 background_checkpoints: bool = False,
                  log_step_count_steps: int | None = 100, summary_dir: str | Path | Literal[False] | None = None,
                  save_summaries_steps: int = 100, recovery_timeout_s: float = 300.0) -> None:
         self.replica = replica
@@ -115,7 +118,8 @@ class TrainingSession:
         if self.checkpoint_dir is not None and replica.is_chief:
             self.hooks.append(CheckpointSaverHook(self.checkpoint_dir, save_steps=save_checkpoint_steps,
                                                   save_secs=save_checkpoint_secs, max_to_keep=max_to_keep,
-                                                  full_every=full_checkpoint_every))
+                                                  full_every=full_checkpoint_every,
+                                                  background=background_checkpoints))
         if log_step_count_steps:
             self.hooks.append(LoggingHook(every_n_steps=log_step_count_steps))
         self.hooks += list(hooks)
