@@ -150,3 +150,24 @@ def test_a_background_checkpoint_is_written_after_save_returns_and_its_error_is_
             saver.wait()  # said once
             monkeypatch.undo()
             assert load(directory).path == second  # the manifest still names the last file written
+
+
+def test_a_shard_too_big_for_one_message_is_read_in_pages_that_add_up_to_it(tmp_path, monkeypatch):
+    import tensorfleet.ps.store as store_module
+
+    saver = Checkpointer(tmp_path / "ckpt", full_every=3)
+    with ps_servers(num_ps=2) as (cluster, servers):
+        net = model()
+        with Replica(net, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1)) as replica:
+            train(replica, net, range(0, 10))
+            whole = rows(gather(replica.placement, replica.client.snapshot()))
+            monkeypatch.setattr(store_module, "SNAPSHOT_PAGE_BYTES", 2_000)  # ~40 rows a page
+            assert servers[0].store.snapshot().pages > 5
+            assert rows(gather(replica.placement, replica.client.snapshot())) == whole
+            full = saver.save(replica)
+            train(replica, net, range(10, 20))
+            delta = saver.save(replica)
+            assert ".delta." in delta.name and servers[0].store.snapshot(since=0).pages > 1
+            truth = gather(replica.placement, replica.client.snapshot())
+            assert rows(load(delta).state) == rows(truth) and rows(load(full).state) == whole
+            assert torch.equal(load(delta).state.values["head.weight"], truth.values["head.weight"])

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from tensorfleet.cluster import idhash
-from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.errors import InvalidArgumentError, UnavailableError
 from tensorfleet.wire.codec import DTYPE_NAMES, DTYPES, NARROW_DTYPES
 
 NONFINITE_POLICIES = ("reject", "apply")  # what a ps does with NaN/Inf gradients: refuse the push, or apply it
@@ -478,6 +478,7 @@ class ShardState:
     evicted: dict[str, torch.Tensor] = field(default_factory=dict)  # delta: per table, the ids evicted since
     since: int | None = None  # None: the whole state; else a delta since this update
     epoch: str = ""
+    pages: int = 1  # a page of a paged snapshot: how many pages it has (the dense state is on page 0)
 
     def flatten(self) -> dict[str, torch.Tensor]:
         """One flat name per tensor: ``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``, and per embedding
@@ -527,6 +528,21 @@ class ShardState:
             raise InvalidArgumentError(f"slots or averages for variable(s) with no value: {sorted(stray)[:5]}")
         tables = {name: TableState.from_parts(name, parts) for name, parts in table_parts.items()}
         return cls(values, slots, averages or None, global_step, applied_updates, tables, evicted, since, epoch)
+
+    @classmethod
+    def join_pages(cls, pages: "list[ShardState]") -> "ShardState":
+        """The pages of one shard's paged snapshot as one state: page 0's dense state and counters, every
+        page's rows and evicted ids."""
+        first = pages[0]
+        if any(p.epoch != first.epoch or (p.since is None) != (first.since is None) for p in pages):
+            raise UnavailableError("the shard was restored or lost its eviction log while its snapshot was read "
+                                   "page by page; the next checkpoint tries again")
+        names = sorted({name for p in pages for name in p.tables})
+        tables = {name: TableState.concat([p.tables[name] for p in pages if name in p.tables]) for name in names}
+        evicted = {name: torch.cat([p.evicted[name] for p in pages if name in p.evicted])
+                   for name in sorted({name for p in pages for name in p.evicted})}
+        return cls(first.values, first.slots, first.averages, first.global_step, first.applied_updates, tables,
+                   evicted, first.since, first.epoch)
 
 
 @dataclass(frozen=True)

@@ -131,9 +131,13 @@ class PsService:
         if since is not None and (isinstance(since, bool) or not isinstance(since, int) or since < 0):
             raise InvalidArgumentError(f"Snapshot 'since' must be an update number (an integer >= 0) or null, "
                                        f"got {since!r:.40}")
-        state = self.store.snapshot(since)
+        page, pages = meta.get("page", 0), meta.get("pages")
+        for name, value, low in (("page", page, 0), ("pages", pages, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise InvalidArgumentError(f"Snapshot '{name}' must be an integer >= {low}, got {value!r:.40}")
+        state = self.store.snapshot(since, page, pages)
         return {"global_step": state.global_step, "applied_updates": state.applied_updates, "since": state.since,
-                "epoch": state.epoch}, state.flatten()
+                "epoch": state.epoch, "pages": state.pages}, state.flatten()
 
     def status(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         reply = dataclasses.asdict(self.store.status())

@@ -36,6 +36,7 @@ from tensorfleet.ps.apply import Applier, MovingAverage, check_layout
 from tensorfleet.ps.table import EmbeddingShard, unique_ids_error
 
 BUDGET_EVICT_TO = 0.8  # over its memory budget, a ps evicts down to this fraction of it
+SNAPSHOT_PAGE_BYTES = 256 << 20  # table rows per page of a Snapshot: replies stay far below the message limit
 # Rows of one table in one request at most: a bound on what one message can make a shard allocate or send.
 MAX_IDS_PER_REQUEST = 1 << 24
 MAX_REPLY_ROW_BYTES = 1 << 30  # rows one lookup's reply may carry
@@ -310,29 +311,46 @@ class VariableStore:
         """This shard's timeline: its process and the initialization or restore it started from."""
         return f"{self._nonce}.{self._generation}"
 
-    def snapshot(self, since: int | None = None) -> ShardState:
+    def snapshot(self, since: int | None = None, page: int = 0, pages: int | None = None) -> ShardState:
         """A consistent copy of the shard, taken under the lock: whole, or (``since``) a delta holding, of the
         tables, only the rows updated since update ``since`` and the ids evicted since. A delta that cannot be
         told (the evictions that far back were not kept, or ``since`` is ahead of this shard: another
-        timeline) comes back whole (``since`` None)."""
+        timeline) comes back whole (``since`` None).
+
+        Paged, so that no reply passes the message limit: ``pages`` None lets the shard choose how many
+        (``SNAPSHOT_PAGE_BYTES`` of rows each; said in ``pages`` of the reply) and gives page 0; then pages
+        1..pages-1 are asked for. Page 0 holds the dense state; each page the table rows (and evicted ids)
+        whose ids ``page_of`` puts there. Each row is read whole under the lock; pages are taken one by one.
+        """
         with self._cond:
             self._require_initialized()
+            if since is not None and since > self._applied_updates:
+                since = None
+            if pages is None:
+                estimate = sum(table.snapshot_bytes(since) for table in self._tables.values())
+                pages = max(1, -(-estimate // SNAPSHOT_PAGE_BYTES))
+            if not 0 <= page < pages:
+                raise InvalidArgumentError(f"Snapshot page {page} of {pages} does not exist", task=self.task)
             deltas = None
-            if since is not None and since <= self._applied_updates:
-                deltas = {name: table.delta_state(since) for name, table in self._tables.items()}
+            if since is not None:
+                deltas = {name: table.delta_state(since, page, pages) for name, table in self._tables.items()}
                 if any(delta is None for delta in deltas.values()):
                     deltas = None
             if deltas is None:
-                tables, evicted, since = {name: table.state() for name, table in self._tables.items()}, {}, None
+                tables = {name: table.state(page, pages) for name, table in self._tables.items()}
+                evicted, since = {}, None
             else:
                 tables = {name: delta[0] for name, delta in deltas.items()}
                 evicted = {name: delta[1] for name, delta in deltas.items()}
-            return ShardState(
-                values={name: value.clone() for name, value in self._variables.items()},
-                slots=self._applier.slots(),
-                averages={n: v.clone() for n, v in self._average.shadows.items()} if self._average else None,
+            dense = page == 0
+            state = ShardState(
+                values={name: value.clone() for name, value in self._variables.items()} if dense else {},
+                slots=self._applier.slots() if dense else {},
+                averages=({n: v.clone() for n, v in self._average.shadows.items()} if self._average else None)
+                if dense else None,
                 global_step=self._global_step, applied_updates=self._applied_updates,
-                tables=tables, evicted=evicted, since=since, epoch=self.epoch)
+                tables=tables, evicted=evicted, since=since, epoch=self.epoch, pages=pages)
+            return state
 
     def lookup(self, ids: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
         """The current rows of each table's ``ids`` (new tensors; initial rows for ids never updated), and

@@ -41,6 +41,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tensorfleet.cluster.idhash import as_uint64, mix64
 from tensorfleet.ps.admission import Admission
 from tensorfleet.ps.api import TableSpec, TableState
 from tensorfleet.ps.idmap import IdMap
@@ -48,6 +49,7 @@ from tensorfleet.ps.rows import GrowingRows
 
 LAST_UPDATE = "last_update"  # the per-row slot (in checkpoints) saying which update last changed the row
 EVICT_TO = 0.9  # a capacity eviction leaves this fraction of max_rows: evictions come in batches
+_PAGE_SALT = np.uint64(0x6A09E667F3BCC909)
 EVICTION_LOG_IDS = 10_000_000  # evicted ids kept per table and shard for delta checkpoints (80 MB)
 
 
@@ -264,29 +266,41 @@ class EmbeddingShard:
 
     # --- delta checkpoints ------------------------------------------------------------------------
 
-    def delta_state(self, since: int) -> tuple[TableState, torch.Tensor] | None:
+    def delta_state(self, since: int, page: int = 0, pages: int = 1) -> tuple[TableState, torch.Tensor] | None:
         """The rows updated at or after update ``since`` and the ids evicted since then (for a delta
-        checkpoint); None when evictions that far back were not kept (``EVICTION_LOG_IDS``): save whole.
-        Evictions before ``since`` are forgotten: no delta will ask for them again (a chain's next delta
-        starts where its last file ends)."""
+        checkpoint), of page ``page`` of ``pages`` (``page_of``); None when evictions that far back were not
+        kept (``EVICTION_LOG_IDS``): save whole. Evictions before ``since`` are forgotten: no delta will ask
+        for them again (a chain's next delta starts where its last file ends)."""
         if since < self._log_from:
             return None
         self._evictions = [(update, ids) for update, ids in self._evictions if update >= since]
         self._log_from = since
-        changed = np.flatnonzero(self.last_updates() >= since)
         ids, _ = self._map.items()
-        index = torch.from_numpy(changed)
-        slots = {name: slot.tensor[index].clone() for name, slot in self._slots.items()}
-        slots[LAST_UPDATE] = self._updated.tensor[index].clone()
-        rows = TableState(torch.from_numpy(ids[changed].copy()), self._values.tensor[index].clone(), slots)
+        changed = np.flatnonzero(self.last_updates() >= since)
         evicted = np.concatenate([ids for _, ids in self._evictions]) if self._evictions else np.empty(0, np.int64)
-        return rows, torch.from_numpy(evicted.astype(np.int64))
+        if pages > 1:
+            changed = changed[page_of(ids[changed], pages) == page]
+            evicted = evicted[page_of(evicted, pages) == page]
+        return self._copy_rows(ids, changed), torch.from_numpy(evicted.astype(np.int64))
+
+    def snapshot_bytes(self, since: int | None = None) -> int:
+        """About what a snapshot of this table takes on the wire (whole, or a delta since ``since``)."""
+        rows = len(self) if since is None else int((self.last_updates() >= since).sum())
+        return int(rows * (self.bytes_per_row()["bare"] + 8))
+
+    def _copy_rows(self, ids: np.ndarray, index: np.ndarray) -> TableState:
+        rows = torch.from_numpy(index)
+        slots = {name: slot.tensor[rows].clone() for name, slot in self._slots.items()}
+        slots[LAST_UPDATE] = self._updated.tensor[rows].clone()
+        return TableState(torch.from_numpy(ids[index].copy()), self._values.tensor[rows].clone(), slots)
 
     # --- checkpoints ------------------------------------------------------------------------------
 
-    def state(self) -> TableState:
-        """A copy of every row: ids, values, slots (ordered by creation)."""
+    def state(self, page: int = 0, pages: int = 1) -> TableState:
+        """A copy of every row (of page ``page`` of ``pages``): ids, values, slots (ordered by creation)."""
         ids, _ = self._map.items()
+        if pages > 1:
+            return self._copy_rows(ids, np.flatnonzero(page_of(ids, pages) == page))
         n = len(self)
         slots = {name: slot.tensor[:n].clone() for name, slot in self._slots.items()}
         slots[LAST_UPDATE] = self._updated.tensor[:n].clone()
@@ -320,6 +334,12 @@ class EmbeddingShard:
         return {"rows": len(self), "rows_created": self.rows_created, "bytes": self.nbytes,
                 "admitted": self.admission.admitted, "refused_updates": self.admission.refused_updates,
                 "evicted": self.evicted, "row_updates": self.row_updates, "lookups": self.lookups, **{f"bytes_per_row_{k}": v for k, v in self.bytes_per_row().items()}}
+
+
+def page_of(ids: np.ndarray, pages: int) -> np.ndarray:
+    """Which page (0..pages-1) of a paged snapshot holds each id: a hash salted apart from ``shard_of``'s."""
+    with np.errstate(over="ignore"):
+        return (mix64(as_uint64(ids) ^ _PAGE_SALT) % np.uint64(pages)).astype(np.int64)
 
 
 def unique_ids_error(ids: torch.Tensor) -> str | None:

@@ -15,6 +15,7 @@ variables.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -187,11 +188,15 @@ class PsClient:
         concurrently; with ``shards``, those shards' by index. ``since`` (one entry per shard): ask shard s
         for a delta since update ``since[s]`` (its ``since`` says whether it gave one)."""
         wanted = range(len(self.channels)) if shards is None else shards
-        futures = {s: self.channels[s].call_async("Snapshot", {"since": since[s]} if since else {}) for s in wanted}
-        states = {s: ShardState.unflatten(tensors, global_step=meta["global_step"],
-                                          applied_updates=meta["applied_updates"], since=meta.get("since"),
-                                          epoch=meta.get("epoch", ""))
-                  for s, (meta, tensors) in ((s, f.result()) for s, f in futures.items())}
+        ask = {s: {"since": since[s]} if since else {} for s in wanted}
+        futures = {s: self.channels[s].call_async("Snapshot", ask[s]) for s in wanted}
+        states = {}
+        for s, future in futures.items():
+            pages = [_shard_state(*future.result())]  # page 0 says how many pages the shard cut it into
+            for page in range(1, pages[0].pages):
+                pages.append(_shard_state(*self.channels[s].call("Snapshot", {**ask[s], "page": page,
+                                                                             "pages": pages[0].pages})))
+            states[s] = pages[0] if len(pages) == 1 else ShardState.join_pages(pages)
         return list(states.values()) if shards is None else states
 
     def done(self, replica: int, *, timeout_s: float = DONE_WAIT_S) -> None:
@@ -522,3 +527,10 @@ class PushStreams:
             self._streams[shard].result().abort()
         except Exception:  # noqa: BLE001 - a stream that never opened has nothing to abort
             pass
+
+
+def _shard_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> ShardState:
+    """A Snapshot reply (one page of it) as a ShardState."""
+    state = ShardState.unflatten(tensors, global_step=meta["global_step"], applied_updates=meta["applied_updates"],
+                                 since=meta.get("since"), epoch=meta.get("epoch", ""))
+    return dataclasses.replace(state, pages=meta.get("pages", 1))
