@@ -215,7 +215,7 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
         try:
             settings, backend = settings_from_form(fields)
             job = await run_in_threadpool(service.submit, session.user, settings, backend=backend)
-        except ConfigError as exc:
+        except TensorfleetError as exc:  # bad settings (ConfigError), or the store refusing (its text says why)
             return new_form(session, fields, str(exc), 400)
         except (OSError, sqlite3.Error) as exc:
             return new_form(session, fields, f"the service could not save the job: {_os_text(exc)}", 507)
