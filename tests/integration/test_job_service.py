@@ -265,7 +265,7 @@ def test_a_running_async_job_is_scaled_up_and_down_from_the_api(home):
         poll(lambda: worker_running("worker:2"), 90, "worker:2 to join", interval_s=0.2)
         assert [t["name"] for t in api.call("GET", f"/api/jobs/{job_id}/tasks")["tasks"]] == [
             "ps:0", "worker:0", "worker:1", "worker:2"]
-        poll(lambda: "training begins" in api.call("GET", f"/api/jobs/{job_id}/logs/worker:2")["text"], 60,
+        poll(lambda: "training begins" in api.call("GET", f"/api/jobs/{job_id}/logs/worker:2")["text"], 120,
              "worker:2 to train")
 
         api.call("POST", f"/api/jobs/{job_id}/scale", {"workers": 1})

@@ -118,9 +118,9 @@ class JobRunner:
         if not force and now - self._last_tick < TICK_S:
             return
         self._last_tick = now
-        write_json(self.jobdir / PICTURE_FILE, launcher.monitor.picture())
-        if len(launcher.tasks) != self._tasks_written:
+        if len(launcher.tasks) != self._tasks_written:  # before the picture: a task shown there is listed
             self._write_tasks(launcher)
+        write_json(self.jobdir / PICTURE_FILE, launcher.monitor.picture())
         restarts = [e for e in launcher.supervisor.events if e["event"] == "exited" and "restart" in e]
         for event in restarts[self._restarts_counted:]:
             self.store.count_restart(self.job_id, f"{event['task']} {event['how']}; restart {event['restart']} "
