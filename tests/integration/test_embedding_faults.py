@@ -150,13 +150,17 @@ def _bits(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
 
 def fleet_state(fleet: Fleet) -> list[dict[str, Any]]:
     """Everything a request could change, per shard: every tensor of its snapshot (values, slots, averages,
-    tables' ids, rows and row slots) bit for bit, its step and updates, and every counter of its status."""
+    tables' ids, rows and row slots) bit for bit, its step and updates, and every counter of its status but
+    the ids looked up (traffic, which an answered lookup counts, not state)."""
     states = []
     for server in fleet.servers:
         snapshot = server.store.snapshot()
+        status = dataclasses.asdict(server.store.status())
+        for figures in status["tables"].values():
+            figures.pop("lookups", None)
         states.append({"tensors": {name: _bits(t) for name, t in snapshot.flatten().items()},
                        "global_step": snapshot.global_step, "applied_updates": snapshot.applied_updates,
-                       "status": dataclasses.asdict(server.store.status())})
+                       "status": status})
     return states
 
 

@@ -284,3 +284,14 @@ def test_a_running_async_job_is_scaled_up_and_down_from_the_api(home):
             api.call("POST", f"/api/jobs/{sync}/scale", {"workers": 3})
         api.call("POST", f"/api/jobs/{sync}/stop", {})
         wait_state(service, sync, {"stopped"}, 60)
+
+
+def test_a_job_stopped_while_its_runner_still_starts_is_stopped_not_lost(home, workspace):
+    with running_service(home, workspace) as service:
+        api = service.client()
+        for _ in range(3):  # the runner imports for a moment after the service records it running
+            job_id = api.call("POST", "/api/jobs", job_fields(SLOW))["id"]
+            poll(lambda: service.job(job_id)["state"] == "running", 60, "the job to be running", interval_s=0.01)
+            api.call("POST", f"/api/jobs/{job_id}/stop", {})
+            stopped = wait_state(service, job_id, {"stopped", "failed", "lost", "succeeded"}, 60)
+            assert stopped["state"] == "stopped", stopped["reason"]

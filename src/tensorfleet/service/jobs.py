@@ -33,7 +33,8 @@ from tensorfleet.service.store import ACTIVE, JobEvent, JobRecord, JobState, Job
 log = logging.getLogger(__name__)
 
 TICK_S = 0.5
-STOP_GRACE_S = 20.0  # after a stop request, how long a local runner has before it is killed
+STOP_GRACE_S = 20.0  # after a stop request, when a local runner is signalled again
+STOP_KILL_S = 120.0  # ... and when it is killed (its tasks die with it; the job is recorded lost)
 MAX_SCRIPTS = 500
 SKIPPED_DIRS = {".git", ".venv", "venv", "node_modules", "__pycache__", "site-packages", ".tox"}
 # Settings a user may not set through the service: it chooses the job's folder, and the page is its dashboard.
@@ -78,7 +79,8 @@ class JobService:
         self.home = Path(home)
         self.workspace = Path(workspace).resolve()
         self.capacity = capacity or Capacity.of_machine()
-        self._stop_asked: dict[int, float] = {}  # job id -> when this service signalled its runner
+        self._stop_asked: dict[int, float] = {}  # job id -> when this service saw its stop request
+        self._killed: set[int] = set()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
@@ -146,9 +148,13 @@ class JobService:
             return
         if job.stop_requested and job.state is JobState.RUNNING:
             asked = self._stop_asked.setdefault(job.id, time.monotonic())
-            if time.monotonic() - asked > STOP_GRACE_S and hasattr(backend, "kill"):
+            waited = time.monotonic() - asked
+            if waited > STOP_GRACE_S and hasattr(backend, "stop"):
+                backend.stop(job)  # again: a runner that was not ready for signals when it was asked may be now
+            if waited > STOP_KILL_S and hasattr(backend, "kill") and job.id not in self._killed:
+                self._killed.add(job.id)
                 backend.kill(job)
-                self.store.add_event(job.id, "killed", f"it did not stop within {STOP_GRACE_S:.0f} s")
+                self.store.add_event(job.id, "killed", f"it did not stop within {STOP_KILL_S:.0f} s")
 
     def _record(self, job: JobRecord, state: JobState, reason: str | None) -> None:
         try:

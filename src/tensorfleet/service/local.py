@@ -20,7 +20,7 @@ from typing import Any
 
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.service.backend import LogChunk, Observed, TaskNotFoundError, TaskView
-from tensorfleet.service.runner import LAUNCHER_LOG, MODULE, PICTURE_FILE, TASKS_FILE
+from tensorfleet.service.runner import LAUNCHER_LOG, MODULE, PICTURE_FILE, READY_FILE, TASKS_FILE
 from tensorfleet.service.store import ACTIVE, JobRecord, JobState, JobStore
 
 LAUNCHER_TASK = "launcher"  # the pseudo-task whose log is the runner's own output
@@ -90,7 +90,8 @@ class LocalBackend:
                                        f"(killed?); see the launcher log")
 
     def stop(self, job: JobRecord) -> None:
-        if job.pid is not None and self.alive(job):
+        """SIGTERM the runner once it is ready for it; before, it reads the stop request as it starts."""
+        if job.pid is not None and job.logdir and (Path(job.logdir) / READY_FILE).exists() and self.alive(job):
             _signal(job.pid, signal.SIGTERM)
 
     def kill(self, job: JobRecord) -> None:

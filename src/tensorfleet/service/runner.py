@@ -6,6 +6,8 @@ dies, stop them all) plus what the service needs from outside the process:
 
 * it writes the job's state to the store itself (running -> succeeded | failed | stopped), so the
   outcome is recorded even while the service is down, and a restarted service re-attaches by pid;
+* it says when it is ready for signals (``READY_FILE``): the service signals a stop only then (before,
+  the stop request in the store is what the runner reads as it starts);
 * every second it leaves the dashboard's picture in ``JOBDIR/picture.json`` and each task's command and
   environment in ``JOBDIR/tasks.json`` (the job page reads both), counts task restarts into the store,
   and acts on what users asked through the store: a stop request, a new worker count.
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 
 MODULE = "tensorfleet.service.runner"
 PICTURE_FILE = "picture.json"
+READY_FILE = "runner.ready"  # written once SIGTERM is the runner's to handle: before it, a signal would kill it
 TASKS_FILE = "tasks.json"
 LAUNCHER_LOG = "launcher.log"
 TICK_S = 1.0
@@ -70,8 +73,6 @@ class JobRunner:
         self.store = store
         self.job_id = job_id
         self.job = store.get(job_id)
-        assert self.job.logdir is not None, "the service gives every job a folder before starting its runner"
-        self.jobdir = Path(self.job.logdir)
         self._last_tick = 0.0
         self._restarts_counted = 0
         self._workers_target = self.job.workers_target
@@ -83,11 +84,17 @@ class JobRunner:
         while time.monotonic() < deadline:
             self.job = self.store.get(self.job_id)
             if self.job.state is JobState.RUNNING:
-                return self.job.pid == os.getpid()
+                return self.job.pid == os.getpid() and self.job.logdir is not None
             if self.job.state is not JobState.STARTING:
                 return False
             time.sleep(0.05)
         return False
+
+    @property
+    def jobdir(self) -> Path:
+        """The job's folder (the service records it with the runner's pid)."""
+        assert self.job.logdir is not None, "only a claimed runner has a folder"
+        return Path(self.job.logdir)
 
     def run(self) -> int:
         from tensorfleet.launch.local import LocalLauncher  # after main() took SIGTERM over: see there
@@ -187,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         if not runner.wait_until_claimed():
             print(f"[runner] job {argv[1]} was not recorded as run by pid {os.getpid()}; exiting", file=sys.stderr)
             return 1
+        (runner.jobdir / READY_FILE).touch()
         return runner.run()
 
 
