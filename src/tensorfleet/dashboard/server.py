@@ -103,21 +103,37 @@ def create_app(picture: PictureSource) -> Starlette:
     ])
 
 
-class _ThreadServer(uvicorn.Server):
-    """uvicorn without signal handling: the launcher's main thread owns SIGINT and SIGTERM."""
+class ThreadServer(uvicorn.Server):
+    """uvicorn without signal handling: the main thread (the launcher's, ``serve``'s) owns SIGINT and SIGTERM."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port``, IPv4 or IPv6 as ``host`` says."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     return socket.create_server((host, port), family=family, backlog=128)
 
 
-def _url_host(host: str) -> str:
+def serve_in_thread(config: uvicorn.Config, sock: socket.socket, *, name: str,
+                    timeout: float) -> tuple[ThreadServer, threading.Thread, bool]:
+    """Serve ``config``'s app on ``sock`` from a daemon thread; return (server, thread, whether it serves)
+    once uvicorn serves, its thread died, or ``timeout`` seconds passed (then the caller stops it)."""
+    server = ThreadServer(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        # uvicorn has no "started" event to wait on: poll its flag, and notice a thread that died.
+        if not thread.is_alive() or time.monotonic() > deadline:
+            return server, thread, False
+        time.sleep(0.01)
+    return server, thread, True
+
+
+def url_host(host: str) -> str:
     """How a browser on this machine reaches ``host`` (a wildcard address means loopback)."""
     if host in ("", "0.0.0.0"):
         return "127.0.0.1"
@@ -146,7 +162,7 @@ class Dashboard:
         self._port = port
         self._socket: socket.socket | None = None
         self._bound_port: int | None = None
-        self._server: _ThreadServer | None = None
+        self._server: ThreadServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -154,7 +170,7 @@ class Dashboard:
         """``http://HOST:PORT/`` with the port actually bound; only known once started."""
         if self._bound_port is None:
             raise LaunchError("the dashboard has no URL before start()")
-        return f"http://{_url_host(self._host)}:{self._bound_port}/"
+        return f"http://{url_host(self._host)}:{self._bound_port}/"
 
     def start(self, *, timeout: float = START_TIMEOUT_S) -> Dashboard:
         """Bind, start serving in a daemon thread, and return (self, for chaining) once uvicorn serves.
@@ -165,24 +181,18 @@ class Dashboard:
         """
         if self._thread is not None:
             raise LaunchError("the dashboard is already started")
-        self._socket = _bind(self._host, self._port)
+        self._socket = bind(self._host, self._port)
         self._bound_port = self._socket.getsockname()[1]
         config = uvicorn.Config(
             # log_config=None leaves the launcher's logging alone; uvicorn's own INFO lines would only
             # repeat the URL, so warnings and errors (a ``picture()`` that raised) are all it reports.
             create_app(self._picture), loop="asyncio", http="h11", lifespan="off", log_config=None,
             log_level="warning", access_log=False, timeout_graceful_shutdown=1, timeout_keep_alive=5)
-        self._server = _ThreadServer(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._socket]}, name="tensorfleet-dashboard", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            # uvicorn has no "started" event to wait on: poll its flag, and notice a thread that died.
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise LaunchError(f"the dashboard did not start serving on {self._host}:{self._bound_port}")
-            time.sleep(0.01)
+        self._server, self._thread, serving = serve_in_thread(config, self._socket, name="tensorfleet-dashboard",
+                                                              timeout=timeout)
+        if not serving:
+            self.stop()
+            raise LaunchError(f"the dashboard did not start serving on {self._host}:{self._bound_port}")
         log.info("dashboard at %s", self.url)
         return self
 

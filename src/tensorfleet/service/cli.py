@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import ipaddress
 import json
 import os
 import secrets
@@ -38,6 +37,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
+from tensorfleet.cluster.spec import is_loopback_host
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch import cli as launch_cli
 from tensorfleet.launch.config import load_job_file
@@ -131,15 +131,6 @@ def _add_users(commands: argparse._SubParsersAction) -> None:
 # ----- serve
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _first_password() -> tuple[str, bool]:
     """The admin's first password: (password, whether to print it)."""
     given = os.environ.get("TENSORFLEET_ADMIN_PASSWORD")
@@ -162,7 +153,7 @@ def _write_private(path: Path, text: str) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     from tensorfleet.service.server import Service  # the web stack loads only for this command
-    if not _is_loopback(args.host) and not args.tls_cert and not args.insecure_http:
+    if not is_loopback_host(args.host) and not args.tls_cert and not args.insecure_http:
         raise ConfigError(f"--host {args.host} would send passwords and tokens in clear over the network: give "
                           f"--tls-cert and --tls-key, or --insecure-http if something else encrypts the traffic")
     if bool(args.tls_cert) != bool(args.tls_key):

@@ -8,16 +8,14 @@ serve`` builds one and waits on it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import threading
-import time
 from pathlib import Path
-from typing import Iterator
 
 import uvicorn
 
+from tensorfleet.dashboard.server import ThreadServer, bind, serve_in_thread, url_host
 from tensorfleet.errors import ConfigError, LaunchError
 from tensorfleet.service.accounts import Accounts
 from tensorfleet.service.backend import Backend
@@ -30,14 +28,6 @@ log = logging.getLogger(__name__)
 
 DATABASE = "jobs.sqlite"
 START_TIMEOUT_S = 10.0
-
-
-class _ThreadServer(uvicorn.Server):
-    """uvicorn without signal handling: the main thread owns SIGINT and SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 class Service:
@@ -65,20 +55,18 @@ class Service:
         self.host, self.port = host, port
         self._tls = (tls_cert, tls_key)
         self._socket: socket.socket | None = None
-        self._server: _ThreadServer | None = None
+        self._server: ThreadServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
         assert self._socket is not None, "the service has no URL before start()"
-        host = "127.0.0.1" if self.host in ("", "0.0.0.0") else f"[{self.host}]" if ":" in self.host else self.host
-        return f"{'https' if self._tls[0] else 'http'}://{host}:{self._socket.getsockname()[1]}"
+        return f"{'https' if self._tls[0] else 'http'}://{url_host(self.host)}:{self._socket.getsockname()[1]}"
 
     def start(self) -> "Service":
         """Recover, start the loop, serve; returns once the web server answers."""
-        family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         try:
-            self._socket = socket.create_server((self.host, self.port), family=family, backlog=128)
+            self._socket = bind(self.host, self.port)
         except OSError as exc:
             raise ConfigError(f"cannot serve on {self.host}:{self.port}: {exc.strerror}; choose another --port") \
                 from None
@@ -88,16 +76,11 @@ class Service:
                                 log_level="warning", access_log=False, timeout_graceful_shutdown=2,
                                 timeout_keep_alive=5, limit_concurrency=256,
                                 ssl_certfile=self._tls[0], ssl_keyfile=self._tls[1])
-        self._server = _ThreadServer(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
-                                        name="tensorfleet-serve", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.close()
-                raise LaunchError(f"the job service did not start serving on {self.host}:{self.port}")
-            time.sleep(0.01)
+        self._server, self._thread, serving = serve_in_thread(config, self._socket, name="tensorfleet-serve",
+                                                              timeout=START_TIMEOUT_S)
+        if not serving:
+            self.close()
+            raise LaunchError(f"the job service did not start serving on {self.host}:{self.port}")
         return self
 
     def should_exit(self) -> None:
