@@ -191,11 +191,7 @@ def save(directory: str | Path, state: ShardState, *, info: Mapping[str, Any], m
     name = checkpoint_name(state.global_step, delta=base is not None)
     if base is not None and (base == name or not is_checkpoint_name(base)):
         raise InvalidArgumentError(f"a delta checkpoint's base must be another checkpoint file, got {base!r}")
-    metadata = {"format": FORMAT, "global_step": str(state.global_step),
-                "applied_updates": str(state.applied_updates), "saved_at": f"{time.time():.3f}",
-                "info": json.dumps(dict(info)), "base": base or ""}
-    tensors = {key: value.contiguous() for key, value in state.flatten().items()}
-    _write_atomically(directory / name, save_bytes(tensors, metadata=metadata))
+    _write_file(directory / name, state, info, base)
     previous = [n for n in _previous_names(directory) if n != name and (directory / n).exists()] + [name]
     needed = set(previous[-max_to_keep:])
     for kept in previous[-max_to_keep:]:
@@ -206,6 +202,15 @@ def save(directory: str | Path, state: ShardState, *, info: Mapping[str, Any], m
         if old not in needed:
             (directory / old).unlink(missing_ok=True)
     return directory / name
+
+
+def _write_file(path: Path, state: ShardState, info: Mapping[str, Any], base: str | None) -> None:
+    """One checkpoint file, written atomically (the manifest is the caller's)."""
+    metadata = {"format": FORMAT, "global_step": str(state.global_step),
+                "applied_updates": str(state.applied_updates), "saved_at": f"{time.time():.3f}",
+                "info": json.dumps(dict(info)), "base": base or ""}
+    tensors = {key: value.contiguous() for key, value in state.flatten().items()}
+    _write_atomically(path, save_bytes(tensors, metadata=metadata))
 
 
 def chain(path: Path) -> list[Path]:
@@ -233,11 +238,7 @@ def compact_latest(directory: str | Path) -> Path:
     info = {**merged.info, "chain_length": 0}
     info.pop("saved_at", None)
     name = checkpoint_name(merged.global_step)
-    metadata = {"format": FORMAT, "global_step": str(merged.global_step),
-                "applied_updates": str(merged.state.applied_updates), "saved_at": f"{time.time():.3f}",
-                "info": json.dumps(info), "base": ""}
-    tensors = {key: value.contiguous() for key, value in merged.state.flatten().items()}
-    _write_atomically(directory / name, save_bytes(tensors, metadata=metadata))
+    _write_file(directory / name, merged.state, info, None)
     replaced = {f.name for f in files} - {name}
     kept = [n for n in _previous_names(directory) if n not in replaced and n != name] + [name]
     _write_atomically(directory / MANIFEST, json.dumps({"latest": name, "all": kept}, indent=1).encode())
