@@ -31,14 +31,21 @@ def runner_command(store_path: Path, job_id: int) -> list[str]:
     return [sys.executable, "-m", MODULE, str(store_path), str(job_id)]
 
 
+def process_state(pid: int) -> str | None:
+    """The kernel's state letter of ``pid`` (``Z``: exited, not yet reaped by its parent); None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def is_runner(pid: int, store_path: Path, job_id: int) -> bool:
     """Whether ``pid`` is alive and is the runner of ``job_id`` (not a process that reused its pid)."""
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return False
-    if state == "Z":  # exited, not yet reaped by its parent
+    if process_state(pid) in (None, "Z"):
         return False
     argv = raw.decode(errors="replace").split("\0")
     return MODULE in argv and str(store_path) in argv and str(job_id) in argv

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tensorfleet.service.cli import Client
-from tensorfleet.service.local import is_runner
+from tensorfleet.service.local import is_runner, process_state
 from tensorfleet.service.server import Service
 from tensorfleet.service.store import ACTIVE, JobStore
 
@@ -59,19 +59,12 @@ def stop_runners(home: Path, timeout_s: float = 30.0) -> None:
         if active and (pid, job_id) in live:
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(_exiting_or_alive(pid) for pid, _ in live):
+    # Not until each is a zombie: an exiting process loses its command line first (``is_runner`` says no early).
+    while time.monotonic() < deadline and any(process_state(pid) not in (None, "Z") for pid, _ in live):
         time.sleep(0.05)
     for pid, job_id in live:
         if is_runner(pid, store_path, job_id):
             os.kill(pid, signal.SIGKILL)
-
-
-def _exiting_or_alive(pid: int) -> bool:
-    """Not yet a zombie (an exiting process loses its command line first: ``is_runner`` says no too early)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @contextmanager
