@@ -292,8 +292,9 @@ class JobService:
         job = self.store.get(job_id)
         return self._backend(job.backend).log(job, task, offset)
 
-    def picture(self, job_id: int) -> dict[str, Any] | None:
-        job = self.store.get(job_id)
+    def picture(self, job: int | JobRecord) -> dict[str, Any] | None:
+        """The job's dashboard picture (by id, or of a record the caller holds: no second read)."""
+        job = self.store.get(job) if isinstance(job, int) else job
         backend = self.backends.get(job.backend)
         return backend.picture(job) if backend is not None and job.logdir else None
 

@@ -183,7 +183,7 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
     def summaries(state: str | None) -> list[dict[str, Any]]:
         now = service.store.now()
         newest = service.list(state)[::-1][:LIST_LIMIT]
-        return [job_json(job, service.picture(job.id) if job.logdir else None, now) for job in newest]
+        return [job_json(job, service.picture(job), now) for job in newest]
 
     async def jobs_page(request: Request, session: Session) -> Response:
         state = request.query_params.get("state") or None
