@@ -42,7 +42,7 @@ PACKAGE = SRC / "tensorfleet"
 #   layer         may import
 #   -----------   -------------------------------------------------------------
 ALL_LAYERS = frozenset({"errors", "cluster", "data", "wire", "ps.api", "ps", "worker", "train", "parallel",
-                        "dashboard", "launch", "service", "testing", "tensorfleet"})
+                        "dashboard", "serving", "launch", "service", "testing", "tensorfleet"})
 ALLOWED: dict[str, frozenset[str]] = {
     "errors":      frozenset(),
     "cluster":     frozenset({"errors", "cluster"}),
@@ -54,6 +54,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "train":       frozenset({"errors", "cluster", "wire", "ps.api", "worker", "train"}),    # of ps: ps.api only
     "parallel":    frozenset({"errors", "cluster", "wire", "ps.api", "worker", "train", "parallel"}),  # ps.api only
     "dashboard":   frozenset({"errors", "dashboard"}),
+    "serving":     frozenset({"errors", "cluster", "wire", "ps.api", "ps", "worker", "train", "dashboard",
+                              "serving"}),  # of ps: the IdMap (a serving table's ids)
     "launch":      ALL_LAYERS - {"testing", "service"},
     "service":     frozenset({"errors", "cluster", "wire", "dashboard", "launch", "service"}),  # the job service
     "testing":     ALL_LAYERS,

@@ -33,7 +33,7 @@ from starlette.staticfiles import StaticFiles
 from tensorfleet.dashboard.metrics import CONTENT_TYPE, render_metrics
 from tensorfleet.errors import LaunchError
 
-__all__ = ["Dashboard", "FleetPicture", "PictureSource", "create_app", "json_safe"]
+__all__ = ["BodyLimit", "Dashboard", "FleetPicture", "PictureSource", "create_app", "json_safe"]
 
 # The fleet as the dashboard shows it, a JSON-ready dict (its shape: see ``tensorfleet.dashboard``).
 # A "picture", not a "snapshot": that is a ps shard's state taken for a checkpoint (the Snapshot RPC).
@@ -67,6 +67,25 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, list):
         return [json_safe(v) for v in value]
     return value
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes (by its Content-Length, which uvicorn enforces)
+    is refused (413) before the app reads it; one of unknown length (chunked) is refused (411)."""
+
+    def __init__(self, app: Callable, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is None and b"transfer-encoding" in headers:  # a body of unknown size: say how big first
+            return await PlainTextResponse("send a Content-Length", 411)(scope, receive, send)
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await PlainTextResponse(f"request body over {self.limit} bytes", 413)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def create_app(picture: PictureSource) -> Starlette:

@@ -7,6 +7,7 @@
     tensorfleet ckpt ls DIR
     tensorfleet ckpt show DIR|FILE
     tensorfleet data fetch movielens [--cache DIR]
+    tensorfleet serve-model CHECKPOINT_DIR --model SCRIPT [--port PORT] [--no-reload] [-- ARGS]
     tensorfleet k8s render --ps N --workers M --image IMG [options] SCRIPT [-- ARGS]
 
 Every launch setting can also come from a ``TENSORFLEET_*`` variable
@@ -145,6 +146,26 @@ def _add_dashboard_parser(commands: argparse._SubParsersAction) -> None:
     board.add_argument("--name", default="fleet", help="the job's name on the page")
 
 
+def _add_serve_model_parser(commands: argparse._SubParsersAction) -> None:
+    # Its code (torch, uvicorn) is imported only when the command runs: see tensorfleet.serving.server.
+    serve = commands.add_parser(
+        "serve-model", help="answer predictions over HTTP from a checkpoint directory, applying new checkpoints "
+                            "as they land",
+        description="Load the latest checkpoint of CHECKPOINT_DIR into the training script's model and answer "
+                    "POST /v1/predict; every delta checkpoint the chief writes there is applied as it lands, "
+                    "atomically (no restart). The script defines serving_model(argv) and predict(module, inputs).")
+    serve.add_argument("directory", metavar="CHECKPOINT_DIR", help="the job's checkpoint_dir (it may not exist yet)")
+    serve.add_argument("--model", required=True, metavar="SCRIPT",
+                       help="the training script; it defines serving_model(argv) and predict(module, inputs)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    serve.add_argument("--port", type=_port, default=8500, help="port (default 8500; 0: a free one)")
+    serve.add_argument("--poll-interval", dest="poll_interval", type=float, default=0.25, metavar="S",
+                       help="how often to look for a new checkpoint, in seconds (default 0.25)")
+    serve.add_argument("--no-reload", dest="follow", action="store_false",
+                       help="serve the first checkpoint found and never apply a newer one")
+    # The script's own flags (for serving_model) go after '--'; main() hands them over as args.script_args.
+
+
 # A command added from a layer above (the job service's ``serve``, ``jobs``, ``users``): a function that
 # adds its parser to the subcommands, and one that runs it and returns the exit code.
 Command = tuple[Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], int]]
@@ -170,6 +191,7 @@ def build_parser(commands: Mapping[str, Command] | None = None) -> argparse.Argu
     fetch.add_argument("dataset", choices=["movielens"], help="movielens: MovieLens-100K, from the recbole wheel")
     fetch.add_argument("--cache", default=None, help="the cache folder (default: $TENSORFLEET_DATA, else "
                                                      "~/.cache/tensorfleet)")
+    _add_serve_model_parser(commands)
     k8s.add_parser(commands)
     for add, _run in (extra_commands or {}).values():
         add(commands)
@@ -276,6 +298,10 @@ def main(argv: Sequence[str] | None = None, commands: Mapping[str, Command] | No
             return _launch(args, script_args(command, args, head, args.target, after_separator), task_grpc_verbosity)
         if args.command == "dashboard":
             return _dashboard(args)
+        if args.command == "serve-model":
+            from tensorfleet.serving.server import main as serve_model
+            args.script_args = after_separator
+            return serve_model(args)
         if args.command == "k8s":
             args.script_args = script_args(command, args, head, args.script, after_separator)
             return k8s.main(args)

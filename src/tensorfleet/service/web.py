@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, RedirectRespons
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from tensorfleet.dashboard.server import json_safe
+from tensorfleet.dashboard.server import BodyLimit, json_safe
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch.config import load_job_file
 from tensorfleet.service.accounts import Accounts, Session, TooBusyError
@@ -52,25 +52,6 @@ HEADERS = {"Cache-Control": "no-store", "Content-Security-Policy": _CSP, "X-Cont
            "Referrer-Policy": "same-origin"}
 _STATUS_OF_CODE = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
                    "FAILED_PRECONDITION": 409, "RESOURCE_EXHAUSTED": 429}
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes (by its Content-Length, which uvicorn enforces)
-    is refused (413) before the app reads it; one of unknown length (chunked) is refused (411)."""
-
-    def __init__(self, app: Callable, limit: int = MAX_BODY_BYTES) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        length = headers.get(b"content-length")
-        if length is None and b"transfer-encoding" in headers:  # a body of unknown size: say how big first
-            return await PlainTextResponse("send a Content-Length", 411)(scope, receive, send)
-        if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await PlainTextResponse(f"request body over {self.limit} bytes", 413)(scope, receive, send)
-        await self.app(scope, receive, send)
 
 
 def job_json(job: JobRecord, picture: dict[str, Any] | None, now: float) -> dict[str, Any]:
@@ -396,7 +377,7 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
         Mount("/static", app=StaticFiles(packages=[("tensorfleet.service", "static")]), name="static"),
     ]
     app = Starlette(routes=routes)
-    app.add_middleware(BodyLimit)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     return app
 
 

@@ -70,6 +70,7 @@ class Checkpoint:
     path: Path
     state: ShardState
     info: dict[str, Any]
+    base: str | None = None  # a delta's base: the file it was taken on (see ``load_file``)
 
     @property
     def global_step(self) -> int:
@@ -287,16 +288,16 @@ def load(path: str | Path) -> Checkpoint:
             raise DataError(f"{path} holds no checkpoint (no {MANIFEST})")
         path = latest
     files = chain(path)
-    loaded = _load_file(files[0])
+    loaded = load_file(files[0])
     state = loaded.state
     for delta in files[1:]:
-        loaded = _load_file(delta)
+        loaded = load_file(delta)
         state = apply_delta(state, loaded.state)
     return Checkpoint(path, state, loaded.info)
 
 
-def _load_file(path: Path) -> Checkpoint:
-    """One file, as it is (a delta's rows and evicted ids, not yet applied to its base)."""
+def load_file(path: Path) -> Checkpoint:
+    """One file, as it is (a delta's rows and evicted ids, not yet applied to its base: see ``base``)."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -313,7 +314,7 @@ def _load_file(path: Path) -> Checkpoint:
                                  since=0 if metadata.get("base") else None)
     info = json.loads(metadata.get("info", "{}"))
     info["saved_at"] = float(metadata.get("saved_at", 0))
-    return Checkpoint(path, state, info)
+    return Checkpoint(path, state, info, metadata.get("base") or None)
 
 
 def load_into_module(module: torch.nn.Module, path: str | Path, *, averages: bool = False) -> int:
