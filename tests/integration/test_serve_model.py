@@ -6,40 +6,23 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
 from tensorfleet.testing.local_cluster import REPO
+from tensorfleet.testing.serving import serve_model
 
 pytestmark = pytest.mark.cluster
 SCRIPT = Path(__file__).with_name("served_model.py")
 sys.path.insert(0, str(SCRIPT.parent))
 import served_model  # noqa: E402 - the served script, also the checkpoints' writer
-
-
-def start_server(directory: Path, *extra: str) -> tuple[subprocess.Popen, str, int]:
-    process = subprocess.Popen([sys.executable, "-m", "tensorfleet.launch.cli", "serve-model", str(directory),
-                                "--model", str(SCRIPT), "--port", "0", "--poll-interval", "0.05", *extra],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if "/v1/predict" in line:
-            host, port = line.split("http://")[1].split("/")[0].rsplit(":", 1)
-            threading.Thread(target=process.stdout.read, daemon=True).start()  # keep the pipe drained
-            return process, host, int(port)
-        if not line and process.poll() is not None:
-            break
-    process.kill()
-    raise AssertionError(f"serve-model did not start: {process.stdout.read()}")
 
 
 def request(connection: http.client.HTTPConnection, method: str, path: str, body: object = None,
@@ -60,8 +43,8 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "") -> None:
 
 
 def test_serve_model_picks_up_deltas_while_answering_no_failed_request_no_torn_row(tmp_path):
-    process, host, port = start_server(tmp_path)
-    try:
+    with serve_model(tmp_path, SCRIPT, ["--poll-interval", "0.05"]) as (process, url):
+        host, port = urlsplit(url).hostname, urlsplit(url).port
         probe = http.client.HTTPConnection(host, port, timeout=10)
         assert request(probe, "GET", "/healthz")[0] == 503  # started before training saved anything
         status, reply = request(probe, "POST", "/v1/predict", {"inputs": {"ids": [1]}})
@@ -124,25 +107,17 @@ def test_serve_model_picks_up_deltas_while_answering_no_failed_request_no_torn_r
         assert "tensorfleet_serving_global_step 30" in metrics and "tensorfleet_serving_bad_requests_total 4" in metrics
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=20) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
 
 
 def test_serve_model_with_no_reload_keeps_its_first_checkpoint(tmp_path):
     served_model.write_version(tmp_path, 1, base=None)
-    process, host, port = start_server(tmp_path, "--no-reload")
-    try:
-        probe = http.client.HTTPConnection(host, port, timeout=10)
+    with serve_model(tmp_path, SCRIPT, ["--poll-interval", "0.05", "--no-reload"]) as (process, url):
+        probe = http.client.HTTPConnection(urlsplit(url).hostname, urlsplit(url).port, timeout=10)
         wait_for(lambda: request(probe, "GET", "/healthz")[0] == 200, what="the first checkpoint")
         served_model.write_version(tmp_path, 2, base="model.ckpt-1.safetensors")
         time.sleep(0.5)  # ten polls: none may apply it
         status, reply = request(probe, "POST", "/v1/predict", {"inputs": {"ids": [1]}})
         assert status == 200 and reply["model"]["global_step"] == 1
-    finally:
-        process.kill()
-        process.wait(10)
 
 
 def test_serve_model_refuses_a_script_without_the_serving_functions(tmp_path):

@@ -207,7 +207,17 @@ class MovieLens:
         bags, flat) and ``genre_offsets`` (where each row's bag starts; one per row, none past the end).
         """
         index = np.asarray(index, dtype=np.int64)
-        user, item = self.user[index], self.item[index]
+        return self.features(self.user[index], self.item[index])
+
+    def features(self, user: np.ndarray, item: np.ndarray) -> dict[str, np.ndarray]:
+        """The same features for any (user, item) pairs, rated or not (a prediction's inputs); DataError for an
+        id the data set does not list."""
+        user, item = np.asarray(user, dtype=np.int64), np.asarray(item, dtype=np.int64)
+        for kind, ids in (("user", user), ("item", item)):
+            unknown = unlisted(self, kind, ids)
+            if len(unknown):
+                raise DataError(f"{kind} {int(unknown[0])} is not in MovieLens-100K (ids 1.."
+                                f"{len(self.users if kind == 'user' else self.items) - 1}, a few missing)")
         genre_ids, genre_offsets = _gather_bags(self.items.genre_ids, self.items.genre_offsets, item)
         return {"user": user, "item": item, "age_bucket": age_bucket(self.users.age[user]),
                 "gender": self.users.gender[user], "occupation": self.users.occupation[user],
@@ -383,13 +393,17 @@ def _items(table: dict[str, list[str]]) -> Items:
                  genre_ids=genre_ids, genre_offsets=offsets)
 
 
+def unlisted(data: MovieLens, kind: str, ids: np.ndarray) -> np.ndarray:
+    """The ``ids`` of ``kind`` ("user" or "item") that the feature tables have no row for."""
+    present = data.users.gender >= 0 if kind == "user" else np.diff(data.items.genre_offsets) > 0
+    outside = ids[(ids < 1) | (ids >= len(present))]
+    return outside if len(outside) else ids[~present[ids]]
+
+
 def _check_references(data: MovieLens) -> None:
     """Every rating's user and item has a row in the feature tables (else its features would be padding)."""
-    listed = {"user": data.users.gender >= 0, "item": np.diff(data.items.genre_offsets) > 0}
     for kind, ids in (("user", data.user), ("item", data.item)):
-        present = listed[kind]
-        outside = ids[(ids < 1) | (ids >= len(present))]
-        missing = outside if len(outside) else ids[~present[ids]]
+        missing = unlisted(data, kind, ids)
         if len(missing):
             raise DataError(f"{MEMBERS['inter']} rates {kind} {int(missing[0])}, which {MEMBERS[kind]} does not "
                             f"list ({len(np.unique(missing))} such {kind}s)")
