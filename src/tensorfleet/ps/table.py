@@ -59,7 +59,7 @@ class EmbeddingShard:
     def __init__(self, spec: TableSpec) -> None:
         self.spec = spec
         self._map = IdMap()
-        self._values, self._slots, self._updated = self._empty_storage()
+        self._values, self._slots, self._updated, self._ids = self._empty_storage()
         self.admission = Admission(spec.admit_after, spec.admit_probability)
         self.rows_created = 0  # since start (a restore's rows are loaded, not created)
         self.evicted = 0  # rows evicted since start
@@ -72,10 +72,12 @@ class EmbeddingShard:
         self._evictions: list[tuple[int, np.ndarray]] = []
         self._log_from = 0
 
-    def _empty_storage(self) -> tuple[GrowingRows, dict[str, GrowingRows], GrowingRows]:
+    def _empty_storage(self) -> tuple[GrowingRows, dict[str, GrowingRows], GrowingRows, GrowingRows]:
+        """Rows, slots, each row's last update, and each row's id (the id map's inverse: a delta or an eviction
+        names its rows' ids without scanning the whole map)."""
         return (GrowingRows((self.spec.dim,), self.spec.dtype),
                 {name: GrowingRows(shape[1:], dtype) for name, (shape, dtype) in self._slot_layout(0).items()},
-                GrowingRows((), torch.int64))
+                GrowingRows((), torch.int64), GrowingRows((), torch.int64))
 
     # --- layout ---------------------------------------------------------------------------------
 
@@ -101,7 +103,7 @@ class EmbeddingShard:
         """Bytes held for this table: rows and slots as allocated (with room to grow), the id map, the
         admission sketch."""
         return (self._values.nbytes + sum(slot.nbytes for slot in self._slots.values()) + self._updated.nbytes
-                + self._map.nbytes + self.admission.nbytes)
+                + self._ids.nbytes + self._map.nbytes + self.admission.nbytes)
 
     def bytes_per_row(self) -> dict[str, float]:
         """What one row costs: its values and slots alone, and everything held divided by the rows."""
@@ -209,12 +211,20 @@ class EmbeddingShard:
         """Store rows ``len-n .. len-1`` (the id map has just numbered them), growing the storage if needed."""
         end = len(self._map)
         start = end - ids.numel()
-        for storage in (self._values, *self._slots.values(), self._updated):
+        for storage in self._storages():
             storage.reserve(end)
         self._values.tensor[start:end] = values
         for name, slot in self._slots.items():
             slot.tensor[start:end] = slots[name]
         self._updated.tensor[start:end] = updated
+        self._ids.tensor[start:end] = ids
+
+    def _storages(self) -> tuple[GrowingRows, ...]:
+        return (self._values, *self._slots.values(), self._updated, self._ids)
+
+    def row_ids(self) -> np.ndarray:
+        """The id of each row, by row number (a view: read it under the store's lock)."""
+        return self._ids.tensor[:len(self)].numpy()
 
     # --- eviction -------------------------------------------------------------------------------
 
@@ -248,12 +258,13 @@ class EmbeddingShard:
         keep = np.ones(len(self), dtype=bool)
         keep[rows] = False
         survivors = np.flatnonzero(keep)
-        ids, _ = self._map.items()
+        ids = self.row_ids()
         self._log_evictions(ids[~keep])
-        for storage in (self._values, *self._slots.values(), self._updated):
+        kept_ids = ids[survivors]
+        for storage in self._storages():
             storage.keep(survivors)
         self._map = IdMap(int(survivors.size / 0.5))
-        self._map.insert(ids[survivors])
+        self._map.insert(kept_ids)
         self.evicted += rows.size
 
     def _log_evictions(self, ids: np.ndarray) -> None:
@@ -275,7 +286,7 @@ class EmbeddingShard:
             return None
         self._evictions = [(update, ids) for update, ids in self._evictions if update >= since]
         self._log_from = since
-        ids, _ = self._map.items()
+        ids = self.row_ids()
         changed = np.flatnonzero(self.last_updates() >= since)
         evicted = np.concatenate([ids for _, ids in self._evictions]) if self._evictions else np.empty(0, np.int64)
         if pages > 1:
@@ -289,16 +300,16 @@ class EmbeddingShard:
         return int(rows * (self.bytes_per_row()["bare"] + 8))
 
     def _copy_rows(self, ids: np.ndarray, index: np.ndarray) -> TableState:
-        rows = torch.from_numpy(index)
-        slots = {name: slot.tensor[rows].clone() for name, slot in self._slots.items()}
-        slots[LAST_UPDATE] = self._updated.tensor[rows].clone()
-        return TableState(torch.from_numpy(ids[index].copy()), self._values.tensor[rows].clone(), slots)
+        rows = torch.from_numpy(index)  # indexing by a tensor of rows copies: no clone on top
+        slots = {name: slot.tensor[rows] for name, slot in self._slots.items()}
+        slots[LAST_UPDATE] = self._updated.tensor[rows]
+        return TableState(torch.from_numpy(ids[index]), self._values.tensor[rows], slots)
 
     # --- checkpoints ------------------------------------------------------------------------------
 
     def state(self, page: int = 0, pages: int = 1) -> TableState:
         """A copy of every row (of page ``page`` of ``pages``): ids, values, slots (ordered by creation)."""
-        ids, _ = self._map.items()
+        ids = self.row_ids()
         if pages > 1:
             return self._copy_rows(ids, np.flatnonzero(page_of(ids, pages) == page))
         n = len(self)
@@ -326,7 +337,7 @@ class EmbeddingShard:
                              f"expected {(state.ids.numel(),)}")
         self._map = IdMap(int(state.ids.numel() / 0.5))
         self._map.insert(state.ids.numpy())
-        self._values, self._slots, self._updated = self._empty_storage()
+        self._values, self._slots, self._updated, self._ids = self._empty_storage()
         self._append(state.ids, state.values.to(self.spec.dtype), slots,
                      update if updated is None else updated.to(torch.int64))
 
