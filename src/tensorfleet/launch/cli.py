@@ -157,7 +157,8 @@ def _add_serve_model_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("directory", metavar="CHECKPOINT_DIR", help="the job's checkpoint_dir (it may not exist yet)")
     serve.add_argument("--model", required=True, metavar="SCRIPT",
                        help="the training script; it defines serving_model(argv) and predict(module, inputs)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1; 0.0.0.0 "
+                       "exposes the predictions to the network, without authentication)")
     serve.add_argument("--port", type=_port, default=8500, help="port (default 8500; 0: a free one)")
     serve.add_argument("--poll-interval", dest="poll_interval", type=float, default=0.25, metavar="S",
                        help="how often to look for a new checkpoint, in seconds (default 0.25)")
