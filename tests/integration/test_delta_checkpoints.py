@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from tensorfleet.cluster.spec import TaskSpec
-from tensorfleet.errors import DataError
+from tensorfleet.errors import DataError, InvalidArgumentError
 from tensorfleet.ps.api import OptimizerSpec, RowInitializer
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.train.checkpoint import Checkpointer, chain, gather, load, split
 from tensorfleet.train.manifest import read_manifest
 from tensorfleet.worker.embedding import EmbeddingTable
+from tensorfleet.wire.dataplane import DataChannel
 from tensorfleet.worker.replica import Replica
 
 pytestmark = pytest.mark.cluster
@@ -171,3 +172,30 @@ def test_a_shard_too_big_for_one_message_is_read_in_pages_that_add_up_to_it(tmp_
             truth = gather(replica.placement, replica.client.snapshot())
             assert rows(load(delta).state) == rows(truth) and rows(load(full).state) == whole
             assert torch.equal(load(delta).state.values["head.weight"], truth.values["head.weight"])
+
+
+def test_a_snapshot_on_the_data_plane_is_the_grpc_one_and_a_bad_one_changes_nothing():
+    """The chief fetches snapshots over the data plane (tens of MB cross gRPC slowly); the reply is the same
+    state the gRPC method gives, and a Snapshot request carrying tensors is refused with the ps serving on."""
+    with ps_servers(num_ps=2) as (cluster, servers):
+        net = model()
+        with Replica(net, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1)) as replica:
+            train(replica, net, range(5))
+            since = servers[1].store.snapshot().applied_updates - 2
+            for ask in ({}, {"since": since}):
+                data = replica.client.snapshot(since=[ask.get("since"), ask.get("since")])
+                for shard, state in enumerate(data):
+                    meta, tensors = replica.client.channels[shard].call("Snapshot", ask)
+                    assert state.since == meta["since"] and state.global_step == meta["global_step"]
+                    assert set(state.flatten()) == set(tensors)
+                    assert all(torch.equal(state.flatten()[k], tensors[k]) for k in tensors)
+            channel = DataChannel(task="/job:ps/task:0")
+            channel.set_address(*replica.client.data[0].address)
+            with pytest.raises(InvalidArgumentError, match="carries no tensors"):
+                channel.call("Snapshot", {}, {"x": torch.zeros(3)})
+            with pytest.raises(InvalidArgumentError, match="'since' must be an update number"):
+                channel.call("Snapshot", {"since": -1})
+            channel.close()
+            before = rows(gather(replica.placement, replica.client.snapshot()))
+            train(replica, net, range(5, 6))  # still serving, and the state moved only by the push
+            assert rows(gather(replica.placement, replica.client.snapshot())) != before

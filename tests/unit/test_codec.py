@@ -1,6 +1,7 @@
 import json
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -107,3 +108,11 @@ def test_unsupported_dtype_and_non_tensor_cannot_be_encoded():
         codec.encode({}, {"t": torch.zeros(2).to(torch.float8_e4m3fn)})
     with pytest.raises(WireError, match="not a torch.Tensor"):
         codec.encode({}, {"t": [1, 2]})
+
+
+def test_byte_view_of_an_empty_tensor_of_any_strides_is_an_empty_writable_view():
+    """numpy's empty arrays come into torch with stride 0 (a delta snapshot with no evicted ids sends one)."""
+    for empty in (torch.from_numpy(np.empty(0, dtype=np.int64)), torch.zeros(1, dtype=torch.int64).expand(0),
+                  torch.empty((0, 4)), torch.empty(0, dtype=torch.bfloat16)):
+        view = codec.byte_view(empty)
+        assert view.nbytes == 0 and not view.readonly  # a receive target too

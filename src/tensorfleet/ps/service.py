@@ -62,7 +62,7 @@ class PsService:
 
     def data_methods(self) -> dict[str, Method]:
         """The data plane's methods: the calls of every training step."""
-        return {"Pull": self.pull, "Push": self.push, "Lookup": self.lookup}
+        return {"Pull": self.pull, "Push": self.push, "Lookup": self.lookup, "Snapshot": self.snapshot_data}
 
     def init(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         init = InitRequest.from_meta(meta)
@@ -138,6 +138,14 @@ class PsService:
         state = self.store.snapshot(since, page, pages)
         return {"global_step": state.global_step, "applied_updates": state.applied_updates, "since": state.since,
                 "epoch": state.epoch, "pages": state.pages}, state.flatten()
+
+    def snapshot_data(self, request: Request) -> Reply:
+        """Snapshot on the data plane: the same request and reply as the gRPC method, the rows at TCP speed
+        (a delta's tens of MB cross gRPC at a fraction of it, and the chief waits for them)."""
+        if request.entries:
+            raise InvalidArgumentError("a Snapshot carries no tensors")
+        meta, tensors = self.snapshot(request.meta, {})
+        return Reply(meta, tensors)
 
     def status(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         reply = dataclasses.asdict(self.store.status())

@@ -207,7 +207,9 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     one conversion; bfloat16 and other dtypes numpy lacks go through a uint8 view.
     """
     tensor = tensor.detach()
-    if tensor.dtype in _NUMPY_DTYPES and tensor.is_contiguous() and tensor.numel():
+    if not tensor.numel():  # an empty tensor may have any strides (0 after some ops): no bytes either way
+        return memoryview(bytearray())  # writable, as the callers that receive into it need
+    if tensor.dtype in _NUMPY_DTYPES and tensor.is_contiguous():
         return memoryview(tensor.numpy()).cast("B")
     flat = tensor.reshape(-1)
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():

@@ -6,7 +6,8 @@ push) are what makes training fast or slow.  So they travel here instead, like
 ps-lite's "van": one TCP connection per worker and shard, messages framed by
 ``frame`` (no pickle, size limits, validated before use), tensor bytes sent from
 and received into tensors in place.  gRPC keeps the control plane (Init,
-Snapshot, Status, Done), and the ps's Status tells workers its data port.
+Snapshot, Status, Done), and the ps's Status tells workers its data port; the chief
+fetches snapshots (checkpoints' rows, tens of MB to a page of 256 MiB) here too.
 
 Server: one thread per connection reads a request head, lets the method choose
 where the body goes (``Request.receive``; a method that refuses the request

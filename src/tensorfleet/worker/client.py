@@ -187,17 +187,27 @@ class PsClient:
         """Every shard's whole state (values, optimizer slots, averages, counters, tables' rows), fetched
         concurrently; with ``shards``, those shards' by index. ``since`` (one entry per shard): ask shard s
         for a delta since update ``since[s]`` (its ``since`` says whether it gave one)."""
-        wanted = range(len(self.channels)) if shards is None else shards
-        ask = {s: {"since": since[s]} if since else {} for s in wanted}
-        futures = {s: self.channels[s].call_async("Snapshot", ask[s]) for s in wanted}
-        states = {}
-        for s, future in futures.items():
-            pages = [_shard_state(*future.result())]  # page 0 says how many pages the shard cut it into
+        wanted = list(range(len(self.channels)) if shards is None else shards)
+        with ThreadPoolExecutor(max_workers=len(wanted), thread_name_prefix="snapshot") as threads:
+            futures = {s: threads.submit(self._shard_snapshot, s, {"since": since[s]} if since else {})
+                       for s in wanted}
+            states = {s: future.result() for s, future in futures.items()}
+        return [states[s] for s in wanted] if shards is None else states
+
+    def _shard_snapshot(self, shard: int, ask: dict[str, Any]) -> ShardState:
+        """One shard's snapshot, page by page, over a data connection of its own: the training connection
+        stays free, and this one (closed after) never keeps a shared-memory segment sized for a page."""
+        if self.data[shard].address is None:
+            raise UnavailableError(f"{self.data[shard].task}: its data port is not known yet (not started)")
+        channel = DataChannel(task=self.data[shard].task, options=self.data[shard].options)
+        channel.set_address(*self.data[shard].address)
+        try:
+            pages = [_shard_state(*channel.call("Snapshot", ask))]  # page 0 says how many pages the shard cut
             for page in range(1, pages[0].pages):
-                pages.append(_shard_state(*self.channels[s].call("Snapshot", {**ask[s], "page": page,
-                                                                             "pages": pages[0].pages})))
-            states[s] = pages[0] if len(pages) == 1 else ShardState.join_pages(pages)
-        return list(states.values()) if shards is None else states
+                pages.append(_shard_state(*channel.call("Snapshot", {**ask, "page": page, "pages": pages[0].pages})))
+        finally:
+            channel.close()
+        return pages[0] if len(pages) == 1 else ShardState.join_pages(pages)
 
     def done(self, replica: int, *, timeout_s: float = DONE_WAIT_S) -> None:
         """Tell every shard this replica finished; a ps exits once all replicas have.
