@@ -10,7 +10,7 @@ from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import DataError, InvalidArgumentError
 from tensorfleet.ps.api import OptimizerSpec, RowInitializer
 from tensorfleet.testing.local_cluster import ps_servers
-from tensorfleet.train.checkpoint import Checkpointer, chain, gather, load, split
+from tensorfleet.train.checkpoint import Checkpointer, chain, gather, load, load_file, split
 from tensorfleet.train.manifest import read_manifest
 from tensorfleet.worker.embedding import EmbeddingTable
 from tensorfleet.wire.dataplane import DataChannel
@@ -112,6 +112,12 @@ def test_ckpt_ls_shows_the_chain_and_compact_sums_it_into_one_full_checkpoint(tm
     listed = ckpt.list_text(directory).splitlines()
     assert listed[1].endswith("full") and listed[2].endswith(f"delta on {paths[0].name}")
     assert listed[3].endswith(f"delta on {paths[1].name}  (latest)")
+    full, delta = ckpt.show_text(paths[0]), ckpt.show_text(paths[2])  # the tables: rows, width, slots, rules
+    held, changed = load(paths[0]).state.tables["t"], load_file(paths[2]).state
+    assert f"t{'':<27}{held.ids.numel():>12,}  4    float32   last_update, sum" in full, full
+    assert "  optimizer adagrad {'lr': 0.1}, max_rows 300" in full
+    assert (f"{changed.tables['t'].ids.numel():>12,}  4    float32   last_update, sum; "
+            f"{changed.evicted['t'].numel()} evicted") in delta, delta
     summed = rows(load(paths[-1]).state)
     said = ckpt.compact(directory)
     assert said.startswith("wrote model.ckpt-30.safetensors") and "the sum of 3 files" in said

@@ -42,6 +42,7 @@ class CheckpointInfo:
     slots: dict[str, dict[str, TensorInfo]]
     has_averages: bool
     base: str | None = None  # a delta checkpoint's base file (None: a full checkpoint)
+    tables: dict[str, dict[str, TensorInfo]] | None = None  # per embedding table: ids, values, slot/..., evicted
 
 
 def list_text(directory: str | Path) -> str:
@@ -70,7 +71,8 @@ def list_text(directory: str | Path) -> str:
 
 
 def show_text(path: str | Path) -> str:
-    """Step, optimizer, mode, placement, and every variable with its shape, dtype and slots."""
+    """Step, optimizer, mode, placement, every variable with its shape, dtype and slots, and every embedding
+    table with its rows, width, slots and rules (a delta: the rows it changes and the ids it evicts)."""
     checkpoint = read(path)
     info = checkpoint.info
     optimizer = info.get("optimizer") or {}
@@ -87,6 +89,25 @@ def show_text(path: str | Path) -> str:
         slots = ", ".join(f"{slot}{t.shape if t.shape else ''}"  # a scalar slot (Adam's step): no shape
                           for slot, t in sorted(checkpoint.slots.get(name, {}).items()))
         lines.append(f"{name:<28}{str(value.shape):<18}{value.dtype:<10}{slots}")
+    specs = {spec.get("name"): spec for spec in info.get("tables", []) if isinstance(spec, dict)}
+    if checkpoint.tables:
+        lines.append(f"{'embedding table':<28}{'rows':>12}  {'dim':<5}{'dtype':<10}slots"
+                     + ("; evicted since the base" if checkpoint.base else ""))
+    for name, parts in sorted((checkpoint.tables or {}).items()):
+        values = parts.get("values")
+        rows = values.shape[0] if values and values.shape else 0
+        dim = values.shape[1] if values and len(values.shape) > 1 else specs.get(name, {}).get("dim", "?")
+        table_slots = ", ".join(sorted(part.partition("/")[2] for part in parts if part.startswith("slot/")))
+        evicted = f"; {parts['evicted'].shape[0]} evicted" if "evicted" in parts and parts["evicted"].shape else ""
+        lines.append(f"{name:<28}{rows:>12,}  {dim!s:<5}{values.dtype if values else '?':<10}{table_slots or '-'}{evicted}")
+        spec = specs.get(name, {})
+        optimizer = spec.get("optimizer") or {}
+        rules = [f"optimizer {optimizer.get('name')} {optimizer.get('options', {})}"] if optimizer else []
+        rules += [f"{key} {spec[key]}" for key, default in (("num_rows", None), ("admit_after", 1),
+                                                             ("admit_probability", None), ("ttl_steps", None),
+                                                             ("max_rows", None)) if spec.get(key, default) != default]
+        if rules:
+            lines.append(f"  {', '.join(rules)}")
     parts = info.get("placement", [])
     if parts:
         lines.append("placement when saved:")
@@ -114,9 +135,9 @@ def read(path: str | Path) -> CheckpointInfo:
         info["saved_at"] = float(metadata.get("saved_at", 0))
     except (KeyError, TypeError, ValueError) as exc:
         raise DataError(f"{path} is not a readable checkpoint: its metadata is damaged ({exc})") from None
-    values, slots, averages = _layout(path, header)
+    values, slots, averages, tables = _layout(path, header)
     return CheckpointInfo(path, global_step, applied, info, values, slots, bool(averages),
-                          metadata.get("base") or None)
+                          metadata.get("base") or None, tables)
 
 
 def compact(directory: str | Path) -> str:
@@ -144,11 +165,13 @@ def _latest(directory: Path) -> Path:
     return directory / name
 
 
-def _layout(path: Path, header: dict[str, Any]) -> tuple[dict, dict, dict]:
-    """Split the header's tensors by the checkpoint's naming: ``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``."""
+def _layout(path: Path, header: dict[str, Any]) -> tuple[dict, dict, dict, dict]:
+    """Split the header's tensors by the checkpoint's naming: ``value/<var>``, ``slot/<slot>/<var>``,
+    ``average/<var>``, and ``table/<table>/<part>`` (ids, values, slot/<slot>, evicted)."""
     values: dict[str, TensorInfo] = {}
     slots: dict[str, dict[str, TensorInfo]] = {}
     averages: dict[str, TensorInfo] = {}
+    tables: dict[str, dict[str, TensorInfo]] = {}
     for key, entry in header.items():
         tensor = _tensor(path, key, entry)
         kind, _, rest = key.partition("/")
@@ -160,13 +183,14 @@ def _layout(path: Path, header: dict[str, Any]) -> tuple[dict, dict, dict]:
             slot, _, name = rest.partition("/")
             slots.setdefault(name, {})[slot] = tensor
         elif kind == "table" and "/" in rest:
-            continue  # embedding tables' rows: listed by the tables' specs in the info
+            table, _, part = rest.partition("/")
+            tables.setdefault(table, {})[part] = tensor
         else:
             raise DataError(f"{path}: tensor {key!r} is not value/<var>, slot/<slot>/<var> or average/<var>")
     stray = (set(slots) | set(averages)) - set(values)
     if stray:
         raise DataError(f"{path}: slots or averages for variable(s) with no value: {sorted(stray)[:5]}")
-    return values, slots, averages
+    return values, slots, averages, tables
 
 
 def _tensor(path: Path, key: str, entry: Any) -> TensorInfo:
