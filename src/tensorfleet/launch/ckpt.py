@@ -99,7 +99,8 @@ def show_text(path: str | Path) -> str:
         dim = values.shape[1] if values and len(values.shape) > 1 else specs.get(name, {}).get("dim", "?")
         table_slots = ", ".join(sorted(part.partition("/")[2] for part in parts if part.startswith("slot/")))
         evicted = f"; {parts['evicted'].shape[0]} evicted" if "evicted" in parts and parts["evicted"].shape else ""
-        lines.append(f"{name:<28}{rows:>12,}  {dim!s:<5}{values.dtype if values else '?':<10}{table_slots or '-'}{evicted}")
+        dtype = values.dtype if values else "?"
+        lines.append(f"{name:<28}{rows:>12,}  {dim!s:<5}{dtype:<10}{table_slots or '-'}{evicted}")
         spec = specs.get(name, {})
         optimizer = spec.get("optimizer") or {}
         rules = [f"optimizer {optimizer.get('name')} {optimizer.get('options', {})}"] if optimizer else []

@@ -344,7 +344,8 @@ class EmbeddingShard:
     def status(self) -> dict[str, float]:
         return {"rows": len(self), "rows_created": self.rows_created, "bytes": self.nbytes,
                 "admitted": self.admission.admitted, "refused_updates": self.admission.refused_updates,
-                "evicted": self.evicted, "row_updates": self.row_updates, "lookups": self.lookups, **{f"bytes_per_row_{k}": v for k, v in self.bytes_per_row().items()}}
+                "evicted": self.evicted, "row_updates": self.row_updates, "lookups": self.lookups,
+                **{f"bytes_per_row_{k}": v for k, v in self.bytes_per_row().items()}}
 
 
 def page_of(ids: np.ndarray, pages: int) -> np.ndarray:

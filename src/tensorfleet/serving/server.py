@@ -143,7 +143,8 @@ def create_app(model: ServedModel, predict: Predict, reloader: Reloader) -> Star
                   f"tensorfleet_serving_reload_failures_total {reloader.failures}",
                   f"tensorfleet_serving_global_step {version.global_step if version else -1}",
                   f"tensorfleet_serving_checkpoint_age_seconds {time.time() - version.saved_at if version else -1:.3f}"]
-        lines += [f'tensorfleet_serving_table_rows{{table="{name}"}} {rows}' for name, rows in model.table_rows().items()]
+        lines += [f'tensorfleet_serving_table_rows{{table="{name}"}} {rows}'
+                  for name, rows in model.table_rows().items()]
         return Response("\n".join(lines) + "\n", media_type=CONTENT_TYPE)
 
     app = Starlette(routes=[Route("/v1/predict", predict_route, methods=["POST"]), Route("/v1/model", model_route),
