@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tensorfleet.errors import DataError
 from tensorfleet.ps.api import OptimizerSpec, RowInitializer, ShardState, TableSpec, TableState
 from tensorfleet.train.checkpoint import save
 from tensorfleet.worker.embedding import EmbeddingTable
@@ -33,7 +34,11 @@ def serving_model(argv: list[str]) -> nn.Module:
 
 
 def predict(module: nn.Module, inputs: dict) -> dict:
+    """The rows of ``inputs["ids"]`` and the version parameter; ids below -1000 are refused with a DataError,
+    as a data set refuses an id it does not know."""
     ids = torch.tensor(inputs["ids"], dtype=torch.int64)
+    if bool((ids < -1000).any()):
+        raise DataError(f"id {int(ids.min())} is not known")
     return {"rows": module.table(ids), "version": module.version}
 
 

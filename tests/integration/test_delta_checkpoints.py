@@ -197,11 +197,14 @@ def test_a_snapshot_on_the_data_plane_is_the_grpc_one_and_a_bad_one_changes_noth
                     assert all(torch.equal(state.flatten()[k], tensors[k]) for k in tensors)
             channel = DataChannel(task="/job:ps/task:0")
             channel.set_address(*replica.client.data[0].address)
-            with pytest.raises(InvalidArgumentError, match="carries no tensors"):
-                channel.call("Snapshot", {}, {"x": torch.zeros(3)})
-            with pytest.raises(InvalidArgumentError, match="'since' must be an update number"):
-                channel.call("Snapshot", {"since": -1})
-            channel.close()
+            try:
+                with pytest.raises(InvalidArgumentError, match="carries no tensors"):
+                    channel.call("Snapshot", {}, {"x": torch.zeros(3)})
+                with pytest.raises(InvalidArgumentError, match="'since' must be an update number"):
+                    channel.call("Snapshot", {"since": -1})
+            finally:
+                channel.close()
+            assert replica.client.snapshot(shards=[]) == {}  # every ps restarted empty, nothing to keep
             before = rows(gather(replica.placement, replica.client.snapshot()))
             train(replica, net, range(5, 6))  # still serving, and the state moved only by the push
             assert rows(gather(replica.placement, replica.client.snapshot())) != before

@@ -97,14 +97,16 @@ def test_serve_model_picks_up_deltas_while_answering_no_failed_request_no_torn_r
 
         # Bad input: a clear 400, and the server goes on serving the same version.
         for body, expected in ((b"not json", "JSON object"), (b'{"ids": [1]}', "JSON object"),
+                               (b"[" * 100_000 + b"]" * 100_000, "JSON object"),  # nesting past the recursion limit
                                (b'{"inputs": {"nope": [1]}}', "KeyError"),
-                               (b'{"inputs": {"ids": ["x"]}}', "Error")):
+                               (b'{"inputs": {"ids": ["x"]}}', "Error"),
+                               (b'{"inputs": {"ids": [-5000]}}', "DataError: id -5000 is not known")):
             status, reply = request(probe, "POST", "/v1/predict", raw=body)
             assert status == 400 and expected in reply["error"], (body, status, reply)
         status, reply = request(probe, "POST", "/v1/predict", {"inputs": {"ids": [30, 79]}})
         assert status == 200 and reply["outputs"]["rows"] == served_model.expected_rows(30, [30, 79])
         metrics = request(probe, "GET", "/metrics")[1]
-        assert "tensorfleet_serving_global_step 30" in metrics and "tensorfleet_serving_bad_requests_total 4" in metrics
+        assert "tensorfleet_serving_global_step 30" in metrics and "tensorfleet_serving_bad_requests_total 6" in metrics
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=20) == 0
 

@@ -98,7 +98,8 @@ def show_text(path: str | Path) -> str:
         rows = values.shape[0] if values and values.shape else 0
         dim = values.shape[1] if values and len(values.shape) > 1 else specs.get(name, {}).get("dim", "?")
         table_slots = ", ".join(sorted(part.partition("/")[2] for part in parts if part.startswith("slot/")))
-        evicted = f"; {parts['evicted'].shape[0]} evicted" if "evicted" in parts and parts["evicted"].shape else ""
+        gone = parts["evicted"].shape[0] if "evicted" in parts and parts["evicted"].shape else 0
+        evicted = f"; {gone} evicted" if gone else ""
         dtype = values.dtype if values else "?"
         lines.append(f"{name:<28}{rows:>12,}  {dim!s:<5}{dtype:<10}{table_slots or '-'}{evicted}")
         spec = specs.get(name, {})

@@ -5,8 +5,11 @@ The module is the training script's own class: its ``EmbeddingTable`` layers are
 A prediction runs under a shared hold of a readers-writer lock; applying a checkpoint file (a delta:
 its dense variables, its tables' evicted ids and changed rows) or swapping in a new chain takes the
 exclusive hold.  So every prediction sees exactly one version: all of a delta or none of it, never a
-row half written, never the dense part of one version with the rows of another.  Reading and decoding
-a file happens before the exclusive hold: predictions wait only for the in-place writes.
+row half written, never the dense part of one version with the rows of another.  Reading, decoding and
+checking a file (names, widths, shapes) happen before the exclusive hold: predictions wait for the
+in-place writes (a few ms for 100k rows; longer when a table's storage doubles or drops its evicted
+slots, a copy of the table).  A write that fails even so (out of memory) forgets the chain, so the
+next poll loads the whole chain aside instead of building on a half-applied delta.
 """
 
 from __future__ import annotations
@@ -24,8 +27,12 @@ from torch import nn
 from tensorfleet.errors import DataError, InvalidArgumentError
 from tensorfleet.ps.api import ShardState, TableSpec
 from tensorfleet.serving.tables import ServingTable
-from tensorfleet.train.checkpoint import Checkpoint, load_file
+from tensorfleet.train.checkpoint import Checkpoint, check_dense, load_file
 from tensorfleet.worker.embedding import tables_of
+
+
+class NotLoadedError(DataError):
+    """No checkpoint is served yet (training has not saved one): try again later (HTTP 503)."""
 
 
 class ReadWriteLock:
@@ -103,7 +110,7 @@ class ServedModel:
         with self._lock.read():
             version = self.version
             if version is None:
-                raise DataError("no checkpoint is loaded yet")
+                raise NotLoadedError("no checkpoint is loaded yet")
             with torch.inference_mode():
                 # Copied under the hold: an output may be a parameter itself, which the next delta overwrites.
                 return _copy_tensors(predict(self.module, inputs)), version
@@ -117,10 +124,12 @@ class ServedModel:
         if first.state.since is not None:
             raise DataError(f"{files[0]} is a delta checkpoint: a chain starts with a full one")
         tables = self._new_tables(first)
+        self._check_tables(tables, first.state)
         self._update_tables(tables, first.state)
         loaded = first
         for path in files[1:]:
             loaded = self._read_delta(path)
+            self._check_tables(tables, loaded.state)
             self._update_tables(tables, loaded.state)
         dense = self._dense(loaded)
         with self._lock.write():
@@ -139,9 +148,14 @@ class ServedModel:
             newest = self.chain[-1] if self.chain else "nothing (no checkpoint is loaded)"
             raise DataError(f"{path.name} is a delta on {delta.base}, not on {newest}: load its chain instead")
         dense = self._dense(delta)
+        self._check_tables(self._tables, delta.state)
         with self._lock.write():
-            self._write_dense(dense)
-            self._update_tables(self._tables, delta.state)
+            try:
+                self._write_dense(dense)
+                self._update_tables(self._tables, delta.state)
+            except BaseException:
+                self.chain = []  # half applied: the next poll loads the whole chain aside and swaps it in
+                raise
             self.chain.append(path.name)
             self.version = _version(delta)
         return self.version
@@ -167,25 +181,26 @@ class ServedModel:
                                            f"{self._embeddings[name].dim} in the model")
         return {name: ServingTable(name, spec.dim, spec.initializer, spec.dtype) for name, spec in specs.items()}
 
-    def _update_tables(self, tables: dict[str, ServingTable], state: ShardState) -> None:
-        unknown = sorted(set(state.tables) - set(tables))
+    @staticmethod
+    def _check_tables(tables: dict[str, ServingTable], state: ShardState) -> None:
+        """DataError unless every table of ``state`` is one of ``tables``, its rows of the table's width."""
+        unknown = sorted((set(state.tables) | set(state.evicted)) - set(tables))
         if unknown:
             raise DataError(f"a checkpoint has rows of tables {unknown} that its chain's full checkpoint lacks")
         for name, rows in state.tables.items():
+            if rows.values.shape[1] != tables[name].dim:
+                raise DataError(f"table {name!r}: rows of width {rows.values.shape[1]}, expected {tables[name].dim}")
+
+    @staticmethod
+    def _update_tables(tables: dict[str, ServingTable], state: ShardState) -> None:
+        for name in sorted(set(state.tables) | set(state.evicted)):
+            rows = state.tables.get(name)
             tables[name].update(rows, state.evicted.get(name))
 
     def _dense(self, checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
         """The module's parameters from ``checkpoint``, checked before anything is written."""
-        values = checkpoint.state.values
-        missing, extra = sorted(set(self._params) - set(values)), sorted(set(values) - set(self._params))
-        if missing or extra:
-            raise InvalidArgumentError(f"{checkpoint.path} does not match the model: missing {missing[:5]}, "
-                                       f"unexpected {extra[:5]}")
-        for name, param in self._params.items():
-            if param.shape != values[name].shape:
-                raise InvalidArgumentError(f"{name}: the model has {tuple(param.shape)}, {checkpoint.path} "
-                                           f"{tuple(values[name].shape)}")
-        return values
+        check_dense(self._params, checkpoint.state.values, checkpoint.path)
+        return checkpoint.state.values
 
     def _write_dense(self, values: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():

@@ -96,12 +96,15 @@ class Reloader:
             try:
                 self.poll()
                 self.last_error = None
-            except (DataError, InvalidArgumentError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - the thread must live on: serving goes on, the next poll retries
                 self.failures += 1
-                message = str(exc)
+                message = f"{type(exc).__name__}: {exc}"
                 if message != self.last_error:  # once per distinct cause, not every poll
-                    log.warning("cannot apply the checkpoints of %s yet (%s); serving %s meanwhile, retrying",
-                                self.directory, message,
-                                self.model.version.checkpoint if self.model.version else "nothing")
+                    expected = isinstance(exc, (DataError, InvalidArgumentError, OSError))
+                    log.log(logging.WARNING if expected else logging.ERROR,
+                            "cannot apply the checkpoints of %s yet (%s); serving %s meanwhile, retrying",
+                            self.directory, message,
+                            self.model.version.checkpoint if self.model.version else "nothing",
+                            exc_info=not expected)
                 self.last_error = message
             self._stop.wait(interval_s)

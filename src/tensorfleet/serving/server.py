@@ -11,6 +11,8 @@ global_step, saved_at, applied_at}}``, the version that answered; ``GET /v1/mode
 the chain, the rows per table and the recent reloads; ``GET /healthz`` 200 once a checkpoint is
 loaded (503 before: the server starts before training has saved anything); ``GET /metrics``.
 Bad input is a 400 with the script's message; nothing a request sends changes the served state.
+What a caller can make the server spend is bounded: a body of at most ``MAX_BODY_BYTES``, parsed in
+the thread pool, and at most ``MAX_PREDICTIONS`` requests parsed or predicting at once (more: 503).
 """
 
 from __future__ import annotations
@@ -40,16 +42,17 @@ from starlette.routing import Route
 from tensorfleet.dashboard.metrics import CONTENT_TYPE
 from tensorfleet.dashboard.server import BodyLimit, bind, json_safe, serve_in_thread, url_host
 from tensorfleet.errors import ConfigError, DataError, InvalidArgumentError, LaunchError
-from tensorfleet.serving.model import ServedModel
+from tensorfleet.serving.model import NotLoadedError, ServedModel
 from tensorfleet.serving.reload import Reloader
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 << 20
+MAX_BODY_BYTES = 1 << 20
+MAX_PREDICTIONS = 32  # requests being parsed or predicted at once; a parsed JSON list is ~10x its text
 DEFAULT_PORT = 8500
 START_TIMEOUT_S = 10.0
 # What a script's predict raises for input it cannot use: the caller's fault, answered 400.
-BAD_INPUT = (InvalidArgumentError, ValueError, TypeError, KeyError, IndexError)
+BAD_INPUT = (InvalidArgumentError, DataError, ValueError, TypeError, KeyError, IndexError)
 
 Predict = Callable[[torch.nn.Module, Any], Any]
 
@@ -60,10 +63,12 @@ def load_script(path: str | Path) -> ModuleType:
     path = Path(path).resolve()
     if not path.is_file():
         raise ConfigError(f"--model {path}: no such file")
-    sys.path.insert(0, str(path.parent))
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(f"tensorfleet_served_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: dataclasses and pickle look the module up there
     spec.loader.exec_module(module)
     missing = [name for name in ("serving_model", "predict") if not callable(getattr(module, name, None))]
     if missing:
@@ -85,6 +90,10 @@ def jsonable(value: Any) -> Any:
     return json_safe(value)
 
 
+class _BadBody(Exception):
+    """The request's body is not a JSON object with "inputs"."""
+
+
 class Counters:
     """Requests answered and refused, for /metrics (updated from the thread pool: under a lock)."""
 
@@ -100,17 +109,26 @@ class Counters:
 def create_app(model: ServedModel, predict: Predict, reloader: Reloader) -> Starlette:
     """The serving app (routes: see the module's docstring)."""
     counters = Counters()
+    slots = threading.BoundedSemaphore(MAX_PREDICTIONS)
+
+    def parse_and_predict(body: bytes) -> tuple[Any, Any]:
+        try:
+            inputs = json.loads(body)["inputs"]
+        except (ValueError, TypeError, KeyError, RecursionError):
+            raise _BadBody() from None
+        return model.predict(predict, inputs)
 
     async def predict_route(request: Request) -> Response:
+        if not slots.acquire(blocking=False):
+            counters.add("unavailable")
+            return JSONResponse({"error": f"busy: {MAX_PREDICTIONS} requests in progress"}, 503,
+                                headers={"Retry-After": "1"})
         try:
-            body = json.loads(await request.body())
-            inputs = body["inputs"]
-        except (ValueError, TypeError, KeyError):
+            outputs, version = await run_in_threadpool(parse_and_predict, await request.body())
+        except _BadBody:
             counters.add("bad_requests")
             return JSONResponse({"error": 'send a JSON object {"inputs": ...}'}, 400)
-        try:
-            outputs, version = await run_in_threadpool(model.predict, predict, inputs)
-        except DataError as exc:
+        except NotLoadedError as exc:
             counters.add("unavailable")
             return JSONResponse({"error": str(exc)}, 503, headers={"Retry-After": "1"})
         except BAD_INPUT as exc:
@@ -120,6 +138,8 @@ def create_app(model: ServedModel, predict: Predict, reloader: Reloader) -> Star
             counters.add("errors")
             log.exception("predict raised")
             return JSONResponse({"error": f"predict raised {type(exc).__name__}: {exc}"}, 500)
+        finally:
+            slots.release()
         counters.add("predictions")
         return JSONResponse({"outputs": jsonable(outputs), "model": version.to_json()})
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tensorfleet.errors import DataError
 from tensorfleet.ps.api import RowInitializer, TableState
 from tensorfleet.ps.idmap import IdMap
 
@@ -50,20 +49,18 @@ class ServingTable:
             out[mask] = self._values[torch.from_numpy(rows[found])]
         return out
 
-    def update(self, state: TableState, evicted: torch.Tensor | None = None) -> None:
-        """Remove ``evicted`` ids, then write ``state``'s rows (replacing or adding): one delta's part."""
-        if state.values.ndim != 2 or state.values.shape[1] != self.dim:
-            raise DataError(f"table {self.name!r}: rows of shape {tuple(state.values.shape)}, expected width "
-                            f"{self.dim}")
+    def update(self, state: TableState | None, evicted: torch.Tensor | None = None) -> None:
+        """Remove ``evicted`` ids, then write ``state``'s rows (replacing or adding): one delta's part. The
+        caller checked the rows' width (``TableState`` checked one row per id)."""
         if evicted is not None and evicted.numel():
-            rows = self._map.find(evicted.numpy())
+            rows = self._map.find(np.unique(evicted.numpy()))  # an id evicted twice since the base: once
             rows = rows[rows >= 0]
             rows = rows[self._present[rows]]
             self._present[rows] = False
             self._absent += len(rows)
-        ids = state.ids.numpy()
-        if not len(ids):
+        if state is None or not state.ids.numel():
             return
+        ids = state.ids.numpy()
         rows = self._map.find(ids)
         new = rows < 0
         if new.any():

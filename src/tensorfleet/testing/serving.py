@@ -49,3 +49,4 @@ def serve_model(directory: str | Path, script: str | Path, flags: Sequence[str] 
         if process.poll() is None:
             process.kill()
         process.wait(10)
+        process.stdout.close()

@@ -334,23 +334,28 @@ def load_into_module(module: torch.nn.Module, path: str | Path, *, averages: boo
     if source is None:
         raise InvalidArgumentError(f"{checkpoint.path} holds no moving averages")
     params = dict(module.named_parameters())
-    missing, extra = sorted(set(params) - set(source)), sorted(set(source) - set(params))
-    if missing or extra:
-        raise InvalidArgumentError(f"{checkpoint.path} does not match the module: missing {missing[:5]}, "
-                                   f"unexpected {extra[:5]}")
+    check_dense(params, source, checkpoint.path)
     tables = tables_of(module)
     if set(tables) != set(checkpoint.state.tables):
         raise InvalidArgumentError(f"{checkpoint.path} holds embedding tables {sorted(checkpoint.state.tables)}, "
                                    f"the module has {sorted(tables)}")
     with torch.no_grad():
         for name, param in params.items():
-            if param.shape != source[name].shape:
-                raise InvalidArgumentError(f"{name}: the module has {tuple(param.shape)}, the checkpoint "
-                                           f"{tuple(source[name].shape)}")
             param.copy_(source[name])
     for name, table in tables.items():
         table.load_rows(checkpoint.state.tables[name])
     return checkpoint.global_step
+
+
+def check_dense(params: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor], path: Path) -> None:
+    """InvalidArgumentError unless checkpoint ``path``'s dense ``values`` are exactly ``params``, shape for shape."""
+    missing, extra = sorted(set(params) - set(values)), sorted(set(values) - set(params))
+    if missing or extra:
+        raise InvalidArgumentError(f"{path} does not match the module: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, param in params.items():
+        if param.shape != values[name].shape:
+            raise InvalidArgumentError(f"{name}: the module has {tuple(param.shape)}, {path} "
+                                       f"{tuple(values[name].shape)}")
 
 
 def load_tables(path: str | Path) -> dict[str, TableState]:

@@ -188,6 +188,8 @@ class PsClient:
         concurrently; with ``shards``, those shards' by index. ``since`` (one entry per shard): ask shard s
         for a delta since update ``since[s]`` (its ``since`` says whether it gave one)."""
         wanted = list(range(len(self.channels)) if shards is None else shards)
+        if not wanted:
+            return {}
         with ThreadPoolExecutor(max_workers=len(wanted), thread_name_prefix="snapshot") as threads:
             futures = {s: threads.submit(self._shard_snapshot, s, {"since": since[s]} if since else {})
                        for s in wanted}
