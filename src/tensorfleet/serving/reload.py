@@ -96,7 +96,7 @@ class Reloader:
             try:
                 self.poll()
                 self.last_error = None
-            except Exception as exc:  # noqa: BLE001 - the thread must live on: serving goes on, the next poll retries
+            except Exception as exc:  # noqa: BLE001 - the thread lives on: serving goes on, the next poll retries
                 self.failures += 1
                 message = f"{type(exc).__name__}: {exc}"
                 if message != self.last_error:  # once per distinct cause, not every poll
