@@ -202,9 +202,31 @@ def test_a_snapshot_on_the_data_plane_is_the_grpc_one_and_a_bad_one_changes_noth
                     channel.call("Snapshot", {}, {"x": torch.zeros(3)})
                 with pytest.raises(InvalidArgumentError, match="'since' must be an update number"):
                     channel.call("Snapshot", {"since": -1})
+                with pytest.raises(InvalidArgumentError, match="'since' must be an update number"):
+                    channel.call_in_two("Snapshot", {"since": -1})  # refused at the head: the channel is free again
+                meta, body = channel.call_in_two("Snapshot", {})
+                assert meta["since"] is None and "table/t/ids" in body()
             finally:
                 channel.close()
             assert replica.client.snapshot(shards=[]) == {}  # every ps restarted empty, nothing to keep
             before = rows(gather(replica.placement, replica.client.snapshot()))
             train(replica, net, range(5, 6))  # still serving, and the state moved only by the push
             assert rows(gather(replica.placement, replica.client.snapshot())) != before
+
+
+def test_a_snapshot_is_the_state_when_every_shard_took_it_though_its_rows_are_read_after_more_training():
+    """The chief waits only until each shard has taken its state (``start_snapshot``); the rows read later are
+    that state, not what later pushes made of it: a background checkpoint is the fleet at its step."""
+    with ps_servers(num_ps=2) as (cluster, servers):
+        net = model()
+        with Replica(net, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1)) as replica:
+            train(replica, net, range(3))
+            before = gather(replica.placement, replica.client.snapshot())
+            taken = replica.client.start_snapshot()
+            assert taken.heads[0].global_step == before.global_step  # ps 0 counts the step (async)
+            train(replica, net, range(3, 6))  # pushes applied while the rows are still to be read
+            after = gather(replica.placement, replica.client.snapshot())
+            got = taken.result()
+            read = gather(replica.placement, [got[0], got[1]])
+            assert rows(read) == rows(before) != rows(after) and read.global_step == before.global_step
+            assert torch.equal(read.values["head.weight"], before.values["head.weight"])

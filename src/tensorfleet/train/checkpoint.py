@@ -57,6 +57,7 @@ from tensorfleet.ps.api import ShardState, TableState
 from tensorfleet.train.manifest import (FORMAT, MANIFEST, checkpoint_name, foreign_names, is_checkpoint_name,
                                         latest_checkpoint, parse_header, read_header, read_manifest)
 from tensorfleet.train.manifest import list_checkpoints  # noqa: F401 (re-exported: part of this module's API)
+from tensorfleet.worker.client import SnapshotInFlight
 from tensorfleet.worker.embedding import tables_of
 from tensorfleet.worker.protocol import TrainingReplica
 
@@ -387,8 +388,9 @@ class Checkpointer:
         self.directory = Path(directory)
         self.max_to_keep = max_to_keep
         self.full_every = full_every
-        # background: save() returns once the fleet's state is in memory; a thread writes the file (one at a
-        # time, in order: the next save first waits for it, so a delta's base is on disk before it is named).
+        # background: save() returns once every shard has taken its state (a copy under its lock); a thread reads
+        # the rows and writes the file (one at a time, in order: the next save first waits for it, so a delta's
+        # base is on disk before it is named).
         self.background = background
         self._writer: threading.Thread | None = None
         self._write_error: BaseException | None = None
@@ -407,34 +409,47 @@ class Checkpointer:
 
     def save(self, replica: TrainingReplica) -> Path:
         """Write every shard's state as one checkpoint named by the global step (a delta on the latest file when
-        ``full_every`` allows and the fleet is on the latest file's timeline); return its path."""
+        ``full_every`` allows and the fleet is on the latest file's timeline); return its path.
+
+        The chief waits until every shard has taken its state (a copy under its lock, so the checkpoint is
+        the fleet at this point of training); with ``background`` the rows then travel and the file is
+        written by a thread while training goes on (a snapshot of several pages is read first)."""
         self.wait()  # the previous file first: it may be this one's base
         latest = latest_checkpoint(self.directory)
         base = self._delta_base(latest, replica)
-        shards = replica.client.snapshot(since=base[1]) if base else replica.client.snapshot()
-        if base and any(shard.since is None or shard.epoch != epoch for shard, epoch in zip(shards, base[2])):
-            base, shards = None, replica.client.snapshot()  # a ps restarted or was restored: save it whole
-        whole = gather(replica.placement, shards)
-        if base and checkpoint_name(whole.global_step, delta=True) == base[0]:  # no step since the last delta
-            base, whole = None, gather(replica.placement, replica.client.snapshot())
+        taken = replica.client.start_snapshot(since=base[1] if base else None)
+        heads = [taken.heads[shard] for shard in range(replica.num_ps)]
+        if base and (any(head.since is None or head.epoch != epoch for head, epoch in zip(heads, base[2]))
+                     or checkpoint_name(heads[0].global_step, delta=True) == base[0]):
+            # a ps restarted or was restored, or no step since the last delta: save it whole
+            taken.discard()
+            base, taken = None, replica.client.start_snapshot()
+            heads = [taken.heads[shard] for shard in range(replica.num_ps)]
         info = {"optimizer": replica.optimizer.to_meta(), "mode": replica.mode,
                 "sync": replica.sync.to_meta() if replica.sync else None, "average_decay": replica.average_decay,
                 "num_ps": replica.num_ps, "tables": [spec.to_meta() for spec in replica.client.tables.values()],
                 "placement": [{"name": p.name, "variable": p.variable, "shard": p.shard, "rows": p.rows}
                               for p in replica.placement.parts],
-                "shard_updates": [shard.applied_updates for shard in shards],
-                "epochs": [shard.epoch for shard in shards], "chain_length": base[3] + 1 if base else 0}
+                "shard_updates": [head.applied_updates for head in heads],
+                "epochs": [head.epoch for head in heads], "chain_length": base[3] + 1 if base else 0}
+        base_name = base[0] if base else None
         if not self.background:
-            return save(self.directory, whole, info=info, max_to_keep=self.max_to_keep,
-                        base=base[0] if base else None)
-        self._writer = threading.Thread(target=self._write, args=(whole, info, base[0] if base else None),
+            return self._write(replica.placement, taken, info, base_name)
+        self._writer = threading.Thread(target=self._write_in_background,
+                                        args=(replica.placement, taken, info, base_name),
                                         name="tensorfleet-checkpoint-writer", daemon=True)
         self._writer.start()
-        return self.directory / checkpoint_name(whole.global_step, delta=base is not None)
+        return self.directory / checkpoint_name(heads[0].global_step, delta=base is not None)
 
-    def _write(self, state: ShardState, info: dict[str, Any], base: str | None) -> None:
+    def _write(self, placement: Placement, taken: SnapshotInFlight, info: dict[str, Any], base: str | None) -> Path:
+        shards = taken.result()
+        whole = gather(placement, [shards[shard] for shard in sorted(shards)])
+        return save(self.directory, whole, info=info, max_to_keep=self.max_to_keep, base=base)
+
+    def _write_in_background(self, placement: Placement, taken: SnapshotInFlight, info: dict[str, Any],
+                             base: str | None) -> None:
         try:
-            save(self.directory, state, info=info, max_to_keep=self.max_to_keep, base=base)
+            self._write(placement, taken, info, base)
         except BaseException as exc:  # noqa: BLE001 - reported by the next save() or wait()
             self._write_error = exc
 

@@ -91,8 +91,8 @@ class TrainingSession:
         max_to_keep: checkpoints kept in ``checkpoint_dir``.
         full_checkpoint_every: 1: every checkpoint whole; N: a full checkpoint, then N-1 delta checkpoints
             holding only the embedding rows changed (and evicted) since the previous one.
-        background_checkpoints: the chief pauses only to take the fleet's state; a thread writes the file
-            (the session's end waits for it).
+        background_checkpoints: the chief pauses only until every shard has taken its state (a copy under its
+            lock); the rows travel and a thread writes the file (the session's end waits for it).
         log_step_count_steps: a LoggingHook line every N local steps (None: no log lines).
         summary_dir: where the chief writes TensorBoard summaries (a SummaryHook every
             ``save_summaries_steps`` global steps and at the last step). None (default):

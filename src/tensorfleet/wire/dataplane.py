@@ -551,6 +551,47 @@ class DataChannel:
                 raise
         return reply.result(self.task)
 
+    def call_in_two(self, method: str, meta: Mapping[str, Any] | None = None, *, timeout: float | None = None
+                    ) -> tuple[dict[str, Any], Callable[[], dict[str, torch.Tensor]]]:
+        """A request without tensors whose reply is read in two parts: return the reply's meta as soon as its
+        head arrives, and a function that reads its tensors (from any thread; call it once). The connection
+        is this call's until then. A Snapshot's head leaves the ps once its state is taken: the chief goes
+        on training while the rows travel.
+
+        Raises: as ``call``, for the head; the function raises as ``call`` for the body.
+        """
+        self._lock.acquire()
+        try:
+            try:
+                sock = self._connected(timeout)
+                frame.send_message(sock, method, meta, None, area=self._shared_area(0))
+                head = self._read_head()
+                refused = None if head.kind == OK else _Reply(head.kind, head.meta, self._read_body(head, None))
+            except BaseException as exc:
+                self._connection_failed(exc, timeout)
+                raise
+            if refused is not None:
+                refused.result(self.task)  # raises the task's error
+        except BaseException:
+            self._lock.release()
+            raise
+        read: list[bool] = []
+
+        def body() -> dict[str, torch.Tensor]:
+            if read:
+                raise RuntimeError(f"the body of {method} was read already")
+            read.append(True)
+            try:
+                try:
+                    return self._read_body(head, None)
+                except BaseException as exc:
+                    self._connection_failed(exc, timeout)
+                    raise
+            finally:
+                self._lock.release()
+
+        return head.meta, body
+
     @property
     def shared(self) -> bool:
         """Whether bodies on this connection go through shared memory (a task on this host)."""
@@ -730,16 +771,20 @@ class DataChannel:
                                               task=self.task)
 
     def _read_reply(self, into: Mapping[str, torch.Tensor] | None) -> "_Reply":
+        head = self._read_head()
+        return _Reply(head.kind, head.meta, self._read_body(head, into))
+
+    def _read_head(self) -> frame.Head:
         head = self._reader.read_head(max_body_bytes=self.options.max_message_bytes)
         if head is None:
             raise errors.UnavailableError("the task closed the connection before replying")
-        allocate = _new_tensor
+        return head
+
+    def _read_body(self, head: frame.Head, into: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         if head.shared:
-            tensors = self._reader.shared_area.read(tuple(head.entries), into, allocate)
-        else:
-            self._largest_reply = max(self._largest_reply, head.body_bytes)
-            tensors = read_tensors(self._reader, head.entries, into, allocate)
-        return _Reply(head.kind, head.meta, tensors)
+            return self._reader.shared_area.read(tuple(head.entries), into, _new_tensor)
+        self._largest_reply = max(self._largest_reply, head.body_bytes)
+        return read_tensors(self._reader, head.entries, into, _new_tensor)
 
     def _connection_failed(self, exc: BaseException, timeout: float | None) -> None:
         """A request failed mid-message with ``exc``: drop the connection (whatever failed, it is no longer

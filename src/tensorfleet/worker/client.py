@@ -188,28 +188,50 @@ class PsClient:
         concurrently; with ``shards``, those shards' by index. ``since`` (one entry per shard): ask shard s
         for a delta since update ``since[s]`` (its ``since`` says whether it gave one)."""
         wanted = list(range(len(self.channels)) if shards is None else shards)
-        if not wanted:
-            return {}
-        with ThreadPoolExecutor(max_workers=len(wanted), thread_name_prefix="snapshot") as threads:
-            futures = {s: threads.submit(self._shard_snapshot, s, {"since": since[s]} if since else {})
-                       for s in wanted}
-            states = {s: future.result() for s, future in futures.items()}
+        states = self.start_snapshot(wanted, since=since).result()
         return [states[s] for s in wanted] if shards is None else states
 
-    def _shard_snapshot(self, shard: int, ask: dict[str, Any]) -> ShardState:
-        """One shard's snapshot, page by page, over a data connection of its own: the training connection
-        stays free, and this one (closed after) never keeps a shared-memory segment sized for a page."""
-        if self.data[shard].address is None:
-            raise UnavailableError(f"{self.data[shard].task}: its data port is not known yet (not started)")
+    def start_snapshot(self, shards: Sequence[int] | None = None, *,
+                       since: Sequence[int | None] | None = None) -> "SnapshotInFlight":
+        """Ask ``shards`` (default: all) for their state, as ``snapshot``; return once every shard has taken
+        it (its reply's head arrived: the state is a copy made under the shard's lock), before the rows have
+        travelled: ``result()`` waits for them, from any thread. A snapshot of several pages is read whole
+        here (its pages are taken one by one). Each shard answers on a data connection of its own, closed
+        after: the training connection stays free, and none keeps a shared-memory segment sized for a page."""
+        wanted = list(range(len(self.channels)) if shards is None else shards)
+        for shard in wanted:
+            if self.data[shard].address is None:
+                raise UnavailableError(f"{self.data[shard].task}: its data port is not known yet (not started)")
+        if not wanted:
+            return SnapshotInFlight({})
+        with ThreadPoolExecutor(max_workers=len(wanted), thread_name_prefix="snapshot") as threads:
+            futures = {s: threads.submit(self._start_shard_snapshot, s, {"since": since[s]} if since else {})
+                       for s in wanted}
+            started = {}
+            try:
+                for shard, future in futures.items():
+                    started[shard] = future.result()
+            except BaseException:
+                for shard, future in futures.items():  # the others' connections: read nothing more, close
+                    if shard not in started and future.exception() is None:
+                        started[shard] = future.result()
+                for pending in started.values():
+                    pending.close()
+                raise
+        return SnapshotInFlight(started)
+
+    def _start_shard_snapshot(self, shard: int, ask: dict[str, Any]) -> "_ShardSnapshot":
         channel = DataChannel(task=self.data[shard].task, options=self.data[shard].options)
         channel.set_address(*self.data[shard].address)
         try:
-            pages = [_shard_state(*channel.call("Snapshot", ask))]  # page 0 says how many pages the shard cut
-            for page in range(1, pages[0].pages):
-                pages.append(_shard_state(*channel.call("Snapshot", {**ask, "page": page, "pages": pages[0].pages})))
-        finally:
+            meta, body = channel.call_in_two("Snapshot", ask)
+        except BaseException:
             channel.close()
-        return pages[0] if len(pages) == 1 else ShardState.join_pages(pages)
+            raise
+        pending = _ShardSnapshot(channel, ask, meta, body)
+        if meta.get("pages", 1) > 1:
+            pending.read()  # pages are taken one by one: all of them now, while the caller waits
+        return pending
 
     def done(self, replica: int, *, timeout_s: float = DONE_WAIT_S) -> None:
         """Tell every shard this replica finished; a ps exits once all replicas have.
@@ -399,6 +421,60 @@ class PsClient:
             thread.shutdown(wait=False, cancel_futures=True)
             data.close()
             channel.close()
+
+
+class _ShardSnapshot:
+    """One shard's snapshot whose state is taken: its first page's head has arrived, its rows may follow."""
+
+    def __init__(self, channel: DataChannel, ask: dict[str, Any], meta: dict[str, Any],
+                 body: Callable[[], dict[str, torch.Tensor]]) -> None:
+        self.channel, self.ask, self.meta, self._body = channel, ask, meta, body
+        self._state: ShardState | None = None
+
+    def read(self) -> ShardState:
+        """The shard's state: the first page's rows, then any further pages (each asked for and read)."""
+        if self._state is None:
+            try:
+                pages = [_shard_state(self.meta, self._body())]
+                for page in range(1, pages[0].pages):
+                    pages.append(_shard_state(*self.channel.call(
+                        "Snapshot", {**self.ask, "page": page, "pages": pages[0].pages})))
+            finally:
+                self.channel.close()
+            self._state = pages[0] if len(pages) == 1 else ShardState.join_pages(pages)
+        return self._state
+
+    def close(self) -> None:
+        """Done with it, read or not (an unread body is read and dropped: the connection is held until then)."""
+        if self._state is None:
+            try:
+                self.read()
+            except Exception:  # noqa: BLE001 - dropping it: a broken connection is closed either way
+                pass
+
+
+class SnapshotInFlight:
+    """Snapshots every shard has taken, whose rows may still be on their way (``PsClient.start_snapshot``).
+
+    ``heads`` tells at once what each shard took (global step, update count, delta or whole, epoch);
+    ``result()`` reads the rows, each shard's on a thread of its own, and may be called from another
+    thread than the one that started it (a background checkpoint writer)."""
+
+    def __init__(self, shards: dict[int, _ShardSnapshot]) -> None:
+        self._shards = shards
+        self.heads = {shard: _shard_state(pending.meta, {}) for shard, pending in shards.items()}
+
+    def discard(self) -> None:
+        """Drop every shard's snapshot (its rows are read and dropped: each connection is held until then)."""
+        for pending in self._shards.values():
+            pending.close()
+
+    def result(self) -> dict[int, ShardState]:
+        if len(self._shards) <= 1:
+            return {shard: pending.read() for shard, pending in self._shards.items()}
+        with ThreadPoolExecutor(max_workers=len(self._shards), thread_name_prefix="snapshot") as threads:
+            futures = {shard: threads.submit(pending.read) for shard, pending in self._shards.items()}
+            return {shard: future.result() for shard, future in futures.items()}
 
 
 @dataclass(frozen=True)
