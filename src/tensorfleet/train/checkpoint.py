@@ -453,6 +453,11 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 - reported by the next save() or wait()
             self._write_error = exc
 
+    @property
+    def writing(self) -> bool:
+        """Whether a checkpoint is being read or written in the background now."""
+        return self._writer is not None and self._writer.is_alive()
+
     def wait(self) -> None:
         """Wait for a checkpoint being written in the background; raise what its writing raised."""
         if self._writer is not None:
