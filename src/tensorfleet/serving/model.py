@@ -105,7 +105,7 @@ class ServedModel:
         """``predict(module, inputs)`` on one version, and that version.
 
         Raises:
-            DataError: no checkpoint is loaded yet.
+            NotLoadedError: no checkpoint is loaded yet.
         """
         with self._lock.read():
             version = self.version
