@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from tensorfleet.cluster.spec import TaskSpec
-from tensorfleet.errors import DataError, InvalidArgumentError
+from tensorfleet.errors import DataError, InvalidArgumentError, UnavailableError
 from tensorfleet.ps.api import OptimizerSpec, RowInitializer
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.train.checkpoint import Checkpointer, chain, gather, load, load_file, split
 from tensorfleet.train.manifest import read_manifest
 from tensorfleet.worker.embedding import EmbeddingTable
 from tensorfleet.wire.dataplane import DataChannel
+from tensorfleet.worker.client import SnapshotInFlight
 from tensorfleet.worker.replica import Replica
 
 pytestmark = pytest.mark.cluster
@@ -158,6 +159,19 @@ def test_a_background_checkpoint_is_written_after_save_returns_and_its_error_is_
             monkeypatch.undo()
             assert load(directory).path == second  # the manifest still names the last file written
 
+            def ps_gone(self):
+                raise UnavailableError("the data connection broke")
+
+            monkeypatch.setattr(SnapshotInFlight, "result", ps_gone)
+            train(replica, net, range(12, 14))
+            saver.save(replica)
+            saver.wait()  # a ps that went away while its rows were read: logged, not raised; training goes on
+            monkeypatch.undo()
+            train(replica, net, range(14, 16))
+            third = saver.save(replica)
+            saver.wait()
+            assert load(directory).path == third and ".delta." in third.name
+
 
 def test_a_shard_too_big_for_one_message_is_read_in_pages_that_add_up_to_it(tmp_path, monkeypatch):
     import tensorfleet.ps.store as store_module
@@ -230,3 +244,6 @@ def test_a_snapshot_is_the_state_when_every_shard_took_it_though_its_rows_are_re
             read = gather(replica.placement, [got[0], got[1]])
             assert rows(read) == rows(before) != rows(after) and read.global_step == before.global_step
             assert torch.equal(read.values["head.weight"], before.values["head.weight"])
+            dropped = replica.client.start_snapshot()
+            dropped.discard()  # not read: its connections are closed, the ps goes on serving
+            assert rows(gather(replica.placement, replica.client.snapshot())) == rows(after)

@@ -52,7 +52,8 @@ from safetensors.torch import save as save_bytes
 
 from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.cluster.placement import Part, Placement
-from tensorfleet.errors import DataError, InvalidArgumentError
+from tensorfleet.errors import (DataError, DeadlineExceededError, InvalidArgumentError, NotInitializedError,
+                                UnavailableError)
 from tensorfleet.ps.api import ShardState, TableState
 from tensorfleet.train.manifest import (FORMAT, MANIFEST, checkpoint_name, foreign_names, is_checkpoint_name,
                                         latest_checkpoint, parse_header, read_header, read_manifest)
@@ -418,13 +419,22 @@ class Checkpointer:
         latest = latest_checkpoint(self.directory)
         base = self._delta_base(latest, replica)
         taken = replica.client.start_snapshot(since=base[1] if base else None)
-        heads = [taken.heads[shard] for shard in range(replica.num_ps)]
-        if base and (any(head.since is None or head.epoch != epoch for head, epoch in zip(heads, base[2]))
-                     or checkpoint_name(heads[0].global_step, delta=True) == base[0]):
-            # a ps restarted or was restored, or no step since the last delta: save it whole
-            taken.discard()
-            base, taken = None, replica.client.start_snapshot()
+        try:
             heads = [taken.heads[shard] for shard in range(replica.num_ps)]
+            if base and (any(head.since is None or head.epoch != epoch for head, epoch in zip(heads, base[2]))
+                         or checkpoint_name(heads[0].global_step, delta=True) == base[0]):
+                # a ps restarted or was restored, or no step since the last delta: save it whole
+                taken.discard()
+                base, taken = None, replica.client.start_snapshot()
+            return self._write_taken(replica, taken, base)
+        except BaseException:
+            taken.discard()  # a snapshot not written: its connections closed, not left holding the ps
+            raise
+
+    def _write_taken(self, replica: TrainingReplica, taken: SnapshotInFlight,
+                     base: tuple[str, list[int], list[str], int] | None) -> Path:
+        """Write ``taken`` (inline, or from a thread with ``background``); return the file's path."""
+        heads = [taken.heads[shard] for shard in range(replica.num_ps)]
         info = {"optimizer": replica.optimizer.to_meta(), "mode": replica.mode,
                 "sync": replica.sync.to_meta() if replica.sync else None, "average_decay": replica.average_decay,
                 "num_ps": replica.num_ps, "tables": [spec.to_meta() for spec in replica.client.tables.values()],
@@ -459,12 +469,17 @@ class Checkpointer:
         return self._writer is not None and self._writer.is_alive()
 
     def wait(self) -> None:
-        """Wait for a checkpoint being written in the background; raise what its writing raised."""
+        """Wait for a checkpoint being written in the background; raise what its writing raised, except a ps
+        that went away while its rows were read: that checkpoint is not written (logged), the previous one
+        stands, and training goes on (the next save or the step's recovery meets the ps again)."""
         if self._writer is not None:
             self._writer.join()
             self._writer = None
         error, self._write_error = self._write_error, None
-        if error is not None:
+        if isinstance(error, (UnavailableError, DeadlineExceededError, NotInitializedError)):
+            log.warning("a checkpoint was not written: a ps went away while its rows were read (%s); the "
+                        "previous checkpoint stands", error)
+        elif error is not None:
             raise error
 
     def _delta_base(self, latest: Path | None, replica: TrainingReplica

@@ -552,11 +552,12 @@ class DataChannel:
         return reply.result(self.task)
 
     def call_in_two(self, method: str, meta: Mapping[str, Any] | None = None, *, timeout: float | None = None
-                    ) -> tuple[dict[str, Any], Callable[[], dict[str, torch.Tensor]]]:
+                    ) -> tuple[dict[str, Any], Callable[..., dict[str, torch.Tensor]]]:
         """A request without tensors whose reply is read in two parts: return the reply's meta as soon as its
-        head arrives, and a function that reads its tensors (from any thread; call it once). The connection
-        is this call's until then. A Snapshot's head leaves the ps once its state is taken: the chief goes
-        on training while the rows travel.
+        head arrives, and a function that reads its tensors (from any thread; call it once; ``drop=True``
+        closes the connection instead of reading them). The connection is this call's until then. A
+        Snapshot's head leaves the ps once its state is taken: the chief goes on training while the rows
+        travel.
 
         Raises: as ``call``, for the head; the function raises as ``call`` for the body.
         """
@@ -577,11 +578,14 @@ class DataChannel:
             raise
         read: list[bool] = []
 
-        def body() -> dict[str, torch.Tensor]:
+        def body(*, drop: bool = False) -> dict[str, torch.Tensor]:
             if read:
                 raise RuntimeError(f"the body of {method} was read already")
             read.append(True)
             try:
+                if drop:
+                    self._close()  # the task sees the connection go; nothing is read
+                    return {}
                 try:
                     return self._read_body(head, None)
                 except BaseException as exc:

@@ -211,6 +211,7 @@ class PsClient:
             try:
                 for shard, future in futures.items():
                     started[shard] = future.result()
+                return SnapshotInFlight(started)
             except BaseException:
                 for shard, future in futures.items():  # the others' connections: read nothing more, close
                     if shard not in started and future.exception() is None:
@@ -218,7 +219,6 @@ class PsClient:
                 for pending in started.values():
                     pending.close()
                 raise
-        return SnapshotInFlight(started)
 
     def _start_shard_snapshot(self, shard: int, ask: dict[str, Any]) -> "_ShardSnapshot":
         channel = DataChannel(task=self.data[shard].task, options=self.data[shard].options)
@@ -229,8 +229,12 @@ class PsClient:
             channel.close()
             raise
         pending = _ShardSnapshot(channel, ask, meta, body)
-        if meta.get("pages", 1) > 1:
-            pending.read()  # pages are taken one by one: all of them now, while the caller waits
+        try:
+            if meta.get("pages", 1) > 1:
+                pending.read()  # pages are taken one by one: all of them now, while the caller waits
+        except BaseException:
+            pending.close()
+            raise
         return pending
 
     def done(self, replica: int, *, timeout_s: float = DONE_WAIT_S) -> None:
@@ -427,14 +431,16 @@ class _ShardSnapshot:
     """One shard's snapshot whose state is taken: its first page's head has arrived, its rows may follow."""
 
     def __init__(self, channel: DataChannel, ask: dict[str, Any], meta: dict[str, Any],
-                 body: Callable[[], dict[str, torch.Tensor]]) -> None:
+                 body: Callable[..., dict[str, torch.Tensor]]) -> None:
         self.channel, self.ask, self.meta, self._body = channel, ask, meta, body
         self._state: ShardState | None = None
+        self._done = False  # its body was read or dropped
 
     def read(self) -> ShardState:
         """The shard's state: the first page's rows, then any further pages (each asked for and read)."""
         if self._state is None:
             try:
+                self._done = True
                 pages = [_shard_state(self.meta, self._body())]
                 for page in range(1, pages[0].pages):
                     pages.append(_shard_state(*self.channel.call(
@@ -445,12 +451,11 @@ class _ShardSnapshot:
         return self._state
 
     def close(self) -> None:
-        """Done with it, read or not (an unread body is read and dropped: the connection is held until then)."""
-        if self._state is None:
-            try:
-                self.read()
-            except Exception:  # noqa: BLE001 - dropping it: a broken connection is closed either way
-                pass
+        """Done with it, read or not: an unread body is not read, its connection is closed."""
+        if not self._done:
+            self._done = True
+            self._body(drop=True)
+        self.channel.close()
 
 
 class SnapshotInFlight:
@@ -465,7 +470,7 @@ class SnapshotInFlight:
         self.heads = {shard: _shard_state(pending.meta, {}) for shard, pending in shards.items()}
 
     def discard(self) -> None:
-        """Drop every shard's snapshot (its rows are read and dropped: each connection is held until then)."""
+        """Drop every shard's snapshot: the rows not read yet are not read, the connections closed."""
         for pending in self._shards.values():
             pending.close()
 
