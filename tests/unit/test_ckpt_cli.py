@@ -33,9 +33,12 @@ def checkpoint_dir(tmp_path):
     stores = [VariableStore(task=f"/job:ps/task:{s}") for s in range(2)]
     for s, store in enumerate(stores):
         store.initialize({p.name: views[p.name] for p in placement.parts if p.shard == s}, SPEC, average_decay=0.9)
+    def start_snapshot(since=None):  # every store's state, taken now (PsClient.start_snapshot's contract)
+        states = dict(enumerate(store.snapshot() for store in stores))
+        return SimpleNamespace(heads=states, result=lambda: states, discard=lambda: None)
+
     replica = SimpleNamespace(placement=placement, optimizer=SPEC, mode="async", sync=None, average_decay=0.9,
-                              num_ps=2, client=SimpleNamespace(snapshot=lambda: [s.snapshot() for s in stores],
-                                               tables={}))
+                              num_ps=2, client=SimpleNamespace(start_snapshot=start_snapshot, tables={}))
     saver = Checkpointer(tmp_path / "run", max_to_keep=2)
     for _ in range(3):
         for s, store in enumerate(stores):
