@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import signal
 import socket
 import threading
 import time
@@ -150,6 +151,18 @@ def serve_in_thread(config: uvicorn.Config, sock: socket.socket, *, name: str,
             return server, thread, False
         time.sleep(0.01)
     return server, thread, True
+
+
+def wait_for_stop_signal() -> None:
+    """Block until Ctrl-C or SIGTERM (from the main thread: a command serving in threads until it is told to
+    stop); the previous handlers are back on return."""
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def url_host(host: str) -> str:

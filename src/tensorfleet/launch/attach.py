@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import threading
 from pathlib import Path
 
 from tensorfleet.cluster.spec import ClusterSpec, split_hosts, from_tf_config
@@ -40,7 +38,7 @@ def cluster_of(args: argparse.Namespace, environ: dict[str, str]) -> ClusterSpec
 
 def serve_dashboard(args: argparse.Namespace, environ: dict[str, str] | None = None) -> int:
     """Serve until Ctrl-C or SIGTERM; return 0."""
-    from tensorfleet.dashboard.server import Dashboard
+    from tensorfleet.dashboard.server import Dashboard, wait_for_stop_signal
     cluster = cluster_of(args, dict(os.environ) if environ is None else environ)
     monitor = FleetMonitor(cluster, job_name=args.name)
     try:
@@ -50,13 +48,9 @@ def serve_dashboard(args: argparse.Namespace, environ: dict[str, str] | None = N
                           "another --port (0: a free one)") from None
     monitor.start()
     print(f"tensorfleet dashboard: {dashboard.url} (metrics at {dashboard.url}metrics); Ctrl-C stops it", flush=True)
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        stop.wait()
+        wait_for_stop_signal()
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
         dashboard.stop()
         monitor.stop()
     return 0

@@ -21,7 +21,6 @@ import argparse
 import importlib.util
 import json
 import logging
-import signal
 import socket
 import sys
 import threading
@@ -40,7 +39,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from tensorfleet.dashboard.metrics import CONTENT_TYPE
-from tensorfleet.dashboard.server import BodyLimit, bind, json_safe, serve_in_thread, url_host
+from tensorfleet.dashboard.server import BodyLimit, bind, json_safe, serve_in_thread, url_host, wait_for_stop_signal
 from tensorfleet.errors import ConfigError, DataError, InvalidArgumentError, LaunchError
 from tensorfleet.serving.model import NotLoadedError, ServedModel
 from tensorfleet.serving.reload import Reloader
@@ -238,12 +237,8 @@ def main(args: argparse.Namespace) -> int:
                           "(0: a free one)") from None
     print(f"tensorfleet serve-model: {server.url}/v1/predict, following {args.directory}"
           f"{'' if args.follow else ' (first checkpoint only)'}; Ctrl-C stops it", flush=True)
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        stop.wait()
+        wait_for_stop_signal()
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
         server.stop()
     return 0
