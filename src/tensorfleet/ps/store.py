@@ -343,14 +343,13 @@ class VariableStore:
                 tables = {name: delta[0] for name, delta in deltas.items()}
                 evicted = {name: delta[1] for name, delta in deltas.items()}
             dense = page == 0
-            state = ShardState(
+            return ShardState(
                 values={name: value.clone() for name, value in self._variables.items()} if dense else {},
                 slots=self._applier.slots() if dense else {},
                 averages=({n: v.clone() for n, v in self._average.shadows.items()} if self._average else None)
                 if dense else None,
                 global_step=self._global_step, applied_updates=self._applied_updates,
                 tables=tables, evicted=evicted, since=since, epoch=self.epoch, pages=pages)
-            return state
 
     def lookup(self, ids: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
         """The current rows of each table's ``ids`` (new tensors; initial rows for ids never updated), and
