@@ -32,10 +32,27 @@ def _reap_zombies(processes):
     return alive
 
 
+def _not_exiting(processes, grace_s=5.0):
+    """``processes`` less those already on their way out.
+
+    An exiting process has released its memory, so its command line reads empty, but is not a
+    zombie yet; it is given ``grace_s`` to finish dying instead of being reported as left behind.
+    """
+    exiting = []
+    for process in processes:
+        try:
+            if not process.cmdline():
+                exiting.append(process)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            exiting.append(process)
+    _, still = psutil.wait_procs(exiting, timeout=grace_s)
+    return [p for p in processes if p not in exiting] + _reap_zombies(still)
+
+
 @pytest.fixture(autouse=True)
 def reap_children():
     yield
-    leftovers = _reap_zombies(psutil.Process(os.getpid()).children(recursive=True))
+    leftovers = _not_exiting(_reap_zombies(psutil.Process(os.getpid()).children(recursive=True)))
     described = []
     for child in leftovers:
         try:

@@ -62,7 +62,14 @@ def task_pids(home: Path, job_id: int) -> list[int]:
 
 
 def gone(pids: list[int]) -> bool:
-    return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+    """Whether every one of ``pids`` has exited (a zombie counts: it only waits to be reaped)."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
 
 
 def test_a_job_runs_to_success_with_its_logs_tasks_history_and_dashboard(home, workspace):
@@ -107,11 +114,13 @@ def test_a_restarted_service_reattaches_to_running_jobs_and_marks_a_dead_runner_
         for job_id in (kept, killed):
             wait_state(first, job_id, {"running"})
         killed_runner = first.job(killed)["pid"]
+        orphans = poll(lambda: len(task_pids(home, killed)) == 3 and task_pids(home, killed), 60, "three task pids")
         first.service.close()
         first.service.store.close()  # the service is gone; its jobs are not
 
         os.kill(killed_runner, signal.SIGKILL)
         poll(lambda: not is_runner(killed_runner, home / "jobs.sqlite", killed), 10, "the runner to die")
+        poll(lambda: gone(orphans), 30, "the killed runner's tasks to die with it (parent-death signal)")
         second = start_service(home, workspace, slots=16)
         try:
             again = second.job(kept)
