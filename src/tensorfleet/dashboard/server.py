@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
+STOP_POLL_S = 0.2  # how often wait_for_stop_signal looks for a signal that reached another thread
 
 # The page builds its DOM with textContent only; the policy is the second line of defence
 # against a task name that carries markup.  uPlot positions its elements with inline styles.
@@ -159,7 +160,10 @@ def wait_for_stop_signal() -> None:
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        stop.wait()
+        # Waits of a bounded length: the kernel may hand the signal to another thread (gRPC's, the server's),
+        # which wakes nobody; Python runs the handler once this thread runs again.
+        while not stop.wait(STOP_POLL_S):
+            pass
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
