@@ -238,3 +238,26 @@ def test_overlap_hooks_go_with_finish_and_exist_only_with_overlap(fakes):
     assert ps.streams == [] and model.used.weight.grad is not None
     plain, _, _ = started(fakes)
     assert plain._streaming is None
+
+
+def test_training_that_raises_closes_the_replica_without_saying_done(fakes):
+    """A Done from a failed worker would let the ps finish, and sync steps go on, without its restart."""
+    replica, model, ps = started(fakes)
+    with pytest.raises(RuntimeError, match="the data ran dry"):
+        with replica:
+            backward(model)
+            replica.push()
+            raise RuntimeError("the data ran dry")
+    assert "done" not in dict(ps.calls) and ps.closed and replica.status.state == "failed"
+
+    replica, model, ps = started(fakes, task=WORKER)
+    ps.initialized_by_chief(values(model), lr=LR)
+    with pytest.raises(RuntimeError, match="a bad batch"):
+        with tfl.TrainingSession(replica, log_step_count_steps=None, summary_dir=False):
+            raise RuntimeError("a bad batch")
+    assert "done" not in dict(ps.calls) and ps.closed
+
+    replica, model, ps = started(fakes)
+    with tfl.TrainingSession(replica, log_step_count_steps=None, summary_dir=False):
+        pass
+    assert dict(ps.calls)["done"] == {"replica": 0} and ps.closed and replica.status.state == "done"

@@ -198,16 +198,17 @@ class TowerReplica:
             table.forget()
         self._lead(lambda: self.replica.recover(restore=restore, timeout_s=timeout_s), values=True)
 
-    def finish(self) -> None:
-        """Tower 0 tells the ps this worker is done; the other towers have nothing to close."""
+    def finish(self, *, done: bool = True) -> None:
+        """Tower 0 closes its replica (``Replica.finish``: ``done`` says whether training ended cleanly); the
+        other towers have nothing to close."""
         if self.replica is not None:
-            self.replica.finish()
+            self.replica.finish(done=done)
 
     def __enter__(self) -> "TowerReplica":
         return self.start()
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self.finish()
+    def __exit__(self, exc_type: type | None, *exc_info: Any) -> None:
+        self.finish(done=exc_type is None)
 
     # --- the step --------------------------------------------------------------------------------
 

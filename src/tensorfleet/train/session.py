@@ -152,9 +152,9 @@ class TrainingSession:
                 self.replica.finish()
             else:
                 try:
-                    self.replica.finish()
+                    self.replica.finish(done=False)  # no Done: a restarted worker takes this one's place
                 except Exception:  # noqa: BLE001 - the error that ended training is the one to report
-                    log.warning("%s: could not tell the ps this worker stopped", self.replica.task.name,
+                    log.warning("%s: could not close the replica's channels", self.replica.task.name,
                                 exc_info=True)
         return clean and exc_type is not None  # swallow StopIteration: running out of data ends training
 

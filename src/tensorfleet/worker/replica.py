@@ -262,15 +262,22 @@ class Replica:
             log.info("%s (chief): initialized %d variable(s) on the ps, %s mode",
                      self.task.name, len(values), self.mode.value)
 
-    def finish(self) -> None:
-        """Tell the ps this worker is done (the ps exits when every worker is), and close the channels."""
+    def finish(self, *, done: bool = True) -> None:
+        """Close the channels; with ``done`` first tell the ps this worker is done (the ps exits when every
+        worker is).
+
+        Training that ended in an error passes ``done=False`` (``__exit__`` does): like a crash, it says
+        nothing, so the ps still counts this replica among those that will push. A restarted worker then
+        takes its place; a Done would let sync steps and the ps's own exit go on without it.
+        """
         if self._streaming is not None:  # a backward after training (evaluation, a new Replica) must not stream
             self._streaming.remove_hooks()
-        self.status.finished()
+        self.status.finished(failed=not done)
         try:
             self._drop_streams()
-            self.settle()
-            self.client.done(self.replica_id)
+            if done:
+                self.settle()
+                self.client.done(self.replica_id)
         finally:
             for table in self.tables.values():
                 table.bind(None, released_by=f"the Replica of {self.task.name}")  # not a closed client
@@ -279,8 +286,8 @@ class Replica:
     def __enter__(self) -> "Replica":
         return self.start()
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self.finish()
+    def __exit__(self, exc_type: type | None, *exc_info: Any) -> None:
+        self.finish(done=exc_type is None)
 
     @property
     def shard_steps(self) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ class TaskStatus:
     def __init__(self) -> None:
         self.task: str | None = None
         self.role = "worker"
-        self.state = "starting"  # starting -> training -> done
+        self.state = "starting"  # starting -> training -> done (or failed: training raised)
         self.started_unix = time.time()
         self.local_step = 0
         self.global_step = 0
@@ -63,8 +63,8 @@ class TaskStatus:
         if target_step is not None:
             self.target_step = target_step
 
-    def finished(self) -> None:
-        self.state = "done"
+    def finished(self, *, failed: bool = False) -> None:
+        self.state = "failed" if failed else "done"
 
     def as_meta(self) -> dict[str, Any]:
         """The Status reply: JSON-ready fields only."""
