@@ -34,6 +34,8 @@ def test_id_map_agrees_with_a_dict_over_any_int64_through_growth():
     assert idmap.find(probe).tolist() == [reference.get(i, -1) for i in probe.tolist()]
     stored_ids, rows = idmap.items()
     assert rows.tolist() == list(range(len(ids))) and [reference[i] for i in stored_ids.tolist()] == rows.tolist()
+    assert np.array_equal(idmap.ids(), stored_ids)  # the map's inverse, by row
+    assert idmap.nbytes <= 21 * len(ids)  # the ids once (by row) and a row number per slot: no key per slot
 
 
 def test_a_new_row_is_a_function_of_its_id_alone():

@@ -1,18 +1,22 @@
-"""A hash map from int64 ids to row numbers, held in two numpy arrays and probed a whole batch at a time.
+"""A hash map from int64 ids to row numbers, held in numpy arrays and probed a whole batch at a time.
 
 A Python dict costs ~100 bytes per id (the int objects, the entry): as much as a 16-wide
-row and its Adagrad slot.  Here an id costs 12 bytes per slot of an open-addressing table
-(linear probing, at most 75 % full: 16-32 bytes per id), and a batch of ids is found or
-inserted with a few vectorized passes, one per probe distance, instead of a Python loop
-over the ids.  Any int64 is a valid id: a slot's emptiness is its row number (-1), not a
-reserved key.  Rows are numbered 0, 1, 2, ... in insertion order; the owner keeps them.
+row and its Adagrad slot.  Here the ids are kept once, by row number (8 bytes each, with a
+quarter of room to grow: the owner reads them as ``ids()``, the inverse of the map), and
+the open-addressing table (linear probing, at most 75 % full) holds only row numbers:
+4 bytes a slot, 5-11 bytes per id; a slot's id is read through its row.  A batch of ids is
+found or inserted with a few vectorized passes, one per probe distance, instead of a
+Python loop over the ids.  Any int64 is a valid id: a slot's emptiness is its row number
+(-1), not a reserved key.  Rows are numbered 0, 1, 2, ... in insertion order.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from tensorfleet.cluster.idhash import as_uint64, mix64
+from tensorfleet.ps.rows import GrowingRows
 
 MAX_LOAD = 0.75
 _MIN_CAPACITY = 1024
@@ -24,11 +28,13 @@ class IdMap:
     """int64 id -> row number (0..len-1, in insertion order). Not thread-safe: its owner locks."""
 
     def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
-        self._allocate(max(_MIN_CAPACITY, 1 << (int(capacity) - 1).bit_length()))
         self._size = 0
+        self._by_row = GrowingRows((), torch.int64)  # each row's id: the keys, and the map's inverse
+        self._by_row.reserve(1)  # never empty: a gather at an empty slot's row (-1) reads something
+        self._ids = self._by_row.tensor.numpy()
+        self._allocate(max(_MIN_CAPACITY, 1 << (int(capacity) - 1).bit_length()))
 
     def _allocate(self, capacity: int) -> None:
-        self._keys = np.zeros(capacity, dtype=np.int64)
         self._rows = np.full(capacity, _EMPTY, dtype=np.int32 if capacity < 2 ** 31 else np.int64)
         self._shift = np.uint64(64 - (capacity.bit_length() - 1))
 
@@ -37,11 +43,15 @@ class IdMap:
 
     @property
     def capacity(self) -> int:
-        return self._keys.shape[0]
+        return self._rows.shape[0]
 
     @property
     def nbytes(self) -> int:
-        return self._keys.nbytes + self._rows.nbytes
+        return self._rows.nbytes + self._by_row.nbytes
+
+    def ids(self) -> np.ndarray:
+        """The id of each row, by row number (a view: it changes with the next ``insert``)."""
+        return self._ids[:self._size]
 
     def _home(self, ids: np.ndarray) -> np.ndarray:
         """Each id's first slot: the high bits of its hash (the low ones decide its ps shard)."""
@@ -58,9 +68,10 @@ class IdMap:
         result = np.full(ids.shape[0], _EMPTY, dtype=np.int64)
         slots = self._home(ids)
         rows = self._rows[slots]
-        hit = (rows != _EMPTY) & (self._keys[slots] == ids)
+        occupied = rows != _EMPTY
+        hit = occupied & (self._ids[rows] == ids)
         result[hit] = rows[hit]
-        pending = np.flatnonzero((rows != _EMPTY) & ~hit)
+        pending = np.flatnonzero(occupied & ~hit)
         start = slots[pending] + 1
         window = np.arange(_WINDOW)
         mask = self.capacity - 1
@@ -68,7 +79,7 @@ class IdMap:
             block = (start[:, None] + window[None, :]) & mask
             rows = self._rows[block]
             empty = rows == _EMPTY
-            hit = ~empty & (self._keys[block] == ids[pending][:, None])
+            hit = ~empty & (self._ids[rows] == ids[pending][:, None])
             stop = hit | empty
             stopped = stop.any(axis=1)
             first = stop.argmax(axis=1)
@@ -81,15 +92,20 @@ class IdMap:
         """Add ids that are absent and distinct (the caller's promise); return their new rows."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         count = ids.shape[0]
-        if (self._size + count) > MAX_LOAD * self.capacity:
-            self._grow(self._size + count)
-        rows = np.arange(self._size, self._size + count, dtype=np.int64)
+        end = self._size + count
+        if end > self._by_row.capacity:
+            self._by_row.reserve(end)
+            self._ids = self._by_row.tensor.numpy()
+        self._ids[self._size:end] = ids
+        if end > MAX_LOAD * self.capacity:
+            self._grow(end)
+        rows = np.arange(self._size, end, dtype=np.int64)
         self._place(ids, rows)
-        self._size += count
+        self._size = end
         return rows
 
     def _place(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Put each (id, row) in the first empty slot from its home; ids racing for one slot: one wins
+        """Put each row in the first empty slot from its id's home; rows racing for one slot: one wins
         (the row read back says which), the others move on."""
         mask = self.capacity - 1
         pending = np.arange(ids.shape[0])
@@ -100,23 +116,18 @@ class IdMap:
             claimants, claimed = pending[empty], slots[empty]
             self._rows[claimed] = rows[claimants]
             won = self._rows[claimed] == rows[claimants]
-            self._keys[claimed[won]] = ids[claimants[won]]
             moving = np.concatenate([pending[~empty], claimants[~won]])
             position[moving] = (position[moving] + 1) & mask
             pending = moving
 
     def _grow(self, needed: int) -> None:
-        occupied = self._rows != _EMPTY
-        ids, rows = self._keys[occupied], self._rows[occupied].astype(np.int64)
+        """A table for ``needed`` ids, with the ``_size`` placed so far placed again."""
         capacity = self.capacity
         while needed > MAX_LOAD * capacity:
             capacity *= 2
         self._allocate(capacity)
-        self._place(ids, rows)
+        self._place(self._ids[:self._size], np.arange(self._size, dtype=np.int64))
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every (id, row), ordered by row (rows are 0..len-1: a scatter, not a sort)."""
-        occupied = self._rows != _EMPTY
-        ids = np.empty(self._size, dtype=np.int64)
-        ids[self._rows[occupied]] = self._keys[occupied]
-        return ids, np.arange(self._size, dtype=np.int64)
+        """Every (id, row), ordered by row: a copy of the ids and ``0..len-1``."""
+        return self.ids().copy(), np.arange(self._size, dtype=np.int64)

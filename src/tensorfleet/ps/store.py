@@ -326,14 +326,19 @@ class VariableStore:
             self._require_initialized()
             if since is not None and since > self._applied_updates:
                 since = None
+            changed = {}  # a delta's rows, found once: the page count and the delta both need them
+            if since is not None:
+                changed = {name: table.changed_rows(since) for name, table in self._tables.items()}
             if pages is None:
-                estimate = sum(table.snapshot_bytes(since) for table in self._tables.values())
+                estimate = sum(table.snapshot_bytes(len(changed[name]) if name in changed else None)
+                               for name, table in self._tables.items())
                 pages = max(1, -(-estimate // SNAPSHOT_PAGE_BYTES))
             if not 0 <= page < pages:
                 raise InvalidArgumentError(f"Snapshot page {page} of {pages} does not exist", task=self.task)
             deltas = None
             if since is not None:
-                deltas = {name: table.delta_state(since, page, pages) for name, table in self._tables.items()}
+                deltas = {name: table.delta_state(since, page, pages, changed[name])
+                          for name, table in self._tables.items()}
                 if any(delta is None for delta in deltas.values()):
                     deltas = None
             if deltas is None:

@@ -17,7 +17,7 @@ The per-row rules (plain torch on the touched rows; the caller holds the store's
 
 Storage grows by a quarter of its size when full, in place (``GrowingRows``: no copy, so no
 moment with the old and the new storage both alive), so a table of n rows holds at most
-1.25 n rows of memory, plus its ``IdMap`` (16-32 bytes per row).
+1.25 n rows of memory, plus its ``IdMap`` (13-21 bytes per row, each row's id included).
 
 A table that lives for months must not grow without bound (see ``TableSpec``):
 
@@ -59,7 +59,7 @@ class EmbeddingShard:
     def __init__(self, spec: TableSpec) -> None:
         self.spec = spec
         self._map = IdMap()
-        self._values, self._slots, self._updated, self._ids = self._empty_storage()
+        self._values, self._slots, self._updated = self._empty_storage()
         self.admission = Admission(spec.admit_after, spec.admit_probability)
         self.rows_created = 0  # since start (a restore's rows are loaded, not created)
         self.evicted = 0  # rows evicted since start
@@ -72,12 +72,11 @@ class EmbeddingShard:
         self._evictions: list[tuple[int, np.ndarray]] = []
         self._log_from = 0
 
-    def _empty_storage(self) -> tuple[GrowingRows, dict[str, GrowingRows], GrowingRows, GrowingRows]:
-        """Rows, slots, each row's last update, and each row's id (the id map's inverse: a delta or an eviction
-        names its rows' ids without scanning the whole map)."""
+    def _empty_storage(self) -> tuple[GrowingRows, dict[str, GrowingRows], GrowingRows]:
+        """Rows, slots and each row's last update. Each row's id is the id map's (``row_ids``)."""
         return (GrowingRows((self.spec.dim,), self.spec.dtype),
                 {name: GrowingRows(shape[1:], dtype) for name, (shape, dtype) in self._slot_layout(0).items()},
-                GrowingRows((), torch.int64), GrowingRows((), torch.int64))
+                GrowingRows((), torch.int64))
 
     # --- layout ---------------------------------------------------------------------------------
 
@@ -103,7 +102,7 @@ class EmbeddingShard:
         """Bytes held for this table: rows and slots as allocated (with room to grow), the id map, the
         admission sketch."""
         return (self._values.nbytes + sum(slot.nbytes for slot in self._slots.values()) + self._updated.nbytes
-                + self._ids.nbytes + self._map.nbytes + self.admission.nbytes)
+                + self._map.nbytes + self.admission.nbytes)
 
     def bytes_per_row(self) -> dict[str, float]:
         """What one row costs: its values and slots alone, and everything held divided by the rows."""
@@ -217,14 +216,14 @@ class EmbeddingShard:
         for name, slot in self._slots.items():
             slot.tensor[start:end] = slots[name]
         self._updated.tensor[start:end] = updated
-        self._ids.tensor[start:end] = ids
 
     def _storages(self) -> tuple[GrowingRows, ...]:
-        return (self._values, *self._slots.values(), self._updated, self._ids)
+        return (self._values, *self._slots.values(), self._updated)
 
     def row_ids(self) -> np.ndarray:
-        """The id of each row, by row number (a view: read it under the store's lock)."""
-        return self._ids.tensor[:len(self)].numpy()
+        """The id of each row, by row number: a delta or an eviction names its rows' ids without scanning the
+        map (a view: read it under the store's lock, before anything changes)."""
+        return self._map.ids()
 
     # --- eviction -------------------------------------------------------------------------------
 
@@ -277,27 +276,33 @@ class EmbeddingShard:
 
     # --- delta checkpoints ------------------------------------------------------------------------
 
-    def delta_state(self, since: int, page: int = 0, pages: int = 1) -> tuple[TableState, torch.Tensor] | None:
+    def changed_rows(self, since: int) -> np.ndarray:
+        """The rows (positions) updated at or after update ``since``: what a delta since then holds."""
+        return np.flatnonzero(self.last_updates() >= since)
+
+    def delta_state(self, since: int, page: int = 0, pages: int = 1,
+                    changed: np.ndarray | None = None) -> tuple[TableState, torch.Tensor] | None:
         """The rows updated at or after update ``since`` and the ids evicted since then (for a delta
         checkpoint), of page ``page`` of ``pages`` (``page_of``); None when evictions that far back were not
         kept (``EVICTION_LOG_IDS``): save whole. Evictions before ``since`` are forgotten: no delta will ask
-        for them again (a chain's next delta starts where its last file ends)."""
+        for them again (a chain's next delta starts where its last file ends). ``changed``: what
+        ``changed_rows(since)`` returned under the same hold of the lock, when the caller has it already."""
         if since < self._log_from:
             return None
         self._evictions = [(update, ids) for update, ids in self._evictions if update >= since]
         self._log_from = since
         ids = self.row_ids()
-        changed = np.flatnonzero(self.last_updates() >= since)
+        if changed is None:
+            changed = self.changed_rows(since)
         evicted = np.concatenate([ids for _, ids in self._evictions]) if self._evictions else np.empty(0, np.int64)
         if pages > 1:
             changed = changed[page_of(ids[changed], pages) == page]
             evicted = evicted[page_of(evicted, pages) == page]
         return self._copy_rows(ids, changed), torch.from_numpy(evicted.astype(np.int64))
 
-    def snapshot_bytes(self, since: int | None = None) -> int:
-        """About what a snapshot of this table takes on the wire (whole, or a delta since ``since``)."""
-        rows = len(self) if since is None else int((self.last_updates() >= since).sum())
-        return int(rows * (self.bytes_per_row()["bare"] + 8))
+    def snapshot_bytes(self, rows: int | None = None) -> int:
+        """About what a snapshot of ``rows`` rows of this table (None: all of them) takes on the wire."""
+        return int((len(self) if rows is None else rows) * (self.bytes_per_row()["bare"] + 8))
 
     def _copy_rows(self, ids: np.ndarray, index: np.ndarray) -> TableState:
         rows = torch.from_numpy(index)  # indexing by a tensor of rows copies: no clone on top
@@ -337,7 +342,7 @@ class EmbeddingShard:
                              f"expected {(state.ids.numel(),)}")
         self._map = IdMap(int(state.ids.numel() / 0.5))
         self._map.insert(state.ids.numpy())
-        self._values, self._slots, self._updated, self._ids = self._empty_storage()
+        self._values, self._slots, self._updated = self._empty_storage()
         self._append(state.ids, state.values.to(self.spec.dtype), slots,
                      update if updated is None else updated.to(torch.int64))
 
