@@ -257,6 +257,16 @@ def test_training_that_raises_closes_the_replica_without_saying_done(fakes):
             raise RuntimeError("a bad batch")
     assert "done" not in dict(ps.calls) and ps.closed
 
+    class FailingLastSave(tfl.Hook):
+        def end(self, session) -> None:
+            raise OSError("the disk is full")
+
+    replica, model, ps = started(fakes)
+    with pytest.raises(OSError, match="the disk is full"):
+        with tfl.TrainingSession(replica, hooks=[FailingLastSave()], log_step_count_steps=None, summary_dir=False):
+            pass
+    assert "done" not in dict(ps.calls) and ps.closed  # a hook's end() failing fails the worker too
+
     replica, model, ps = started(fakes)
     with tfl.TrainingSession(replica, log_step_count_steps=None, summary_dir=False):
         pass

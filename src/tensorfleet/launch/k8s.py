@@ -14,7 +14,10 @@ applied with ``kubectl``.  Two formats:
   while starting.  Each pod gets ``TF_CONFIG`` built from those names by
   ``ClusterSpec.to_tf_config``, the same format ``from_tf_config`` reads.
   The fleet ends when the workers finish: each ps exits 0 once every worker has
-  said Done, so every Job completes.
+  said Done, so every Job completes.  A worker that fails says nothing (its
+  restart takes its place); one whose Job gives up (``never``, or ``backoffLimit``
+  spent) leaves the ps Jobs running: delete the job's objects (``kubectl delete
+  -f``) to end them.
 * ``tfjob``: one Kubeflow ``TFJob``; the training operator creates the pods and
   Services and injects ``TF_CONFIG`` itself (its names follow the same
   ``NAME-ps-0`` pattern).

@@ -356,6 +356,8 @@ class FleetMonitor:
         for name, seen in self._seen.items():
             if (seen.status or {}).get("state") == "done" or name in reported_done:
                 states[name] = "done"
+            elif (seen.status or {}).get("state") == "failed":  # training raised; it is on its way out
+                states[name] = "failed"
             elif seen.at is not None and now - seen.at <= 3 * self.interval_s + 1.0:
                 states[name] = "running"
             else:

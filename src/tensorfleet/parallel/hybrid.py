@@ -208,7 +208,7 @@ class TowerReplica:
         return self.start()
 
     def __exit__(self, exc_type: type | None, *exc_info: Any) -> None:
-        self.finish(done=exc_type is None)
+        self.finish(done=exc_type is None or issubclass(exc_type, StopIteration))  # as TrainingSession counts it
 
     # --- the step --------------------------------------------------------------------------------
 

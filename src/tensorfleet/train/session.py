@@ -143,12 +143,14 @@ class TrainingSession:
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> bool:
         clean = exc_type is None or issubclass(exc_type, StopIteration)
+        ended = False  # the hooks' end() ran through too (a failed last save is a failure: no Done)
         try:
             if clean:
                 for hook in self.hooks:
                     hook.end(self)
+                ended = True
         finally:
-            if clean:
+            if ended:
                 self.replica.finish()
             else:
                 try:

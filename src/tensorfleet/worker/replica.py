@@ -30,7 +30,8 @@ On entering, the chief (``chief:0`` if the cluster has one, else ``worker:0``)
 sends the module's initial values and the optimizer to the ps; a ps that is
 already initialized keeps its values, so a restarted chief never overwrites
 training.  Other workers wait, with a timeout that names what they wait for.
-On leaving, the replica tells the ps it is done, so the ps can exit.
+On leaving cleanly, the replica tells the ps it is done, so the ps can exit; leaving
+on an error it says nothing, as a crash would, so that a restarted worker takes its place.
 
 Embedding tables (``EmbeddingTable`` layers of the module) are bound to the ps on
 construction: their forward fetches the batch's rows, and ``push()`` sends each table's
@@ -287,7 +288,7 @@ class Replica:
         return self.start()
 
     def __exit__(self, exc_type: type | None, *exc_info: Any) -> None:
-        self.finish(done=exc_type is None)
+        self.finish(done=exc_type is None or issubclass(exc_type, StopIteration))  # as TrainingSession counts it
 
     @property
     def shard_steps(self) -> tuple[int, ...]:
