@@ -226,3 +226,24 @@ def test_a_delta_from_before_the_kept_evictions_is_refused_and_the_store_saves_w
     assert store.snapshot(since=1).since is None  # evictions of update 1 are forgotten: whole
     recent = store.snapshot(since=5)
     assert recent.since == 5 and recent.tables["a"].ids.numel() == 2 and recent.evicted["a"].numel() == 2
+
+
+def test_a_delta_that_comes_back_whole_is_paged_as_a_whole(monkeypatch):
+    """Its page count is that of every row, not of the few the delta would have held."""
+    import tensorfleet.ps.store as store_module
+    import tensorfleet.ps.table as table_module
+    monkeypatch.setattr(table_module, "EVICTION_LOG_IDS", 3)
+    monkeypatch.setattr(store_module, "SNAPSHOT_PAGE_BYTES", 4 * 24)  # 4 rows of width 2 (+ update, + id)
+    store = VariableStore(task="/job:ps/task:0")
+    store.initialize({}, OptimizerSpec("sgd", {"lr": 1.0}), tables=[
+        TableSpec("a", 2, SGD, initializer=ZERO, max_rows=2), TableSpec("b", 2, SGD, initializer=ZERO)])
+    store.apply({ids_key("b"): torch.arange(10), grads_key("b"): torch.ones(10, 2)}, advance_step=True,
+                origin=Origin(0, 0, 1))  # rows that no delta since update 2 holds
+    for step in range(1, 7):  # every push to "a" evicts: the log keeps the latest evictions only
+        store.apply({ids_key("a"): torch.tensor([10 * step, 10 * step + 1]), grads_key("a"): torch.ones(2, 2)},
+                    advance_step=True, origin=Origin(0, 0, step + 1))
+    first = store.snapshot(since=2)
+    assert first.since is None and first.pages == 3  # 12 rows whole; the delta's 2 rows would be 1 page
+    pages = [first] + [store.snapshot(since=2, page=p, pages=first.pages) for p in range(1, first.pages)]
+    assert sorted(i for page in pages for i in page.tables["b"].ids.tolist()) == list(range(10))
+    assert sum(page.tables["a"].ids.numel() for page in pages) == 2

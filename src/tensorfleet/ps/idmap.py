@@ -4,7 +4,8 @@ A Python dict costs ~100 bytes per id (the int objects, the entry): as much as a
 row and its Adagrad slot.  Here the ids are kept once, by row number (8 bytes each, with a
 quarter of room to grow: the owner reads them as ``ids()``, the inverse of the map), and
 the open-addressing table (linear probing, at most 75 % full) holds only row numbers:
-4 bytes a slot, 5-11 bytes per id; a slot's id is read through its row.  A batch of ids is
+4 bytes a slot, 5-11 bytes per id (up to 16 right after a rebuild, sized for growth); a
+slot's id is read through its row.  A batch of ids is
 found or inserted with a few vectorized passes, one per probe distance, instead of a
 Python loop over the ids.  Any int64 is a valid id: a slot's emptiness is its row number
 (-1), not a reserved key.  Rows are numbered 0, 1, 2, ... in insertion order.
@@ -50,7 +51,8 @@ class IdMap:
         return self._rows.nbytes + self._by_row.nbytes
 
     def ids(self) -> np.ndarray:
-        """The id of each row, by row number (a view: it changes with the next ``insert``)."""
+        """The id of each row, by row number: a view, read it before the next ``insert`` (which may move the
+        storage: the view then points at memory given back)."""
         return self._ids[:self._size]
 
     def _home(self, ids: np.ndarray) -> np.ndarray:

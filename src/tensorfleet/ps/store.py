@@ -326,6 +326,8 @@ class VariableStore:
             self._require_initialized()
             if since is not None and since > self._applied_updates:
                 since = None
+            if since is not None and not all(table.can_tell_delta(since) for table in self._tables.values()):
+                since = None  # whole, and paged as a whole: evictions that far back were not kept
             changed = {}  # a delta's rows, found once: the page count and the delta both need them
             if since is not None:
                 changed = {name: table.changed_rows(since) for name, table in self._tables.items()}
@@ -335,18 +337,15 @@ class VariableStore:
                 pages = max(1, -(-estimate // SNAPSHOT_PAGE_BYTES))
             if not 0 <= page < pages:
                 raise InvalidArgumentError(f"Snapshot page {page} of {pages} does not exist", task=self.task)
-            deltas = None
-            if since is not None:
-                deltas = {name: table.delta_state(since, page, pages, changed[name])
-                          for name, table in self._tables.items()}
-                if any(delta is None for delta in deltas.values()):
-                    deltas = None
-            if deltas is None:
+            if since is None:
                 tables = {name: table.state(page, pages) for name, table in self._tables.items()}
-                evicted, since = {}, None
+                evicted = {}
             else:
-                tables = {name: delta[0] for name, delta in deltas.items()}
-                evicted = {name: delta[1] for name, delta in deltas.items()}
+                tables, evicted = {}, {}
+                for name, table in self._tables.items():
+                    told = table.delta_state(since, page, pages, changed[name])
+                    assert told is not None, "can_tell_delta was checked above, under this hold of the lock"
+                    tables[name], evicted[name] = told
             dense = page == 0
             return ShardState(
                 values={name: value.clone() for name, value in self._variables.items()} if dense else {},

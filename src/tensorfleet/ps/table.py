@@ -17,7 +17,7 @@ The per-row rules (plain torch on the touched rows; the caller holds the store's
 
 Storage grows by a quarter of its size when full, in place (``GrowingRows``: no copy, so no
 moment with the old and the new storage both alive), so a table of n rows holds at most
-1.25 n rows of memory, plus its ``IdMap`` (13-21 bytes per row, each row's id included).
+1.25 n rows of memory, plus its ``IdMap`` (13-26 bytes per row, each row's id included).
 
 A table that lives for months must not grow without bound (see ``TableSpec``):
 
@@ -276,6 +276,10 @@ class EmbeddingShard:
 
     # --- delta checkpoints ------------------------------------------------------------------------
 
+    def can_tell_delta(self, since: int) -> bool:
+        """Whether a delta since update ``since`` can be told: the evictions since then were all kept."""
+        return since >= self._log_from
+
     def changed_rows(self, since: int) -> np.ndarray:
         """The rows (positions) updated at or after update ``since``: what a delta since then holds."""
         return np.flatnonzero(self.last_updates() >= since)
@@ -287,7 +291,7 @@ class EmbeddingShard:
         kept (``EVICTION_LOG_IDS``): save whole. Evictions before ``since`` are forgotten: no delta will ask
         for them again (a chain's next delta starts where its last file ends). ``changed``: what
         ``changed_rows(since)`` returned under the same hold of the lock, when the caller has it already."""
-        if since < self._log_from:
+        if not self.can_tell_delta(since):
             return None
         self._evictions = [(update, ids) for update, ids in self._evictions if update >= since]
         self._log_from = since

@@ -1,6 +1,6 @@
 """``ServingTable``: one embedding table's rows in a serving process, updated in place by deltas.
 
-The rows of a trained table, by int64 id, in an ``IdMap`` (the ps's own: 13-21 bytes per id, a batch
+The rows of a trained table, by int64 id, in an ``IdMap`` (the ps's own: 13-26 bytes per id, a batch
 found in a few vectorized passes) and one tensor that grows by doubling.  A delta removes the ids the
 ps evicted and writes the rows it changed; an evicted id keeps its slot, marked absent (it answers its
 initial row, as the ps would), and is reused if the id comes back; once absent slots are more than
