@@ -5,10 +5,10 @@ row and its Adagrad slot.  Here the ids are kept once, by row number (8 bytes ea
 quarter of room to grow: the owner reads them as ``ids()``, the inverse of the map), and
 the open-addressing table (linear probing, at most 75 % full) holds only row numbers:
 4 bytes a slot, 5-11 bytes per id (up to 16 right after a rebuild, sized for growth); a
-slot's id is read through its row.  A batch of ids is
-found or inserted with a few vectorized passes, one per probe distance, instead of a
-Python loop over the ids.  Any int64 is a valid id: a slot's emptiness is its row number
-(-1), not a reserved key.  Rows are numbered 0, 1, 2, ... in insertion order.
+slot's id is read through its row.  A batch of ids is found or inserted with a few
+vectorized passes, one per probe distance, instead of a Python loop over the ids.  Any
+int64 is a valid id: a slot's emptiness is its row number (-1), not a reserved key.  Rows
+are numbered 0, 1, 2, ... in insertion order.
 """
 
 from __future__ import annotations
