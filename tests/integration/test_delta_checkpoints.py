@@ -3,6 +3,8 @@ restores into another number of ps, is small, and starts over whole when the fle
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -192,6 +194,42 @@ def test_a_shard_too_big_for_one_message_is_read_in_pages_that_add_up_to_it(tmp_
             truth = gather(replica.placement, replica.client.snapshot())
             assert rows(load(delta).state) == rows(truth) and rows(load(full).state) == whole
             assert torch.equal(load(delta).state.values["head.weight"], truth.values["head.weight"])
+
+
+def test_while_one_shard_sends_its_pages_no_other_shard_body_waits_unread(monkeypatch):
+    """A ps gives up on a reply it cannot send for ``deadline_s``: a shard's snapshot must not sit unread while
+    another shard's pages are asked for one by one (here the dense shard's 32 MB page outlasts its socket
+    buffers while the other shard's rows come in slow pages)."""
+    import tensorfleet.ps.store as store_module
+    from tensorfleet.cluster.idhash import shard_of
+    from tensorfleet.ps.store import VariableStore
+    from tensorfleet.wire.rpc import WireOptions
+
+    taken_whole = VariableStore.snapshot
+
+    def slow_pages(store, since=None, page=0, pages=None):
+        if page > 0:
+            time.sleep(0.4)  # later pages come slowly: well past the servers' send limit, all told
+        return taken_whole(store, since, page, pages)
+
+    with ps_servers(num_ps=2, options=WireOptions(deadline_s=1.5)) as (cluster, servers):
+        torch.manual_seed(0)
+        net = torch.nn.ModuleDict({"t": EmbeddingTable("t", DIM, optimizer=OptimizerSpec.sgd(lr=0.1)),
+                                   "big": torch.nn.Linear(2048, 4096)})
+        with Replica(net, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1)) as replica:
+            dense = next(part.shard for part in replica.placement.parts if part.name == "big.weight")
+            paged = 1 - dense
+            candidates = torch.arange(2000)
+            ids = candidates[torch.from_numpy(shard_of(candidates, 2) == paged)][:400]  # rows on the other ps only
+            net["t"](ids).sum().backward()
+            replica.push()
+            monkeypatch.setattr(store_module, "SNAPSHOT_PAGE_BYTES", 2_000)  # ~10 pages of rows; the dense ps: one
+            monkeypatch.setattr(VariableStore, "snapshot", slow_pages)
+            assert servers[paged].store.snapshot().pages > 5 and servers[dense].store.snapshot().pages == 1
+            shards = replica.client.start_snapshot().result()
+            assert shards[paged].tables["t"].ids.numel() == 400 and shards[dense].tables["t"].ids.numel() == 0
+            held = sum(value.numel() for shard in shards.values() for value in shard.values.values())
+            assert held == sum(p.numel() for p in net["big"].parameters())
 
 
 def test_a_snapshot_on_the_data_plane_is_the_grpc_one_and_a_bad_one_changes_nothing():

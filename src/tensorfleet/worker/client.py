@@ -195,9 +195,11 @@ class PsClient:
                        since: Sequence[int | None] | None = None) -> "SnapshotInFlight":
         """Ask ``shards`` (default: all) for their state, as ``snapshot``; return once every shard has taken
         it (its reply's head arrived: the state is a copy made under the shard's lock), before the rows have
-        travelled: ``result()`` waits for them, from any thread. A snapshot of several pages is read whole
-        here (its pages are taken one by one). Each shard answers on a data connection of its own, closed
-        after: the training connection stays free, and none keeps a shared-memory segment sized for a page."""
+        travelled: ``result()`` waits for them, from any thread. When a shard's snapshot has several pages
+        (taken one by one), every shard's is read here, together: a body left unread while another shard's
+        pages travel could pass its ps's send limit (60 s without progress). Each shard answers on a data
+        connection of its own, closed after: the training connection stays free, and none keeps a
+        shared-memory segment sized for a page."""
         wanted = list(range(len(self.channels)) if shards is None else shards)
         for shard in wanted:
             if self.data[shard].address is None:
@@ -211,7 +213,10 @@ class PsClient:
             try:
                 for shard, future in futures.items():
                     started[shard] = future.result()
-                return SnapshotInFlight(started)
+                in_flight = SnapshotInFlight(started)
+                if any(pending.meta.get("pages", 1) > 1 for pending in started.values()):
+                    in_flight.result()  # read now, every shard at once (kept: result() answers it again)
+                return in_flight
             except BaseException:
                 for shard, future in futures.items():  # the others' connections: read nothing more, close
                     if shard not in started and future.exception() is None:
@@ -228,14 +233,7 @@ class PsClient:
         except BaseException:
             channel.close()
             raise
-        pending = _ShardSnapshot(channel, ask, meta, body)
-        try:
-            if meta.get("pages", 1) > 1:
-                pending.read()  # pages are taken one by one: all of them now, while the caller waits
-        except BaseException:
-            pending.close()
-            raise
-        return pending
+        return _ShardSnapshot(channel, ask, meta, body)
 
     def done(self, replica: int, *, timeout_s: float = DONE_WAIT_S) -> None:
         """Tell every shard this replica finished; a ps exits once all replicas have.
