@@ -51,6 +51,7 @@ from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import PsClient
 from tensorfleet.worker.embedding import tables_of
 from tensorfleet.worker.options import DEFAULT_PLACEMENT, ReplicaOptions
+from tensorfleet.worker.protocol import ended_cleanly
 from tensorfleet.worker.replica import Replica
 
 # What tower 0's failure becomes on the other towers: the recoverable ones keep their class, so
@@ -208,7 +209,7 @@ class TowerReplica:
         return self.start()
 
     def __exit__(self, exc_type: type | None, *exc_info: Any) -> None:
-        self.finish(done=exc_type is None or issubclass(exc_type, StopIteration))  # as TrainingSession counts it
+        self.finish(done=ended_cleanly(exc_type))
 
     # --- the step --------------------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ from tensorfleet.errors import DeadlineExceededError, NanLossError, NotInitializ
 from tensorfleet.train.checkpoint import Checkpointer, latest_checkpoint, load, split
 from tensorfleet.train.hooks import CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult
 from tensorfleet.worker.leave import install_leave_handler, leave_requested
-from tensorfleet.worker.protocol import TrainingReplica
+from tensorfleet.worker.protocol import TrainingReplica, ended_cleanly
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class TrainingSession:
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> bool:
-        clean = exc_type is None or issubclass(exc_type, StopIteration)
+        clean = ended_cleanly(exc_type)
         ended = False  # the hooks' end() ran through too (a failed last save is a failure: no Done)
         try:
             if clean:

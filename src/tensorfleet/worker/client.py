@@ -214,7 +214,7 @@ class PsClient:
                 for shard, future in futures.items():
                     started[shard] = future.result()
                 in_flight = SnapshotInFlight(started)
-                if any(pending.meta.get("pages", 1) > 1 for pending in started.values()):
+                if any(head.pages > 1 for head in in_flight.heads.values()):
                     in_flight.result()  # read now, every shard at once (kept: result() answers it again)
                 return in_flight
             except BaseException:

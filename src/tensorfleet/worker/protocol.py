@@ -19,6 +19,13 @@ if TYPE_CHECKING:
     from tensorfleet.worker.client import PsClient
 
 
+def ended_cleanly(exc_type: type[BaseException] | None) -> bool:
+    """Whether a training block left with ``exc_type`` (None: no exception) ended cleanly, so that the
+    replica says Done: running out of data (StopIteration) did; any other exception is a failure, and a
+    failed worker says nothing (its restart takes its place)."""
+    return exc_type is None or issubclass(exc_type, StopIteration)
+
+
 @runtime_checkable
 class TrainingReplica(Protocol):
     """A worker's model bound to the ps, as the training loop drives it (see ``Replica`` for each member)."""

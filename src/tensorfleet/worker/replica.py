@@ -57,6 +57,7 @@ from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import Gathered, PsClient, Pulled, Pushed, PushStreams
 from tensorfleet.worker.embedding import tables_of
 from tensorfleet.worker.options import DEFAULT_PLACEMENT, ReplicaOptions
+from tensorfleet.worker.protocol import ended_cleanly
 from tensorfleet.worker.status import PROCESS_STATUS, TaskStatus
 
 log = logging.getLogger(__name__)
@@ -288,7 +289,7 @@ class Replica:
         return self.start()
 
     def __exit__(self, exc_type: type | None, *exc_info: Any) -> None:
-        self.finish(done=exc_type is None or issubclass(exc_type, StopIteration))  # as TrainingSession counts it
+        self.finish(done=ended_cleanly(exc_type))
 
     @property
     def shard_steps(self) -> tuple[int, ...]:
