@@ -322,3 +322,23 @@ def test_each_shards_admissions_evictions_and_part_of_the_traffic_show_a_hot_sha
     assert (hot["traffic_share"], cold["traffic_share"]) == pytest.approx((0.9, 0.1))
     assert (hot["evicted"], hot["admitted"], hot["refused_updates"]) == (40, 300, 1200)
     assert task(picture, "ps:0")["tables"]["items"]["traffic_share"] is None  # no traffic counted anywhere
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_jobs_global_step_is_ps0s_and_each_shard_shows_its_own_counters(clock, mode):
+    # Sync with backups: ps:1 aggregated 3 steps more than ps:0 (the owner) counts; async: ps:1 never counts steps.
+    cluster = ClusterSpec.from_dict({"ps": ["127.0.0.1:1", "127.0.0.1:2"], "worker": ["127.0.0.1:3"]})
+    fleet = FleetMonitor(cluster, job_name="unit")
+    try:
+        shard1_step = 3003 if mode == "sync" else 0
+        picture = answer(fleet, clock, 0, {
+            "ps:0": {"role": "ps", "mode": mode, "global_step": 3000, "applied_updates": 3000},
+            "ps:1": {"role": "ps", "mode": mode, "global_step": shard1_step, "applied_updates": 3003},
+            "worker:0": worker(2990)})
+    finally:
+        fleet.stop()
+    assert picture["job"]["global_step"] == 3000
+    ps1 = task(picture, "ps:1")
+    assert ps1["step"] == 3003  # the updates the shard applied: its own counter
+    assert ps1["global_step"] == (3003 if mode == "sync" else None)  # async: not a step counter at all
+    assert task(picture, "ps:0")["global_step"] == 3000 and task(picture, "worker:0")["global_step"] == 2990

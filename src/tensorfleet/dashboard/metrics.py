@@ -101,7 +101,8 @@ class PictureCollector:
             "tensorfleet_task_restarts", "Times the launcher restarted the task.", labels=_TASK_LABELS)
         gauges = {
             "step": GaugeMetricFamily(
-                "tensorfleet_task_step", "A worker's local step, or a ps's global step.", labels=_TASK_LABELS),
+                "tensorfleet_task_step", "A worker's local step, or the updates a ps shard applied.",
+                labels=_TASK_LABELS),
             "global_step": GaugeMetricFamily(
                 "tensorfleet_task_global_step", "The global step the task last saw.", labels=_TASK_LABELS),
             "loss": GaugeMetricFamily("tensorfleet_task_loss", "The worker's last loss.", labels=_TASK_LABELS),

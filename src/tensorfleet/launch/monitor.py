@@ -273,8 +273,13 @@ class FleetMonitor:
         return self._seen["ps:0"].status if "ps:0" in self._seen else None
 
     def _global_step(self) -> int:
-        """ps:0 counts the global step; workers repeat the last one they saw (the ps may have exited)."""
-        return max((s.status.get("global_step") or 0 for s in self._seen.values() if s.status), default=0)
+        """The job's global step: ps:0's, which owns it.
+
+        Workers repeat the last one ps:0 told them, which is newer when ps:0 exited between two polls. Other
+        shards' steps are their own counters (a sync shard's aggregations, never advanced in async), not it.
+        """
+        owners = [s for name, s in self._seen.items() if name == "ps:0" or name not in self._ps]
+        return max((s.status.get("global_step") or 0 for s in owners if s.status), default=0)
 
     def _examples(self) -> dict[str, int]:
         """Each worker's examples so far (a worker that did not say, or said junk, has no rate)."""
@@ -375,6 +380,7 @@ class FleetMonitor:
             statuses = {name: seen.status or {} for name, seen in self._seen.items()}
             states = self._task_states(now)
             ps0 = self._ps_status() or {}
+            mode = self.mode or ps0.get("mode")
             tasks = []
             for task in self.tasks:
                 name, seen = task.short, self._seen[task.short]
@@ -388,8 +394,10 @@ class FleetMonitor:
                     "state": states[name],
                     "pid": record.pid if record is not None else status.get("pid"),
                     "restarts": record.restarts if record is not None else 0,
-                    "step": status.get("global_step" if is_ps else "local_step"),
-                    "global_step": status.get("global_step"),
+                    # a ps's own counter is the updates it applied; only ps:0 (or a sync shard) counts steps
+                    "step": status.get("applied_updates" if is_ps else "local_step"),
+                    "global_step": (status.get("global_step") if not is_ps or name == "ps:0" or mode == "sync"
+                                    else None),
                     "loss": None if is_ps else status.get("loss"),
                     "examples_per_sec": None if is_ps else rates["per_task"].get(name),
                     "heartbeat_age_s": None if seen.at is None else round(now - seen.at, 2),
@@ -409,7 +417,6 @@ class FleetMonitor:
             dropped = max((s.get("dropped_stale") or 0 for name, s in statuses.items() if name in self._ps),
                           default=0)
             _add_traffic_shares(tasks)
-            mode = self.mode or ps0.get("mode")
             table_rows = [fields["rows"] for t in tasks for fields in (t["tables"] or {}).values()
                           if fields["rows"] is not None]
             job = {"name": self.job_name, "mode": mode, "state": self.job_state, "global_step": step,
@@ -470,7 +477,7 @@ def _mode(value: Any) -> str | None:
 # The Status fields the monitor reads: how each is checked, and what it must be.
 _FIELDS: dict[str, tuple[Any, str]] = {
     **{field: (_count, f"a whole number from 0 to {MAX_COUNT}")
-       for field in ("global_step", "local_step", "examples", "target_step", "dropped_stale", "unique_ids", "pid")},
+       for field in ("global_step", "local_step", "applied_updates", "examples", "target_step", "dropped_stale", "unique_ids", "pid")},
     "loss": (_real, "a finite number"),
     "state": (_text, f"a string of at most {MAX_TEXT} characters"),
     "mode": (_mode, " or ".join(repr(mode) for mode in MODES)),
