@@ -110,6 +110,36 @@ def test_a_finished_job_is_no_longer_shown_live(browser_page: Page, dashboard: D
     expect(cell(page, "worker:2", "state")).to_have_text("done")
 
 
+def test_a_stopped_job_is_finished_and_not_failed(browser_page: Page, dashboard: Dashboard, fleet):
+    page = browser_page
+    page.goto(dashboard.url)
+    with fleet.lock:
+        fleet.state["job"]["state"] = "stopped"
+        for task in fleet.state["tasks"]:
+            task.update(state="stopped", exit_code=None)
+    expect(page.locator("#connection")).to_have_text("Finished")
+    expect(page.locator("#job-state")).to_have_text("stopped")
+    expect(page.locator("#job-state")).to_have_class("badge state-stopped")
+    expect(cell(page, "worker:2", "state").locator("span")).to_have_class("badge state-stopped")
+
+
+def test_tasks_refusing_the_dashboard_are_said_on_the_page(browser_page: Page, dashboard: Dashboard, fleet):
+    page = browser_page
+    page.goto(dashboard.url)
+    problem = page.locator("#job-problem")
+    expect(problem).to_be_hidden()
+    with fleet.lock:
+        fleet.state["job"]["problem"] = "ps:0 refuses this dashboard's Status calls: set TENSORFLEET_TOKEN"
+        fleet.state["tasks"][0]["state"] = "refused"
+    expect(problem).to_be_visible()
+    expect(problem).to_contain_text("set TENSORFLEET_TOKEN")
+    expect(cell(page, "ps:0", "state")).to_have_text("refused")
+    expect(cell(page, "ps:0", "state").locator("span")).to_have_class("badge state-refused")
+    with fleet.lock:
+        fleet.state["job"]["problem"] = None
+    expect(problem).to_be_hidden()
+
+
 def test_markup_in_a_task_name_is_shown_as_text(browser_page: Page, dashboard: Dashboard, fleet):
     hostile = '<img src=x onerror="window.injected=1"><b>worker:9</b>'
     with fleet.lock:

@@ -71,6 +71,36 @@ def test_attached_dashboard_shows_a_fleet_started_elsewhere(tmp_path):
             board.wait()
 
 
+def test_a_dashboard_without_the_jobs_token_says_so_on_the_console_and_the_page(tmp_path):
+    env = {**os.environ, auth.TOKEN_ENV: auth.new_token()}
+    job = LauncherProcess(tmp_path / "logs", ["--ps", "1", "--workers", "1"], PACED,
+                          ["--last_step", "100000", "--step_sleep_s", "0.01"], env=env)
+    board = None
+    try:
+        addresses = poll(lambda: (lambda found: found if len(found) == 2 else None)(
+            dict(re.findall(r"started (\w+:\d+) \(pid \d+\) at (\S+)", job.output))), 60, "two tasks to start")
+        cluster = {"ps": [addresses["ps:0"]], "worker": [addresses["worker:0"]]}
+        tokenless = {k: v for k, v in os.environ.items() if k not in (auth.TOKEN_ENV, auth.TOKEN_FILE_ENV)}
+        board = subprocess.Popen([sys.executable, "-m", "tensorfleet.launch.cli", "dashboard", "--cluster",
+                                  json.dumps(cluster)], cwd=REPO, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=tokenless)
+        url = re.search(r"(http://127\.0\.0\.1:\d+/)", board.stdout.readline()).group(1)
+        picture = poll(lambda: (lambda s: s if {t["state"] for t in s["tasks"]} == {"refused"} else None)(
+            get_json(url + "api/status")), 20, "both tasks to show refused")
+        assert "TENSORFLEET_TOKEN" in picture["job"]["problem"], picture["job"]
+        assert "ps:0, worker:0" in picture["job"]["problem"]
+        said = board.stderr.readline()  # said once, on the console, as soon as the first poll was refused
+        assert "refused its Status calls" in said and "TENSORFLEET_TOKEN" in said, said
+        board.send_signal(signal.SIGTERM)
+        assert board.wait(timeout=20) == 0
+        assert "refused" not in board.stderr.read()  # once, not every poll
+    finally:
+        job.kill()
+        if board is not None and board.poll() is None:
+            board.kill()
+            board.wait()
+
+
 def test_an_attached_monitor_sees_a_fleet_started_by_hand_finish(tmp_path):
     """Tasks started by hand (no launcher, so no final status files): the end is seen all the same."""
     cluster = local_cluster(1, 2)

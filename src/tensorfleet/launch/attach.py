@@ -3,7 +3,8 @@
 It reads only what every task answers on its Status RPC; without the launcher's
 supervisor it cannot know restarts, so a task is shown running while it answers, done
 once it (or a ps) said so, and unreachable if it stops without that.  When every task
-is done the job shows succeeded.
+is done the job shows succeeded.  A task that refuses its Status calls (the dashboard lacks the
+job's token) is shown refused, and the console and the page say so within a poll or two.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from tensorfleet.cluster.spec import ClusterSpec, split_hosts, from_tf_config
@@ -36,11 +38,18 @@ def cluster_of(args: argparse.Namespace, environ: dict[str, str]) -> ClusterSpec
     raise ConfigError("no fleet given: pass --cluster JSON|FILE, or --ps_hosts and --worker_hosts, or set TF_CONFIG")
 
 
+def _say_refused(tasks: list[str], reason: str) -> None:
+    """On the console, once: without the job's token every task stays "refused" and nothing else shows."""
+    print(f"tensorfleet dashboard: {', '.join(tasks)} refused its Status calls ({reason}). Nothing of the job can "
+          "be shown: stop this dashboard and start it again with TENSORFLEET_TOKEN (or TENSORFLEET_TOKEN_FILE) "
+          "set to the job's token.", file=sys.stderr, flush=True)
+
+
 def serve_dashboard(args: argparse.Namespace, environ: dict[str, str] | None = None) -> int:
     """Serve until Ctrl-C or SIGTERM; return 0."""
     from tensorfleet.dashboard.server import Dashboard, wait_for_stop_signal
     cluster = cluster_of(args, dict(os.environ) if environ is None else environ)
-    monitor = FleetMonitor(cluster, job_name=args.name)
+    monitor = FleetMonitor(cluster, job_name=args.name, on_refused=_say_refused)
     try:
         dashboard = Dashboard(monitor.picture, host=args.host, port=args.port).start()
     except OSError as exc:

@@ -40,10 +40,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
-from tensorfleet.errors import TensorfleetError
+from tensorfleet.errors import TensorfleetError, UnauthenticatedError
 from tensorfleet.launch.supervisor import Supervisor
 from tensorfleet.wire.rpc import Channel, WireOptions
 from tensorfleet.worker.status import final_status_path
@@ -67,6 +67,7 @@ class _Seen:
     at: float | None = None
     ever: bool = False
     final: bool = False  # the status is the one the task left as it exited
+    refused: str | None = None  # why the task refused the last Status call (no or a wrong job token)
 
 
 def task_role(cluster: ClusterSpec, task: TaskSpec) -> str:
@@ -91,17 +92,22 @@ class FleetMonitor:
         interval_s: seconds between polls.
         final_status_dir: where tasks leave their last Status as they exit (the launcher's logdir).
         options: carries the job's token, which every task requires.
+        on_refused: called once (from the polling thread) with the task names and the reason when tasks first
+            refuse the monitor's Status calls: it lacks the job's token, and nothing it shows will ever change.
     """
 
     def __init__(self, cluster: ClusterSpec, *, job_name: str, mode: str | None = None,
                  supervisor: Supervisor | None = None, interval_s: float = 1.0,
-                 final_status_dir: Path | None = None, options: WireOptions | None = None) -> None:
+                 final_status_dir: Path | None = None, options: WireOptions | None = None,
+                 on_refused: Callable[[list[str], str], None] | None = None) -> None:
         options = options or WireOptions()  # from the environment now, not when the module loaded
         self.cluster, self.job_name, self.mode = cluster, job_name, mode
         self._options = options
         self.supervisor = supervisor
         self.final_status_dir = final_status_dir
         self.interval_s = interval_s
+        self.on_refused = on_refused
+        self._told_refused = False
         self.tasks = fleet_tasks(cluster)
         self._channels = {t.short: Channel(cluster.task_address(t.job_name, t.index), task=t.name, options=options)
                           for t in self.tasks}
@@ -170,13 +176,27 @@ class FleetMonitor:
         pending = {name: channel.call_async("Status", timeout=timeout_s)
                    for name, channel in list(self._channels.items()) if self._worth_asking(name)}
         answers: dict[str, dict[str, Any]] = {}
+        refused: dict[str, str] = {}
         for name, future in pending.items():
             try:
                 answers[name] = future.result()[0]
+            except UnauthenticatedError as exc:
+                refused[name] = exc.message
             except TensorfleetError:
                 self._channels[name].reconnect()  # a restarted task: do not wait on the dead connection
         answers.update(self._final_statuses())
         self.update(answers, asked=asked)
+        self._note_refusals(refused)
+
+    def _note_refusals(self, refused: dict[str, str]) -> None:
+        """Keep which tasks refused this round (an answer since clears it); tell ``on_refused`` the first time."""
+        with self._lock:
+            for name, seen in self._seen.items():
+                if name in refused:
+                    seen.refused = refused[name]
+        if refused and not self._told_refused and self.on_refused is not None:
+            self._told_refused = True
+            self.on_refused(sorted(refused), next(iter(refused.values())))
 
     def update(self, answers: dict[str, dict[str, Any]], *, asked: float) -> None:
         """Take one round of Status answers (task name -> reply), asked at ``asked``, into the picture.
@@ -189,7 +209,7 @@ class FleetMonitor:
                        if name in self._seen}  # not a task scaled away while it was asked
             for name, status in answers.items():
                 seen = self._seen[name]
-                seen.status, seen.at, seen.ever = status, now, True
+                seen.status, seen.at, seen.ever, seen.refused = status, now, True, None
                 if self.supervisor is not None:
                     self.supervisor.answered(name, since=asked)
             self._record(now, answers)
@@ -365,6 +385,8 @@ class FleetMonitor:
                 states[name] = "failed"
             elif seen.at is not None and now - seen.at <= 3 * self.interval_s + 1.0:
                 states[name] = "running"
+            elif seen.refused is not None:
+                states[name] = "refused"  # it is up, but will not tell this monitor anything
             else:
                 states[name] = "unreachable" if seen.ever else "starting"
         return states
@@ -408,6 +430,7 @@ class FleetMonitor:
                                        **{key: fields.get(key) for key in _LIFECYCLE_FIELDS}}
                                for table, fields in tables.items()} or None,
                     "unique_ids": None if is_ps else status.get("unique_ids"),
+                    "problem": seen.refused,
                 })
             targets = [s["target_step"] for s in statuses.values() if s.get("target_step")]
             target = max(targets) if targets else None
@@ -425,8 +448,19 @@ class FleetMonitor:
                    "elapsed_s": round((self.ended or now) - self.started, 2),
                    "restarts": self.supervisor.total_restarts if self.supervisor is not None else 0,
                    "table_rows": sum(table_rows) if table_rows else None,
-                   "rows_per_sec": sum(rates["rows"].values()) if rates["rows"] else None}
+                   "rows_per_sec": sum(rates["rows"].values()) if rates["rows"] else None,
+                   "problem": _refusal_problem(tasks)}
             return {"job": job, "tasks": tasks, "history": list(self._history)}
+
+
+def _refusal_problem(tasks: list[dict[str, Any]]) -> str | None:
+    """What the views say when tasks refuse the monitor: it cannot show anything of them until given the token."""
+    refusing = [task["name"] for task in tasks if task["problem"] is not None]
+    if not refusing:
+        return None
+    return (f"{', '.join(refusing)} refuse{'s' if len(refusing) == 1 else ''} this dashboard's Status calls: it "
+            f"does not have the job's token. Start it with TENSORFLEET_TOKEN (or TENSORFLEET_TOKEN_FILE) set to "
+            f"the token the tasks were started with.")
 
 
 def _add_traffic_shares(tasks: list[dict[str, Any]]) -> None:

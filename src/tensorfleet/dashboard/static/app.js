@@ -20,9 +20,9 @@
   // Tick spacings on the elapsed-time axis, in seconds: whole, round durations only.
   const TIME_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 28800, 86400];
   const KNOWN_STATES = new Set([
-    "starting", "running", "restarting", "done", "failed", "unreachable", "succeeded",
+    "starting", "running", "restarting", "done", "failed", "unreachable", "refused", "succeeded", "stopped",
   ]);
-  const FINISHED_JOB_STATES = new Set(["succeeded", "failed"]);
+  const FINISHED_JOB_STATES = new Set(["succeeded", "failed", "stopped"]);
 
   // ---- formatting ---------------------------------------------------------------------------
 
@@ -88,6 +88,11 @@
     state.textContent = job.state || "";
     state.className = stateClass(job.state);
     document.body.dataset.jobState = job.state || "";
+
+    // Something that keeps the picture from ever filling in (tasks refusing this dashboard): said, not hidden.
+    const problem = byId("job-problem");
+    problem.hidden = !job.problem;
+    problem.textContent = job.problem || "";
 
     setValue("global-step", job.global_step, formatInteger);
     const target = job.target_step;
