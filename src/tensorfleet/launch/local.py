@@ -321,7 +321,7 @@ class LocalLauncher:
                 signal.signal(s, handler)
         self.failed = failed
         code = 130 if self._interrupted else (1 if failed or not self.supervisor.workers_done() else 0)
-        self.monitor.job_state = "succeeded" if code == 0 else "failed"
+        self.monitor.job_state = {0: "succeeded", 130: "stopped"}.get(code, "failed")
         self._stop_dashboard()
         self.console.close()
         self._summarize(code, failed)

@@ -168,7 +168,8 @@
     row.cells[COLUMNS.findIndex((c) => c.field === "heartbeat_age_s")].classList.toggle(
       "stale", isNumber(age) && age > STALE_HEARTBEAT_S && task.state === "running");
     const exit = row.cells[COLUMNS.findIndex((c) => c.field === "exit_code")];
-    exit.classList.toggle("bad", isNumber(task.exit_code) && task.exit_code !== 0);
+    // A task stopped on purpose (the job stopped, or scaled away) exits by our SIGTERM: not a failure.
+    exit.classList.toggle("bad", isNumber(task.exit_code) && task.exit_code !== 0 && task.state !== "stopped");
   }
 
   function renderTasks(tasks) {
