@@ -18,7 +18,11 @@ def test_missing_script_is_exit_2_with_one_line(capsys):
     (["launch", "--workers", "two", "x.py"], "argument --workers: 'two' is not an integer"),
     (["launch", "--restart", "always", "x.py"], "invalid choice: 'always' (choose from 'on-failure', 'never')"),
     (["launch", "--dashboard", "70000", "x.py"], "70000 is not a port"),
-    (["launch"], "the following arguments are required: SCRIPT|JOBFILE"),
+    (["launch"], "a SCRIPT or a job file (job.yaml / job.toml) is needed; usage: tensorfleet launch [FLAGS] "
+                 "SCRIPT|JOBFILE [-- SCRIPT_ARGS ...]"),
+    (["launch", "--dashboard"], "a SCRIPT or a job file (job.yaml / job.toml) is needed"),
+    (["launch", "--dashboard=x.py", "examples/hello_cluster.py"], "argument --dashboard: 'x.py' is not an integer"),
+    (["k8s", "render"], "the following arguments are required: SCRIPT "),
     (["fly"], "invalid choice: 'fly'"),
 ])
 def test_bad_flags_are_exit_2_with_one_line_saying_what_is_valid(argv, says, capsys):
@@ -110,3 +114,76 @@ def test_the_launchers_own_grpc_is_silent_and_the_tasks_log_their_errors(monkeyp
     assert main(["launch", "--dry-run", "examples/hello_cluster.py"]) == 0
     assert os.environ["GRPC_VERBOSITY"] == "NONE"  # no unprefixed C-core line between the task lines
     assert capsys.readouterr().out.count("GRPC_VERBOSITY=ERROR") == 3  # each task: errors, into its log
+
+
+def test_a_missing_script_does_not_say_its_arguments_are_required(capsys):
+    """Issue 29: 'tensorfleet launch' alone said SCRIPT_ARGS was required; none are ever needed."""
+    for argv in (["launch"], ["launch", "--workers", "1"], ["k8s", "render", "--ps", "1"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        err = capsys.readouterr().err
+        assert "SCRIPT_ARGS" not in err.split("usage:")[0] and "required: SCRIPT_ARGS" not in err, err
+
+
+def dry_run(argv, capsys):
+    """(what every task runs after the python executable, the dashboard line) of ``launch --dry-run ARGV``."""
+    assert main(["launch", "--dry-run", *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    command = next(line for line in lines if line.startswith("command of every task"))
+    return command.split(": ", 1)[1].split(maxsplit=1)[1], next(line for line in lines if line.startswith("dashboard:"))
+
+
+@pytest.mark.parametrize("argv, command, dashboard", [
+    # Issue 29: '--dashboard SCRIPT' took the script as the port ("... is not an integer").
+    (["--workers", "1", "--dashboard", "examples/hello_cluster.py"], "examples/hello_cluster.py",
+     "dashboard: http://127.0.0.1:FREE_PORT/"),
+    (["--dashboard", "examples/hello_cluster.py", "--last_step", "5"], "examples/hello_cluster.py --last_step 5",
+     "dashboard: http://127.0.0.1:FREE_PORT/"),
+    (["--dashboard", "examples/hello_cluster.py", "--", "8080"], "examples/hello_cluster.py 8080",
+     "dashboard: http://127.0.0.1:FREE_PORT/"),
+    (["--dashboard", "8123", "examples/hello_cluster.py"], "examples/hello_cluster.py",
+     "dashboard: http://127.0.0.1:8123/"),
+    (["--dashboard", "--workers", "1", "examples/hello_cluster.py"], "examples/hello_cluster.py",
+     "dashboard: http://127.0.0.1:FREE_PORT/"),
+    (["--dashboard=8124", "examples/hello_cluster.py"], "examples/hello_cluster.py",
+     "dashboard: http://127.0.0.1:8124/"),
+    (["examples/hello_cluster.py"], "examples/hello_cluster.py", "dashboard: off"),
+])
+def test_dashboard_takes_a_port_only_when_one_is_given(argv, command, dashboard, capsys):
+    assert dry_run(argv, capsys) == (command, dashboard)
+
+
+def test_dashboard_without_port_before_the_script_keeps_the_rule_for_flags_after_it(capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["launch", "--dashboard", "examples/hello_cluster.py", "--workers", "1", "--dry-run"])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    fixed = "tensorfleet launch --dashboard --workers 1 --dry-run examples/hello_cluster.py"
+    assert fixed in err and "--dashboard=" not in err, err
+
+
+def test_a_job_file_turns_the_dashboard_on_with_true(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    (tmp_path / "job.yaml").write_text("script: train.py\ndashboard: true\n")
+    assert main(["launch", "--dry-run", "job.yaml"]) == 0
+    assert "dashboard: http://127.0.0.1:FREE_PORT/" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cores, argv, warned", [
+    (2, ["--workers", "50"], "tensorfleet launch: warning: 51 tasks (ps + workers) on 2 core(s): they will share "
+                             "the cores and the job will be slow; starting it anyway"),
+    (4, ["--ps", "2", "--workers", "3"], "tensorfleet launch: warning: 5 tasks (ps + workers) on 4 core(s)"),
+    (3, ["--ps", "1", "--workers", "2"], None),
+    (64, ["--workers", "50"], None),
+])
+def test_more_tasks_than_cores_is_a_warning_once_and_the_job_still_starts(cores, argv, warned, monkeypatch, capsys):
+    from tensorfleet.launch import local
+    monkeypatch.setattr(local, "usable_cores", lambda: cores)
+    assert main(["launch", "--dry-run", *argv, "examples/hello_cluster.py"]) == 0
+    out, err = capsys.readouterr()
+    assert "command of every task" in out  # what would start: it is not refused
+    if warned is None:
+        assert "warning" not in err, err
+    else:
+        assert err.count("warning") == 1 and warned in err, err

@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
+import select
 import shlex
 import sys
 from pathlib import Path
@@ -39,6 +41,8 @@ from tensorfleet.launch.config import is_job_file, job_config
 from tensorfleet.launch.supervisor import RESTART_MODES
 
 USAGE_ERROR = 2
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program stopped by Ctrl-C
+BROKEN_PIPE = 141  # 128 + SIGPIPE, what `yes | head -1` reports for yes
 GRPC_VERBOSITY = "GRPC_VERBOSITY"
 
 
@@ -88,6 +92,46 @@ def _port(text: str) -> int:
     return value
 
 
+_INTEGER = re.compile(r"[-+]?\d+")
+
+
+def _takes_value(action: argparse.Action, following: str | None) -> bool:
+    """Whether ``action`` (a flag not written as ``--flag=VALUE``) takes the token after it as its value.
+
+    An optional port (``--dashboard [PORT]``) takes it only when it is a number: in
+    ``--dashboard train.py`` the script stays the script.
+    """
+    if action.nargs == 0:
+        return False
+    if action.nargs != "?":
+        return True
+    if following is None:
+        return False
+    if action.type is _port:
+        return _INTEGER.fullmatch(following) is not None
+    return not following.startswith("-")
+
+
+def _bare_optional_flags(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> list[str]:
+    """``tokens`` (a command's own, before its SCRIPT) with each optional port that takes no value written
+    ``--flag=CONST``, so that argparse (which would take any next token) does not take the script."""
+    tokens = list(tokens)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("-"):
+            break  # SCRIPT: what follows is the script's, or misplaced flags (script_args says which)
+        action = parser._option_string_actions.get(token.split("=", 1)[0])
+        if action is None or "=" in token:
+            i += 1
+            continue
+        following = tokens[i + 1] if i + 1 < len(tokens) else None
+        if action.nargs == "?" and not _takes_value(action, following):
+            tokens[i] = f"{token}={action.const}"
+        i += 2 if _takes_value(action, following) else 1
+    return tokens
+
+
 def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
     run = commands.add_parser(
         "launch", help="start and supervise a local cluster of ps and worker processes running SCRIPT",
@@ -117,7 +161,8 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--logdir", metavar="DIR", help="per-task log files and events.jsonl (default: a new "
                      "temporary directory, printed at the end)")
     run.add_argument("--dashboard", type=_port, nargs="?", const=0, metavar="PORT",
-                     help="serve the live dashboard on 127.0.0.1:PORT (no PORT: a free port)")
+                     help="serve the live dashboard on 127.0.0.1:PORT (no PORT: a free port; PORT is taken only "
+                     "when it is a number: '--dashboard train.py' runs train.py)")
     run.add_argument("--port", type=_port, metavar="P", help="task ports P, P+1, ... (default: free ports)")
     run.add_argument("--name", help="the job's name in the views (default: the script's name)")
     run.add_argument("--progress-every", dest="progress_every", type=float,
@@ -126,9 +171,11 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
                      "seconds (default 10; on a terminal it stays at the bottom)")
     run.add_argument("--dry-run", dest="dry_run", action="store_true",
                      help="print the tasks, ports and environment that would start, and start nothing")
-    run.add_argument("target", metavar="SCRIPT|JOBFILE", help="the training script, or a .yaml/.toml job file")
+    # Optional for argparse so that a missing one is our message (main says what to give, with the usage line).
+    run.add_argument("target", nargs="?", metavar="SCRIPT|JOBFILE",
+                     help="the training script, or a .yaml/.toml job file")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS",
-                     help="arguments for SCRIPT, after '--'")
+                     help="arguments for SCRIPT, after '--'").required = False  # none is fine
 
 
 def _add_dashboard_parser(commands: argparse._SubParsersAction) -> None:
@@ -220,9 +267,8 @@ def split_after_target(parser: argparse.ArgumentParser, tokens: Sequence[str]) -
             script.append(token)
             i += 1
             continue
-        takes = 0 if "=" in token or action.nargs == 0 else 1
-        if action.nargs == "?" and (i + 1 >= len(tokens) or tokens[i + 1].startswith("-")):
-            takes = 0
+        following = tokens[i + 1] if i + 1 < len(tokens) else None
+        takes = 0 if "=" in token or not _takes_value(action, following) else 1
         misplaced += tokens[i:i + 1 + takes]
         i += 1 + takes
     return misplaced, script
@@ -255,7 +301,7 @@ def _unknown_flags(parser: _Parser, extras: Sequence[str]) -> NoReturn:
 
 
 def _launch(args: argparse.Namespace, extra: list[str], task_grpc_verbosity: str) -> int:
-    from tensorfleet.launch.local import launch  # the launcher's imports are only paid for by this command
+    from tensorfleet.launch.local import launch, usable_cores  # the launcher's imports: paid by this command only
     flags = {name: getattr(args, name) for name in ("ps", "workers", "gpus_per_worker", "mode", "restart",
                                                     "max_restarts", "restart_backoff", "logdir", "dashboard",
                                                     "port", "name")}
@@ -267,7 +313,16 @@ def _launch(args: argparse.Namespace, extra: list[str], task_grpc_verbosity: str
         config = job_config(None, args.target, {**flags, "args": extra})
     # The tasks' gRPC errors are worth keeping: the launcher routes them to the task's log file.
     config.env.setdefault(GRPC_VERBOSITY, task_grpc_verbosity)
+    _warn_if_oversubscribed(config.ps + config.workers, usable_cores())
     return launch(config, dry_run=args.dry_run, progress_every_s=args.progress_every)
+
+
+def _warn_if_oversubscribed(tasks: int, cores: int) -> None:
+    """Say once that more tasks than cores will be slow (they share the cores); it runs anyway: a small test
+    fleet on a laptop is a fine thing to start."""
+    if tasks > cores:
+        print(f"tensorfleet launch: warning: {tasks} tasks (ps + workers) on {cores} core(s): they will share "
+              f"the cores and the job will be slow; starting it anyway", file=sys.stderr, flush=True)
 
 
 def _dashboard(args: argparse.Namespace) -> int:
@@ -276,7 +331,46 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None, commands: Mapping[str, Command] | None = None) -> int:
-    """Run ``tensorfleet ARGV``; ``commands`` adds commands of the layers above (see ``Command``)."""
+    """Run ``tensorfleet ARGV``; ``commands`` adds commands of the layers above (see ``Command``).
+
+    Every command ends quietly when the user stops it or stops reading: Ctrl-C is exit 130 with one line,
+    a closed pipe (``tensorfleet jobs ls | head -1``) exit 141 (as if killed by SIGPIPE), never a traceback.
+    """
+    try:
+        try:
+            return _main(argv, commands)
+        finally:  # --help and usage errors too: flushed here, not at exit, a closed pipe is caught below
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        _say_on_stderr("tensorfleet: interrupted\n")
+        return INTERRUPTED
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # a socket's peer went away: a real error, not the reader of our output
+        # Whatever is still buffered would fail again at exit ("Exception ignored ..."): send it nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe (or socket) whose reading end is closed: poll says POLLERR for it."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no real file behind sys.stdout
+        return False
+
+
+def _say_on_stderr(text: str) -> None:
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed too: nothing to say it on
+        pass
+
+
+def _main(argv: Sequence[str] | None, commands: Mapping[str, Command] | None) -> int:
     task_grpc_verbosity = os.environ.get(GRPC_VERBOSITY, "ERROR")
     # This process's own gRPC (the monitor's Status calls) says nothing on the console: a task that went
     # away makes its C core log "Got goaway" at error level, unprefixed, between the task lines.
@@ -287,11 +381,16 @@ def main(argv: Sequence[str] | None = None, commands: Mapping[str, Command] | No
     cut = argv.index("--") if "--" in argv else len(argv)
     head, after_separator = argv[:cut], argv[cut + 1:]
     parser = build_parser(commands)
-    args, extras = parser.parse_known_args(head)
+    parsed = head
+    if head[:1] == ["launch"]:  # '--dashboard train.py': the script is not the dashboard's port
+        parsed = head[:1] + _bare_optional_flags(subcommand_parser(parser, "launch"), head[1:])
+    args, extras = parser.parse_known_args(parsed)
     path = [args.command] + ([args.k8s_command] if args.command == "k8s" else [])
     command = subcommand_parser(parser, *path)
     if extras:
         _unknown_flags(command, extras)
+    if args.command == "launch" and args.target is None:
+        command.error(f"a SCRIPT or a job file (job.yaml / job.toml) is needed; usage: {command.usage}")
     try:
         if commands and args.command in commands:
             return commands[args.command][1](args)

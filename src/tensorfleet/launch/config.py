@@ -11,6 +11,7 @@ A job file has the launch flags as fields (dashes or underscores alike)::
     restart: on-failure                         restart = "on-failure"
     max_restarts: 3                             max_restarts = 3
     logdir: runs/mnist                          logdir = "runs/mnist"
+    dashboard: true                             dashboard = true             # a free port; or a port: 8080
     env: {OMP_NUM_THREADS: "1"}                 env = { OMP_NUM_THREADS = "1" }
 
 A flag on the command line wins over a ``TENSORFLEET_*`` variable, which wins over
@@ -83,6 +84,8 @@ class JobConfig:
         if self.restart not in RESTART_MODES:
             raise ConfigError(f"restart {self.restart!r} is not valid: use one of {', '.join(RESTART_MODES)}")
         if self.dashboard is not None:
+            if isinstance(self.dashboard, bool) or not isinstance(self.dashboard, int):
+                raise ConfigError(f"dashboard must be a port (0..65535; 0 or true: a free one), got {self.dashboard!r}")
             _check_int("dashboard", self.dashboard, minimum=0, maximum=65535)
         if self.port is not None:
             _check_int("port", self.port, minimum=1, maximum=65535 - self.ps - self.workers)
@@ -134,6 +137,8 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
     if isinstance(fields.get("args"), list):  # numbers in a YAML list are meant as text: [--steps, 2000]
         fields["args"] = [str(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a
                           for a in fields["args"]]
+    if isinstance(fields.get("dashboard"), bool):  # 'dashboard: true' is the bare --dashboard: a free port
+        fields["dashboard"] = 0 if fields["dashboard"] else None
     if isinstance(fields.get("env"), dict):
         fields["env"] = {k: str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
                          for k, v in fields["env"].items()}
