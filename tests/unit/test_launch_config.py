@@ -60,6 +60,22 @@ def test_bad_job_files_say_what_is_wrong_and_what_is_valid(script, text, says):
     assert says in str(caught.value)
 
 
+@pytest.mark.parametrize("value, dashboard", [("true", 0), ("false", None), ("8080", 8080), ("0", 0)])
+def test_a_job_files_dashboard_is_true_for_a_free_port_or_a_port(script, value, dashboard):
+    """Issue 29: the bare '--dashboard' (a free port) has its job-file form, 'dashboard: true'."""
+    Path("job.yaml").write_text(f"script: train.py\ndashboard: {value}\n")
+    Path("job.toml").write_text(f'script = "train.py"\ndashboard = {value}\n')
+    assert job_config("job.yaml", None, NO_FLAGS, environ={}).dashboard == dashboard
+    assert job_config("job.toml", None, NO_FLAGS, environ={}).dashboard == dashboard
+
+
+def test_a_job_files_dashboard_that_is_neither_says_what_is_valid(script):
+    Path("job.yaml").write_text("script: train.py\ndashboard: somewhere\n")
+    with pytest.raises(ConfigError, match=r"dashboard must be a port \(0..65535; 0 or true: a free one\), "
+                                          r"got 'somewhere'"):
+        job_config("job.yaml", None, NO_FLAGS, environ={})
+
+
 def test_bad_environment_and_missing_job_file_are_config_errors(script):
     with pytest.raises(ConfigError, match="TENSORFLEET_WORKERS='many' must be an integer"):
         job_config(None, "train.py", NO_FLAGS, environ={"TENSORFLEET_WORKERS": "many"})
