@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 ShardCall = Callable[[], Any]
 Rows = Mapping[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (unique ids, one row gradient per id)
 STATUS_ATTEMPT_S = 2.0  # one Status attempt while waiting for a ps; then a fresh connection
+WAIT_SAY_S = 15.0  # while waiting for a ps to answer, say so this often (a silent wait looks like a hang)
 DONE_WAIT_S = 300.0  # how long a finished worker keeps telling a silent ps it is done
 PUSH_ATTEMPTS = 3  # a push whose connection broke is sent again (same sequence number) this many times in all
 
@@ -118,16 +119,24 @@ class PsClient:
     @staticmethod
     def _status_when_up(channel: Channel, deadline: float, timeout_s: float) -> dict[str, Any]:
         """Status, asked in short attempts: a call can ride a connection to a ps that just died (UNAVAILABLE
-        at once) or wait on one that never recovers, so each failed attempt starts a fresh connection."""
+        at once) or wait on one that never recovers, so each failed attempt starts a fresh connection.
+        Every ``WAIT_SAY_S`` the wait is logged: what it waits for, how long so far, and until when."""
+        started = time.monotonic()
+        next_say = started + WAIT_SAY_S
         while True:
             attempt_s = min(max(deadline - time.monotonic(), 0.1), STATUS_ATTEMPT_S)
             try:
                 return channel.call("Status", timeout=attempt_s, wait_for_ready=True)[0]
             except (DeadlineExceededError, UnavailableError):
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     raise DeadlineExceededError(
                         f"waited {timeout_s:.0f} s for ps {channel.task} at {channel.address} to start; "
                         "is it running? (start it with --job_name=ps, or use 'tensorfleet launch')") from None
+                if now >= next_say:
+                    log.warning("still waiting for ps %s at %s to answer (%.0f s so far; giving up after %.0f s): "
+                                "is it running?", channel.task, channel.address, now - started, timeout_s)
+                    next_say = now + WAIT_SAY_S
                 channel.reconnect()
                 time.sleep(0.05)
 
