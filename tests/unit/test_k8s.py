@@ -1,7 +1,9 @@
 """`tensorfleet k8s render`: the objects validate against the Kubernetes API schema and wire the fleet right."""
 
 import json
+import os
 import re
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -496,3 +498,55 @@ def test_a_named_token_secret_keeps_every_secret_out_of_the_output(tmp_path, cap
                      "train.py"]) == 0
     assert "holds the job's new token in the Secret 'tensorfleet-token'" in capsys.readouterr().err
     assert [d for d in yaml.safe_load_all(out.read_text()) if d["kind"] == "Secret"]
+
+
+# --- issue 29 ---------------------------------------------------------------------------------------------------
+
+def test_help_shows_no_empty_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["k8s", "render", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+    assert "default )" not in text
+    assert "(env TENSORFLEET_TOKEN_SECRET)" in text and "(env TENSORFLEET_PS, required)" in text
+    assert "(env TENSORFLEET_NAMESPACE, default default)" in text
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000], ids=["umask-022", "umask-000"])
+def test_an_output_holding_the_token_is_written_0600_atomically(tmp_path, umask, monkeypatch, capsys):
+    """The file appears by a rename of a complete 0600 file: at no moment can another user read the token."""
+    target = tmp_path / "fleet.yaml"
+    renames = []
+    real_replace = k8s.os.replace
+
+    def replace(source, destination):
+        renames.append((os.stat(source).st_mode & 0o777, Path(destination).exists(), Path(source).read_text()))
+        real_replace(source, destination)
+
+    monkeypatch.setattr(k8s.os, "replace", replace)
+    previous = os.umask(umask)
+    try:
+        assert main(RENDER + ["-o", str(target), "train.py"]) == 0
+    finally:
+        os.umask(previous)
+    written = target.read_text()
+    assert renames == [(0o600, False, written)] and HEX_TOKEN.search(written)
+    assert target.stat().st_mode & 0o777 == 0o600
+    assert os.listdir(tmp_path) == ["fleet.yaml"]  # no temporary file left
+
+
+def test_an_existing_readable_output_becomes_0600(tmp_path, capsys):
+    target = tmp_path / "fleet.yaml"
+    target.write_text("old\n")
+    target.chmod(0o644)
+    assert main(RENDER + ["-o", str(target), "train.py"]) == 0
+    assert target.stat().st_mode & 0o777 == 0o600 and "kind: Secret" in target.read_text()
+
+
+def test_an_output_without_the_token_keeps_the_usual_mode(tmp_path, capsys):
+    target = tmp_path / "fleet.yaml"
+    previous = os.umask(0o022)
+    try:
+        assert main(RENDER + ["--token-secret", "my-token", "-o", str(target), "train.py"]) == 0
+    finally:
+        os.umask(previous)
+    assert target.stat().st_mode & 0o777 == 0o644 and "kind: Secret" not in target.read_text()

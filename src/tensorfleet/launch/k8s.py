@@ -35,10 +35,13 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import yaml
@@ -308,19 +311,20 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     k8s = subcommands.add_parser("k8s", help="render Kubernetes manifests for a training fleet")
     actions = k8s.add_subparsers(dest="k8s_command", required=True, metavar="ACTION")
     render = actions.add_parser(
-        "render", usage="tensorfleet k8s render [FLAGS] SCRIPT [-- SCRIPT_ARGS ...]", help="write a token Secret, Services and Jobs (or a TFJob) running SCRIPT as YAML",
+        "render", usage="tensorfleet k8s render [FLAGS] SCRIPT [-- SCRIPT_ARGS ...]",
+        help="write a token Secret, Services and Jobs (or a TFJob) running SCRIPT as YAML",
         description="Write the Kubernetes objects of a fleet of N ps and M workers, each running SCRIPT (a path "
                     "inside IMG) with its own TF_CONFIG. Arguments after '--' go to SCRIPT. Nothing is sent "
                     "to a cluster: apply the output with 'kubectl apply -f'.",
         epilog="example: tensorfleet k8s render --ps 2 --workers 4 --image repo/train:1 train.py -- --steps 1000 "
                "> fleet.yaml && kubectl apply -f fleet.yaml")
     for flag, env, convert, default, metavar, text in _OPTIONS:
-        shown = "required" if default is None else f"default {default}"
-        render.add_argument(flag, type=convert, default=None, metavar=metavar, help=f"{text} (env {env}, {shown})")
+        shown = ", required" if default is None else f", default {default}" if default != "" else ""
+        render.add_argument(flag, type=convert, default=None, metavar=metavar, help=f"{text} (env {env}{shown})")
     render.add_argument("-o", "--output", default=None, metavar="FILE", help="write to FILE instead of stdout")
     render.add_argument("script", metavar="SCRIPT", help="the training script every task runs, a path inside IMG")
     render.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS",
-                        help="arguments for SCRIPT, after '--'")
+                        help="arguments for SCRIPT, after '--'").required = False  # none is fine
 
 
 def _resolve(args: argparse.Namespace) -> dict[str, Any]:
@@ -367,9 +371,32 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         return 0
     try:
-        with open(args.output, "w", encoding="utf-8") as out:
-            out.write(text)
+        write_file(args.output, text, private=job.token_secret is None)
     except OSError as exc:
         print(f"tensorfleet k8s render: error: cannot write {args.output!r}: {exc.strerror}", file=sys.stderr)
         return 1
     return 0
+
+
+def write_file(path: str | Path, text: str, *, private: bool) -> None:
+    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, renamed over it.
+
+    ``private`` (the output holds the token): mode 0600 from the first byte on, never readable by others
+    in between; otherwise the usual mode (0666 less the umask), as ``open`` would give.
+    """
+    path = Path(path)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            if not private:
+                umask = os.umask(0)
+                os.umask(umask)
+                os.fchmod(out.fileno(), 0o666 & ~umask)
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
