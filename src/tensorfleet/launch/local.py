@@ -162,6 +162,8 @@ class LocalLauncher:
         self._terminated: set[str] = set()  # leavers that outstayed LEAVE_TIMEOUT_S and were sent SIGTERM
         self._ps_knows: dict[str, int] = {}  # ps task -> the worker count its incarnation started with or was told
         self._resize_after = 0.0  # no Resize before this (monotonic): the last one failed
+        self.started_with: dict[str, dict[str, str]] = {}  # task -> the variables its current process started with
+        self.spawns = 0  # processes started so far (restarts and scaled-up workers included)
 
     # --- what each task gets --------------------------------------------------------------------
 
@@ -223,6 +225,8 @@ class LocalLauncher:
         process = subprocess.Popen(with_launcher_death(self.command), env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.processes[record.name] = process
+        self.started_with[record.name] = self.task_env(task)  # a later scale changes TF_CONFIG, not this process's
+        self.spawns += 1
         self.supervisor.started(record.name, process.pid)
         self.output.started(record.name)
         log = self._open_log(record)

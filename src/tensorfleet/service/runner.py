@@ -8,8 +8,9 @@ dies, stop them all) plus what the service needs from outside the process:
   outcome is recorded even while the service is down, and a restarted service re-attaches by pid;
 * it says when it is ready for signals (``READY_FILE``): the service signals a stop only then (before,
   the stop request in the store is what the runner reads as it starts);
-* every second it leaves the dashboard's picture in ``JOBDIR/picture.json`` and each task's command and
-  environment in ``JOBDIR/tasks.json`` (the job page reads both), counts task restarts into the store,
+* every second it leaves the dashboard's picture in ``JOBDIR/picture.json``, and in ``JOBDIR/tasks.json``
+  every task the job has had, with the command and environment its process started with and whether a
+  scale-down removed it (the job page reads both), counts task restarts into the store,
   and acts on what users asked through the store: a stop request, a new worker count.
 
 Killing the service leaves runners running. Killing a runner kills its tasks (they die with their
@@ -76,7 +77,7 @@ class JobRunner:
         self._last_tick = 0.0
         self._restarts_counted = 0
         self._workers_target = self.job.workers_target
-        self._tasks_written = 0
+        self._tasks_written: tuple[int, int] | None = None  # (processes started, tasks in the fleet) then
 
     def wait_until_claimed(self) -> bool:
         """Wait for the service to record this process as the job's runner; False if it never does."""
@@ -125,7 +126,7 @@ class JobRunner:
         if not force and now - self._last_tick < TICK_S:
             return
         self._last_tick = now
-        if len(launcher.tasks) != self._tasks_written:  # before the picture: a task shown there is listed
+        if self._tasks_key(launcher) != self._tasks_written:  # before the picture: a task shown there is listed
             self._write_tasks(launcher)
         write_json(self.jobdir / PICTURE_FILE, launcher.monitor.picture())
         restarts = [e for e in launcher.supervisor.events if e["event"] == "exited" and "restart" in e]
@@ -145,15 +146,23 @@ class JobRunner:
                 self.store.add_event(self.job_id, "scale-refused", str(exc))
 
     def _write_tasks(self, launcher: LocalLauncher) -> None:
-        from tensorfleet.launch.monitor import task_role
+        """Every task the job has had: its current process's command and environment (as it was started: a
+        scale changes the cluster, not what a running task was given), and ``removed`` once scaled away."""
         from tensorfleet.wire import auth
+        current = {task.short for task in launcher.tasks}
         tasks = []
-        for task in launcher.tasks:
-            env = {k: v for k, v in launcher.task_env(task).items() if k != auth.TOKEN_ENV}
-            tasks.append({"name": task.short, "role": task_role(launcher.cluster, task),
-                          "command": launcher.command, "env": env})
+        for record in launcher.supervisor.records:
+            env = launcher.started_with.get(record.name) or launcher.task_env(record.task)  # not started yet
+            tasks.append({"name": record.name, "role": record.role, "command": launcher.command,
+                          "env": {k: v for k, v in env.items() if k != auth.TOKEN_ENV},
+                          "removed": record.name not in current})
         write_json(self.jobdir / TASKS_FILE, tasks)
-        self._tasks_written = len(launcher.tasks)
+        self._tasks_written = self._tasks_key(launcher)
+
+    @staticmethod
+    def _tasks_key(launcher: LocalLauncher) -> tuple[int, int]:
+        """What changes when tasks.json must: a process started (new env), or the fleet grew or shrank."""
+        return launcher.spawns, len(launcher.tasks)
 
     # --- the end ------------------------------------------------------------------------------
 
