@@ -131,3 +131,51 @@ def test_a_damaged_header_is_one_line(checkpoint_dir, capsys):
     assert cli(["ckpt", "show", str(path)]) == 1
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and f"{path} is not a readable checkpoint" in err, err
+
+
+# --- issue 29 ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, says", [
+    ("missing", "checkpoint directory {path} does not exist"),
+    ("file", "{path} is not a directory: 'ckpt ls' lists the checkpoints of a directory"),
+])
+def test_ls_of_a_path_that_is_no_directory_is_an_error_not_an_empty_list(tmp_path, kind, says, capsys):
+    path = tmp_path / "runs" / "mnsit" if kind == "missing" else tmp_path / "model.ckpt-1.safetensors"
+    if kind == "file":
+        path.write_bytes(b"")
+    assert cli(["ckpt", "ls", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("tensorfleet ckpt: error: ") and says.format(path=path) in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert cli(["ckpt", "ls", str(tmp_path)]) == 0  # a directory without checkpoints is an answer: none
+    assert capsys.readouterr().out == f"{tmp_path}: no checkpoint\n"
+
+
+@pytest.mark.parametrize("deltas, listed", [  # the chain: a full checkpoint and its deltas
+    (2, "removed 3 file(s): model.ckpt-10.safetensors, model.ckpt-20.delta.safetensors, "
+        "model.ckpt-30.delta.safetensors"),
+    (200, "removed 201 file(s): model.ckpt-10.safetensors, ... (199 more), model.ckpt-2010.delta.safetensors"),
+])
+def test_compact_says_what_it_did_in_two_short_lines(tmp_path, monkeypatch, deltas, listed, capsys):
+    """Issue 29: a chain of hundreds of deltas was one line of every name (~3 KB): now a count and its ends.
+    (The chain and its compaction are stood in for here; test_delta_checkpoints compacts a real one.)"""
+    from tensorfleet.train import checkpoint
+    files = [tmp_path / f"model.ckpt-{10 * (i + 1)}{'.delta' if i else ''}.safetensors" for i in range(deltas + 1)]
+    for path in files:
+        path.write_bytes(b"x" * 1000)
+    (tmp_path / "checkpoint.json").write_text(json.dumps({"latest": files[-1].name, "all": [files[-1].name]}))
+    written = tmp_path / f"model.ckpt-{10 * (deltas + 1)}.safetensors"
+
+    def compact_latest(directory):
+        for path in files:
+            path.unlink()
+        written.write_bytes(b"x" * 1500)
+        return written
+
+    monkeypatch.setattr(checkpoint, "chain", lambda latest: files if latest == files[-1] else [latest])
+    monkeypatch.setattr(checkpoint, "compact_latest", compact_latest)
+    assert cli(["ckpt", "compact", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    summed = ckpt._size(1000 * (deltas + 1))
+    assert lines == [f"wrote {written.name} (1.5 KB), the sum of {deltas + 1} files ({summed})", listed]
+    assert all(len(line) <= 120 for line in lines)

@@ -48,6 +48,10 @@ class CheckpointInfo:
 def list_text(directory: str | Path) -> str:
     """One line per checkpoint, oldest first: name, global step, size, when saved; the latest is marked."""
     directory = Path(directory)
+    if not directory.is_dir():  # a typo must not read as "no checkpoint yet" (exit 0)
+        raise DataError(f"checkpoint directory {directory} does not exist" if not directory.exists() else
+                        f"{directory} is not a directory: 'ckpt ls' lists the checkpoints of a directory "
+                        "('ckpt show FILE' describes one file)")
     manifest = read_manifest(directory)
     names, latest = manifest.get("all", []), manifest.get("latest")
     if not names:
@@ -144,7 +148,8 @@ def read(path: str | Path) -> CheckpointInfo:
 
 def compact(directory: str | Path) -> str:
     """Replace the latest checkpoint's chain (a full checkpoint and its deltas) with one full checkpoint equal
-    to it; the chain's files go. Run it where no job is saving. Returns what was done, in a line."""
+    to it; the chain's files go. Run it where no job is saving. Returns what was done, in a few short lines
+    (a chain of hundreds of deltas is a count and its ends, not every name)."""
     from tensorfleet.train.checkpoint import chain, compact_latest  # torch, only for this command
     directory = Path(directory)
     latest = _latest(directory)
@@ -153,8 +158,16 @@ def compact(directory: str | Path) -> str:
         return f"{latest.name} is a full checkpoint already: nothing to compact"
     before = sum(f.stat().st_size for f in files)
     written = compact_latest(directory)
+    removed = [f.name for f in files if f != written]
     return (f"wrote {written.name} ({_size(written.stat().st_size)}), the sum of {len(files)} files "
-            f"({_size(before)}); removed {', '.join(f.name for f in files if f != written)}")
+            f"({_size(before)})\nremoved {len(removed)} file(s): {_names(removed)}")
+
+
+def _names(names: list[str]) -> str:
+    """Up to three ``names`` joined; more: the first and the last around a count of the others."""
+    if len(names) <= 3:
+        return ", ".join(names)
+    return f"{names[0]}, ... ({len(names) - 2} more), {names[-1]}"
 
 
 def _latest(directory: Path) -> Path:
