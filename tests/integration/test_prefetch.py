@@ -8,6 +8,7 @@ from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import InvalidArgumentError, UnavailableError
 from tensorfleet.ps.api import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
+from tensorfleet.worker.embedding import EmbeddingTable
 from tensorfleet.worker.replica import Replica
 
 STEPS = 6
@@ -80,3 +81,55 @@ def test_an_error_of_the_push_in_flight_is_raised_by_the_next_call():
             assert replica.settle() == 1  # raised once; nothing is in flight any more
         finally:
             replica.client.close()
+
+
+# --- Replica.prefetch_rows: the tables' rows of a batch in one request per shard (issue 29: keyed by table) ------
+
+class TwoTables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = EmbeddingTable("user", 4, optimizer=OptimizerSpec("sgd", {"lr": 0.1}))
+        self.item = EmbeddingTable("item", 4, optimizer=OptimizerSpec("sgd", {"lr": 0.1}))
+
+
+def counted_lookups(replica: Replica) -> list[str]:
+    """The data-plane calls of ``replica`` from now on, by method name."""
+    calls: list[str] = []
+    for data in replica.client.data:
+        call = data.call
+        data.call = lambda method, *a, _call=call, **k: (calls.append(method), _call(method, *a, **k))[1]
+    return calls
+
+
+def test_prefetch_rows_takes_the_tables_themselves_as_well_as_their_names():
+    users, items = torch.arange(20), torch.arange(100, 120)  # ids on both shards
+    with ps_servers(num_ps=2, num_workers=1) as (cluster, _):
+        model = TwoTables()
+        with Replica(model, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1)) as replica:
+            calls = counted_lookups(replica)
+            expected = (model.user(users).detach(), model.item(items).detach())
+            assert calls.count("Lookup") == 4  # without prefetch_rows: each table asks each shard
+            for keys in ((model.user, model.item), ("user", "item"), (model.user, "item")):
+                calls.clear()
+                replica.prefetch_rows(dict(zip(keys, (users, items))))
+                got = (model.user(users).detach(), model.item(items).detach())
+                assert calls.count("Lookup") == 2, keys  # one request per shard for both tables
+                assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize("key, says", [
+    ("users", r"prefetch_rows: 'users' is not one of this model's EmbeddingTables: give the table itself or its "
+              r"name, one of \['item', 'user'\]"),
+    ("foreign", r"prefetch_rows: EmbeddingTable 'user' is not one of this model's EmbeddingTables"),
+    (7, r"prefetch_rows: 7 is not one of this model's EmbeddingTables"),
+])
+def test_prefetch_rows_of_a_table_the_model_does_not_have_names_it(key, says):
+    with ps_servers(num_ps=1, num_workers=1) as (cluster, _):
+        model = TwoTables()
+        with Replica(model, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1)) as replica:
+            key = EmbeddingTable("user", 4) if key == "foreign" else key  # another module of the same name
+            with pytest.raises(InvalidArgumentError, match=says) as caught:
+                replica.prefetch_rows({key: torch.arange(3)})
+            assert "EmbeddingTable(" not in str(caught.value)  # the key's name, not the module's repr
+            with pytest.raises(InvalidArgumentError, match="the table 'user' is given twice"):
+                replica.prefetch_rows({model.user: torch.arange(3), "user": torch.arange(3)})

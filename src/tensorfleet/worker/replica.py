@@ -314,21 +314,32 @@ class Replica:
         self.global_step, self._shard_steps = pulled.global_step, pulled.shard_steps
         return self.global_step
 
-    def prefetch_rows(self, ids: Mapping[str, torch.Tensor]) -> None:
+    def prefetch_rows(self, ids: Mapping[Any, torch.Tensor]) -> None:
         """Start fetching the rows of several embedding tables at once: one request per ps shard for all of
         them, instead of one per table as each table's forward would ask. Returns at once; the next forward
         of each named table with exactly these ids (any shape, duplicates and order as they come) waits for
         them instead of asking.
 
+        ``ids`` maps each table to its batch's ids; a table is given by its name (``{"user": ids}``) or as
+        the model's ``EmbeddingTable`` itself (``{model.user: ids}``), whichever the loop has at hand.
+
         Call it with the batch about to run, before the forward. In async mode it may also be called with
         the *next* batch while this one computes (its rows are then one update older, as with prefetch);
         in sync mode rows fetched before the step's push are those of the previous step.
         """
-        unknown = sorted(set(ids) - set(self.tables))
-        if unknown:
-            raise InvalidArgumentError(f"prefetch_rows: no EmbeddingTable named {unknown}; the model has "
-                                       f"{sorted(self.tables)}")
-        unique = {name: torch.unique(table_ids.reshape(-1).to(torch.int64)) for name, table_ids in ids.items()}
+        by_name: dict[str, torch.Tensor] = {}
+        for key, table_ids in ids.items():
+            name = key if isinstance(key, str) else getattr(key, "name", None)
+            table = self.tables.get(name) if isinstance(name, str) else None
+            if table is None or not isinstance(key, str) and table is not key:
+                shown = f"{type(key).__name__} {name!r}" if isinstance(name, str) and key is not name else repr(key)
+                raise InvalidArgumentError(f"prefetch_rows: {shown} is not one of this model's EmbeddingTables: "
+                                           f"give the table itself or its name, one of {sorted(self.tables)}")
+            if name in by_name:
+                raise InvalidArgumentError(f"prefetch_rows: the table {name!r} is given twice (as itself and by "
+                                           "its name)")
+            by_name[name] = table_ids
+        unique = {name: torch.unique(table_ids.reshape(-1).to(torch.int64)) for name, table_ids in by_name.items()}
         for name, table_ids in unique.items():
             self.tables[name].check_ids(table_ids)
         rows = functools.cache(self.client.lookup_async(unique).result)  # assembled once, for every table
