@@ -125,10 +125,10 @@ def _bare_optional_flags(parser: argparse.ArgumentParser, tokens: Sequence[str])
         if action is None or "=" in token:
             i += 1
             continue
-        following = tokens[i + 1] if i + 1 < len(tokens) else None
-        if action.nargs == "?" and not _takes_value(action, following):
+        takes = _takes_value(action, tokens[i + 1] if i + 1 < len(tokens) else None)
+        if action.nargs == "?" and not takes:
             tokens[i] = f"{token}={action.const}"
-        i += 2 if _takes_value(action, following) else 1
+        i += 2 if takes else 1
     return tokens
 
 
