@@ -35,7 +35,7 @@ def guarded():
 @pytest.mark.parametrize("token", [None, "wrong", TOKEN[:-1]])
 def test_grpc_calls_without_the_right_token_are_refused_and_counted(guarded, token):
     cluster, server, _ = guarded
-    stranger = Channel(cluster.ps_addresses[0], task="ps:0", options=WireOptions(token=token))
+    stranger = Channel(cluster.ps_addresses[0], task="/job:ps/task:0", options=WireOptions(token=token))
     try:
         with pytest.raises(UnauthenticatedError, match="refuses calls without the job's token"):
             stranger.call("Init", {"optimizer": {"name": "sgd", "options": {"lr": 9.0}}}, {"w": torch.zeros(2, 3)},
@@ -48,14 +48,16 @@ def test_grpc_calls_without_the_right_token_are_refused_and_counted(guarded, tok
     assert torch.equal(server.store.read()[0]["w"], VALUES["w"])
 
 
-@pytest.mark.parametrize("token", [None, "wrong"])
-def test_data_connections_without_the_right_token_are_refused_closed_and_change_nothing(guarded, token):
+@pytest.mark.parametrize("token, refusal", [
+    (None, "refuses data connections without the job's token"),  # the server's word
+    ("wrong", "did not prove it is /job:ps/task:0 of this job")])  # ours: the task failed our check first
+def test_data_connections_without_the_right_token_are_refused_closed_and_change_nothing(guarded, token, refusal):
     _, server, client = guarded
     port = client.wait_for_shards(10)[0]["data_port"]
-    channel = DataChannel(task="ps:0", options=WireOptions(token=token))
+    channel = DataChannel(task="/job:ps/task:0", options=WireOptions(token=token))
     channel.set_address("127.0.0.1", port)
     try:
-        with pytest.raises(UnauthenticatedError, match="refuses data connections without the job's token"):
+        with pytest.raises(UnauthenticatedError, match=refusal):
             channel.call("Push", {"advance_step": True}, {"w": torch.ones(2, 3)})
     finally:
         channel.close()

@@ -199,7 +199,7 @@ def _echo_server(options: WireOptions) -> DataServer:
 
 
 def _channel(server: DataServer, options: WireOptions) -> DataChannel:
-    channel = DataChannel(task="echo", options=options)
+    channel = DataChannel(task=server.task, options=options)  # the proofs name the task the server is
     channel.set_address("127.0.0.1", server.port)
     return channel
 

@@ -59,7 +59,7 @@ class Server:
         self.store = VariableStore(task=self.task.name, replica_names=[r.name for r in replicas],
                                    shard=(task_index, len(cluster.ps_addresses)), memory_budget=memory_budget)
         self.service = PsService(self.store, num_workers=len(replicas))
-        gate = self.service.gate = auth.Gate(options.token)  # one count of refusals for both planes
+        gate = self.service.gate = auth.Gate(options.token, self.task.name)  # one count for both planes
         self._data = DataServer(parse_address(address)[0], self.service.data_methods(), task=self.task.name,
                                 options=options, gate=gate)
         self.service.data_port = self._data.port

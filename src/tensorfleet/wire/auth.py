@@ -6,19 +6,25 @@ show it; ``TENSORFLEET_TOKEN_FILE`` names a file holding it instead (a Kubernete
 Secret mounted as a file, say).  A task with no token configured accepts every
 call, as a cluster started by hand on a trusted machine does; with one, every gRPC call
 carries a proof in its metadata (``call_proof``: an HMAC under the token of the method, the
-time and a fresh nonce; accepted within ``CALL_WINDOW_S`` of the task's clock, each nonce once)
-and each data-plane connection must open with a
-challenge and response (``Hello``, ``Prove``) that proves the token on both sides without
-sending it: each side sends a random nonce and answers with an HMAC of both nonces under the
-token (``proof``), so a listener on the path, or a task that is not the job's, learns nothing
-it could replay.  Comparisons take constant time; refusals are counted.
+task it is for, the time, a fresh nonce and a digest of the request; accepted within
+``CALL_WINDOW_S`` of the task's clock, each nonce once, by that task only, for that request only)
+and each data-plane connection must open with a challenge and response (``Hello``, ``Prove``) that
+proves the token on both sides without sending it: each side sends a random nonce and answers with
+an HMAC under the token of its direction, the task the connection is for, and both nonces
+(``proof``), so a listener on the path, or a task that is not the job's, learns nothing it could
+replay, and a proof made for one task (or one direction) opens nothing at another: a process that
+took a dead task's port cannot relay a live task's proofs. A client checks the server's proof
+first and never proves itself to a server that failed it.  Comparisons take constant time;
+refusals are counted, malformed proofs included.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import hmac
 import os
+import re
 import secrets
 import threading
 import time
@@ -45,19 +51,37 @@ def is_nonce(value: object) -> bool:
     return isinstance(value, str) and len(value) == NONCE_CHARS and all(c in "0123456789abcdef" for c in value)
 
 
-def proof(token: str, role: str, first: str, second: str) -> str:
-    """HMAC-SHA256 under the token of (role, both nonces): what a side sends instead of the token.
+# A call proof: <unix time>.<nonce>.<request digest>.<HMAC>, ASCII only (str.isdigit takes '²' for a digit).
+_CALL_PROOF = re.compile(r"([0-9]{1,12})\.([0-9a-f]{%d})\.([0-9a-f]{64})\.([0-9a-f]{64})" % NONCE_CHARS)
 
-    ``role`` ("server" or "client") keeps one side's proof from being replayed as the other's.
+
+def proof(token: str, role: str, task: str, first: str, second: str) -> str:
+    """HMAC-SHA256 under the token of (role, task, both nonces): what a side sends instead of the token.
+
+    ``role`` ("server", "client" or "call") keeps one direction's proof from being replayed as the
+    other's; ``task`` (the full name of the task the connection or call is for, ``/job:ps/task:1``)
+    keeps a proof made for one task from opening anything at another.
     """
-    message = f"tensorfleet-hello/{role}/{first}/{second}".encode()
+    message = f"tensorfleet-hello/{role}/{task}/{first}/{second}".encode()
     return hmac.new(token.encode(), message, "sha256").hexdigest()
 
 
-def call_proof(token: str, method: str, *, now: float | None = None) -> str:
-    """What a gRPC call carries instead of the token: ``<unix time>.<nonce>.<HMAC of method, time, nonce>``."""
-    stamp, nonce = int(time.time() if now is None else now), new_nonce()
-    return f"{stamp}.{nonce}.{proof(token, 'call', method, f'{stamp}/{nonce}')}"
+def request_digest(request: bytes) -> str:
+    """SHA-256 of a gRPC request's bytes: a call proof covers the request it came with, not any other."""
+    return hashlib.sha256(request).hexdigest()
+
+
+def call_proof(token: str, method: str, task: str, request: bytes, *, now: float | None = None) -> str:
+    """What a gRPC call to ``task`` carries instead of the token: ``<unix time>.<nonce>.<request digest>.<HMAC
+    of method, task, time, nonce and digest>``."""
+    stamp, nonce, digest = int(time.time() if now is None else now), new_nonce(), request_digest(request)
+    return f"{stamp}.{nonce}.{digest}.{proof(token, 'call', task, method, f'{stamp}/{nonce}/{digest}')}"
+
+
+def call_digest(presented: object) -> str | None:
+    """The request digest a well-formed call proof names (None for anything else)."""
+    match = _CALL_PROOF.fullmatch(presented) if isinstance(presented, str) else None
+    return match.group(3) if match else None
 
 
 def new_token() -> str:
@@ -83,9 +107,15 @@ def job_token(environ: Mapping[str, str] = os.environ) -> str | None:
 
 
 class Gate:
-    """A server's check of the token: ``admits(presented)``, with a count of refusals."""
+    """A task's check of the token: ``admits(presented)``, with a count of refusals.
 
-    def __init__(self, token: str | None) -> None:
+    Args:
+        token: the job's token; None: no check (a cluster by hand on a trusted machine).
+        task: the full name of the task this gate guards (``/job:ps/task:0``): proofs are bound to it.
+    """
+
+    def __init__(self, token: str | None, task: str = "") -> None:
+        self.task = task
         self._token = token.encode() if token else None
         self._lock = threading.Lock()
         self.refused = 0
@@ -96,29 +126,36 @@ class Gate:
         return self._token is not None
 
     def proof(self, role: str, first: str, second: str) -> str:
-        """This side's proof (see ``proof``); only for a gate that requires a token."""
+        """This task's proof (see ``proof``), bound to its own name; only for a gate that requires a token."""
         assert self._token is not None
-        return proof(self._token.decode(), role, first, second)
+        return proof(self._token.decode(), role, self.task, first, second)
 
     def admits_proof(self, presented: object, role: str, first: str, second: str) -> bool:
-        """True if ``presented`` is the proof of (role, first, second) under the token; else a counted refusal."""
-        if self._token is not None and isinstance(presented, str) \
+        """True if ``presented`` is the proof of (role, this task, first, second) under the token; else a counted
+        refusal."""
+        if self._token is not None and isinstance(presented, str) and presented.isascii() \
                 and hmac.compare_digest(presented.encode(), self.proof(role, first, second).encode()):
             return True
-        with self._lock:
-            self.refused += 1
+        self.refuse()
         return False
 
+    def refuse(self) -> None:
+        """Count a refusal (a proof that failed, a request that is not the one its proof covers)."""
+        with self._lock:
+            self.refused += 1
+
     def admits_call(self, presented: object, method: str) -> bool:
-        """A gRPC call's proof (``call_proof``) for ``method``: right HMAC, within the window, nonce not seen
-        before. True when no token is required; anything else is a counted refusal."""
+        """A gRPC call's proof (``call_proof``) for ``method`` at this task: well formed, right HMAC, within the
+        window, nonce not seen before. True when no token is required; anything else is a counted refusal.
+        The request digest it names is checked against the request once it is read (``admits_request``)."""
         if self._token is None:
             return True
         now = time.time()
-        if isinstance(presented, str) and presented.count(".") == 2:
-            stamp, nonce, mac = presented.split(".")
-            if stamp.isdigit() and is_nonce(nonce) and abs(now - int(stamp)) <= CALL_WINDOW_S and hmac.compare_digest(
-                    mac.encode(), self.proof("call", method, f"{stamp}/{nonce}").encode()):
+        match = _CALL_PROOF.fullmatch(presented) if isinstance(presented, str) else None
+        if match is not None:
+            stamp, nonce, digest, mac = match.groups()
+            if abs(now - int(stamp)) <= CALL_WINDOW_S and hmac.compare_digest(
+                    mac.encode(), self.proof("call", method, f"{stamp}/{nonce}/{digest}").encode()):
                 with self._lock:
                     while self._seen and (len(self._seen) >= MAX_SEEN_NONCES
                                           or next(iter(self._seen.values())) < now - 2 * CALL_WINDOW_S):
@@ -126,8 +163,18 @@ class Gate:
                     if nonce not in self._seen:
                         self._seen[nonce] = now
                         return True
-        with self._lock:
-            self.refused += 1
+        self.refuse()
+        return False
+
+    def admits_request(self, presented: object, request: bytes) -> bool:
+        """True if the call proof ``presented`` (already admitted) names this request's digest, or no token is
+        required; else a counted refusal: a proof copied onto another request opens nothing."""
+        if self._token is None:
+            return True
+        digest = call_digest(presented)
+        if digest is not None and hmac.compare_digest(digest, request_digest(request)):
+            return True
+        self.refuse()
         return False
 
     def admits(self, presented: object) -> bool:
@@ -138,6 +185,5 @@ class Gate:
             presented = presented.encode()
         if isinstance(presented, bytes) and hmac.compare_digest(presented, self._token):
             return True
-        with self._lock:
-            self.refused += 1
+        self.refuse()
         return False

@@ -189,7 +189,7 @@ class DataServer:
     Args:
         host: the address to bind, the task's host from the cluster spec.
         methods: method name -> function of a ``Request`` returning a ``Reply``.
-        task: this task's name, for messages.
+        task: this task's full name (``/job:ps/task:0``): for messages, and what the Hello's proofs are bound to.
         options: message size limit.
     """
 
@@ -197,7 +197,9 @@ class DataServer:
                  options: WireOptions | None = None, port: int = 0, gate: auth.Gate | None = None) -> None:
         options = options or WireOptions()  # from the environment now, not when the module loaded
         self.methods, self.task, self.options = dict(methods), task, options
-        self.gate = gate if gate is not None else auth.Gate(options.token)
+        self.gate = gate if gate is not None else auth.Gate(options.token, task)
+        if self.gate.required and self.gate.task != task:
+            raise ValueError(f"the gate guards {self.gate.task!r}, not {task!r}: proofs are bound to the task's name")
         try:
             self._listener = socket.create_server((host, port), backlog=128)
         except OSError as exc:
@@ -372,7 +374,8 @@ class DataServer:
                                               "proof": self.gate.proof("server", client_nonce, server_nonce)})
                 head = reader.read_head(max_body_bytes=self.options.max_message_bytes,
                                         max_header_bytes=HELLO_HEADER_BYTES)
-                if head is None:
+                if head is None:  # it left without its proof: our proof failed its check (or it had none)
+                    self.gate.refuse()
                     return False
                 proven = head.kind == PROVE and not head.body_bytes and self.gate.admits_proof(
                     head.meta.get("proof"), "client", server_nonce, client_nonce)
@@ -754,8 +757,9 @@ class DataChannel:
         return segment
 
     def _say_hello(self) -> None:
-        """Prove the job's token without sending it (``auth.proof`` of both nonces), after checking the task's
-        proof: a task that does not hold the token learns nothing, and is not trusted with our requests."""
+        """Prove the job's token without sending it (``auth.proof`` of both nonces, bound to the task we meant to
+        reach), only after the task proved it holds the token *as that task*: a process on the task's port that
+        does not hold the token, or relays another task's answers, gets no proof of ours to relay in turn."""
         token, client_nonce = self.options.token, auth.new_nonce()
         frame.send_message(self._sock, HELLO, {"nonce": client_nonce})
         challenge, _ = self._read_reply(None).result(self.task)
@@ -763,16 +767,15 @@ class DataChannel:
         if not auth.is_nonce(server_nonce):
             raise errors.UnauthenticatedError("the task answered the Hello without a challenge: it is not a "
                                               "tensorfleet task of this version", task=self.task)
-        task_proven = hmac.compare_digest(str(challenge.get("proof")).encode(),
-                                          auth.proof(token, "server", client_nonce, server_nonce).encode())
-        # Our proof either way (bound to both nonces, it gives nothing away): a task that holds another token
-        # then refuses with its own message, which names the setting to fix.
-        frame.send_message(self._sock, PROVE, {"proof": auth.proof(token, "client", server_nonce, client_nonce)})
+        expected = auth.proof(token, "server", self.task, client_nonce, server_nonce)
+        if not hmac.compare_digest(str(challenge.get("proof")).encode("utf-8", "replace"), expected.encode()):
+            raise errors.UnauthenticatedError(
+                f"the process at {self.address[0]}:{self.address[1]} did not prove it is {self.task} of this job "
+                "(another job's task, a different TENSORFLEET_TOKEN, or another process on the task's port); "
+                "nothing was sent to it", task=self.task)
+        frame.send_message(self._sock, PROVE, {"proof": auth.proof(token, "client", self.task, server_nonce,
+                                                                   client_nonce)})
         self._read_reply(None).result(self.task)
-        if not task_proven:
-            raise errors.UnauthenticatedError(f"the task at {self.address[0]}:{self.address[1]} accepted us without "
-                                              "proving the job's token: it is not this job's task; nothing was sent",
-                                              task=self.task)
 
     def _read_reply(self, into: Mapping[str, torch.Tensor] | None) -> "_Reply":
         head = self._read_head()

@@ -229,8 +229,15 @@ class _TokenCheck(grpc.ServerInterceptor):
         raise AssertionError("unreachable")  # context.abort always raises
 
 
-def _wrap(handler: Handler, options: WireOptions, task: str) -> Callable[[bytes, grpc.ServicerContext], bytes]:
-    def unary(request: bytes, context: grpc.ServicerContext) -> bytes:  # the token was checked: _TokenCheck
+def _wrap(handler: Handler, options: WireOptions, task: str,
+          gate: auth.Gate) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+    def unary(request: bytes, context: grpc.ServicerContext) -> bytes:  # the proof was checked: _TokenCheck
+        if gate.required:  # ... and now that the request is read, that it is the request the proof covers
+            presented = next((value for key, value in context.invocation_metadata() or ()
+                              if key == auth.METADATA_KEY), None)
+            if not gate.admits_request(presented, request):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{task} refuses a request that is not the one its "
+                              "proof was made for")
         try:
             meta, tensors = codec.decode(request, max_bytes=options.max_message_bytes)
             reply_meta, reply_tensors = handler(meta, tensors)
@@ -259,10 +266,12 @@ def start_server(address: str, handlers: Mapping[str, Handler], *, task: str,
     unknown = set(handlers) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown RPC method(s) {sorted(unknown)}: the service defines {METHODS}")
-    gate = gate if gate is not None else auth.Gate(options.token)
+    gate = gate if gate is not None else auth.Gate(options.token, task)
+    if gate.required and gate.task != task:
+        raise ValueError(f"the gate guards {gate.task!r}, not {task!r}: proofs are bound to the task's name")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"rpc-{task}"),
                          options=options.grpc_options(), interceptors=[_TokenCheck(gate, task)])
-    method_handlers = {name: grpc.unary_unary_rpc_method_handler(_wrap(h, options, task))
+    method_handlers = {name: grpc.unary_unary_rpc_method_handler(_wrap(h, options, task, gate))
                        for name, h in handlers.items()}
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, method_handlers)])
     try:
@@ -330,9 +339,10 @@ class Channel:
         if len(request) > self.options.max_message_bytes:
             raise errors.WireError(f"{method} request of {len(request)} bytes exceeds the limit of "
                                    f"{self.options.max_message_bytes} bytes", task=self.task)
-        # Not the token: a proof of it for this call (method, time, fresh nonce), useless to a listener.
-        metadata = ((auth.METADATA_KEY, auth.call_proof(self.options.token, f"/{SERVICE}/{method}")),) \
-            if self.options.token else None
+        # Not the token: a proof of it for this call (method, task, time, fresh nonce, this request's digest),
+        # useless to a listener: not again, not at another task, not with another request.
+        metadata = ((auth.METADATA_KEY, auth.call_proof(self.options.token, f"/{SERVICE}/{method}", self.task,
+                                                        request)),) if self.options.token else None
         inner = self._stubs[method].future(request, timeout=timeout or self.options.deadline_s,
                                            wait_for_ready=wait_for_ready, metadata=metadata)
         return RpcFuture(inner, self.task, self.options)
