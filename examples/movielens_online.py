@@ -245,8 +245,10 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
     if serving is not None:
         report.update(served_ratings=served.count, served_rmse=served.rmse, serving_missed=serving.missed,
                       mean_staleness_steps=float(np.mean(staleness)) if staleness else None)
+        behind = report["mean_staleness_steps"]
         print(f"worker {replica_id}: served RMSE {served.rmse:.4f} over {served.count} ratings "
-              f"({serving.missed} unanswered), serving {report['mean_staleness_steps']} steps behind on average")
+              f"({serving.missed} unanswered), serving {'?' if behind is None else f'{behind:.1f}'} steps behind "
+              "on average")
         if replica.is_chief:
             serving.wait_for_step(session.global_step if args.delta_every else history_steps, 30)
             reloads = (serving.model() or {}).get("reloads", [])

@@ -5,6 +5,7 @@ chief saves reach serving while it answers (the issue's "done when")."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -36,3 +37,4 @@ def test_an_online_replay_trains_in_time_order_and_serving_follows_its_deltas(tm
     assert figures["freshness"]["steps"] == 30 and 0 <= figures["freshness"]["mean_s"] < 30, figures
     assert sum("applied)" in line for line in server.output) >= 5, "".join(server.output)
     assert "prequential RMSE" in job.output and "served RMSE" in job.output
+    assert re.search(r"serving \d+\.\d steps behind on average", job.output), job.output  # one decimal, not 15
