@@ -171,10 +171,12 @@ def test_a_job_file_turns_the_dashboard_on_with_true(tmp_path, monkeypatch, caps
 
 
 @pytest.mark.parametrize("cores, argv, warned", [
-    (2, ["--workers", "50"], "tensorfleet launch: warning: 51 tasks (ps + workers) on 2 core(s): they will share "
-                             "the cores and the job will be slow; starting it anyway"),
-    (4, ["--ps", "2", "--workers", "3"], "tensorfleet launch: warning: 5 tasks (ps + workers) on 4 core(s)"),
-    (3, ["--ps", "1", "--workers", "2"], None),
+    (2, ["--workers", "50"], "tensorfleet launch: warning: 51 tasks (1 ps + 50 workers) on 2 core(s): they will "
+                             "share the cores and the job will be slow; starting it anyway"),
+    (2, ["--ps", "1", "--workers", "3"], "warning: 4 tasks (1 ps + 3 workers) on 2 core(s)"),
+    (2, ["--ps", "3", "--workers", "2"], "warning: 5 tasks (3 ps + 2 workers) on 2 core(s)"),
+    (2, ["--ps", "1", "--workers", "2"], None),  # the quickstart's fleet on this machine: fine
+    (4, ["--ps", "2", "--workers", "3"], None),
     (64, ["--workers", "50"], None),
 ])
 def test_more_tasks_than_cores_is_a_warning_once_and_the_job_still_starts(cores, argv, warned, monkeypatch, capsys):
