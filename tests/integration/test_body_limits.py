@@ -1,0 +1,95 @@
+"""Request bodies are bounded in size and time whatever their framing (issue 28, item 4): serve-model (no sign-in)
+and the job service (its sign-in page) answer a chunked body that lies about its size, an oversized one and a
+slow one without reading it, and go on serving."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from tensorfleet.dashboard import server as dashboard_server
+from tensorfleet.serving.server import ModelServer
+from tensorfleet.testing.service import running_service
+
+pytestmark = pytest.mark.cluster
+MIB = 1 << 20
+
+
+@pytest.fixture(params=["serve-model", "job service"])
+def app(request, tmp_path: Path, monkeypatch) -> Iterator[tuple[str, str]]:
+    """(base URL, a POST path that reads its body before anything else) of a running app."""
+    monkeypatch.setattr(dashboard_server, "BODY_TIMEOUT_S", 1.5, raising=False)
+    if request.param == "serve-model":
+        with ModelServer(torch.nn.Linear(2, 1), lambda model, inputs: inputs, tmp_path, port=0) as served:
+            yield served.url, "/v1/predict"  # (its /healthz is 503 until a checkpoint is loaded)
+    else:
+        (tmp_path / "workspace").mkdir()
+        with running_service(tmp_path / "home", tmp_path / "workspace") as service:
+            yield service.url, "/login"
+
+
+def exchange(url: str, head: str, body: Iterator[bytes]) -> tuple[int, int]:
+    """Send ``head`` then as much of ``body`` as the server takes; return (its status, bytes of body sent)."""
+    host, port = url.removeprefix("http://").split(":")
+    sent = 0
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode())
+        try:
+            for chunk in body:
+                sock.sendall(chunk)
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it stopped reading: what we want
+        answer = sock.recv(200).decode(errors="replace")
+    return int(answer.split()[1]), sent
+
+
+def chunked(total: int, size: int = MIB) -> Iterator[bytes]:
+    for _ in range(total // size):
+        yield f"{size:x}\r\n".encode() + b"x" * size + b"\r\n"
+    yield b"0\r\n\r\n"
+
+
+def still_serves(url: str) -> bool:
+    """Both apps answer GET /v1/model or /healthz with 200 whatever their state (serve-model's /healthz is 503
+    until a checkpoint is loaded; the service has no /v1/model: 404 there, answered all the same)."""
+    try:
+        return urllib.request.urlopen(url + "/v1/model", timeout=10).status == 200
+    except urllib.error.HTTPError as exc:
+        return exc.code == 404 and urllib.request.urlopen(url + "/healthz", timeout=10).status == 200
+
+
+def test_a_chunked_body_that_says_two_bytes_is_refused_unread(app):
+    url, path = app
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+    status, sent = exchange(url, head, chunked(64 * MIB))
+    assert status == 411
+    assert sent < 64 * MIB  # it closed the connection instead of reading the rest
+    assert still_serves(url)
+
+
+def test_a_chunked_body_without_a_length_is_refused(app):
+    url, path = app
+    status, _ = exchange(url, f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", chunked(MIB))
+    assert status == 411 and still_serves(url)
+
+
+def test_a_body_announced_over_the_limit_is_refused_before_it_is_sent(app):
+    url, path = app
+    status, _ = exchange(url, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {64 * MIB}\r\n\r\n", iter(()))
+    assert status == 413 and still_serves(url)
+
+
+def test_a_body_that_does_not_arrive_is_cut_off_in_time(app):
+    url, path = app
+    started = time.monotonic()
+    status, _ = exchange(url, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n", iter([b"{"]))
+    assert status == 408 and time.monotonic() - started < 8
+    assert still_serves(url)
