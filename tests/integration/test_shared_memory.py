@@ -270,3 +270,27 @@ class _Addresses:
                                              ("10.0.0.6", "10.0.0.5", False)])
 def test_only_a_peer_on_this_host_is_offered_a_segment(peer, local, same):
     assert _same_host(_Addresses(peer, local)) is same
+
+
+def test_what_the_server_receives_from_shared_memory_is_out_of_the_clients_reach():
+    """Security review (issue 28, item 5): a dense push read from the shared segment was checked for NaN, then
+    read again by the optimizer; the client flipped a value in between and put NaN into the ps. What a server
+    receives is now a copy: a write to the segment after ``receive()`` (the client's, at any moment) reaches
+    nothing the server checked."""
+    def check_then_use(request):
+        received = request.receive()
+        checked = bool(torch.isfinite(received["g"]).all())
+        request._reader.shared_area.data.fill_(0xFF)  # the client writes NaN there now: 0xFFFFFFFF is a NaN
+        used = received["g"]
+        return Reply({"checked_finite": checked, "used_finite": bool(torch.isfinite(used).all()),
+                      "shared": request._shared})
+
+    server = DataServer("127.0.0.1", {"Push": check_then_use}, task="echo", options=WireOptions(shared_memory=True))
+    channel = _channel(server, shared_memory=True)
+    try:
+        for _ in range(2):  # the first call attaches the segment; both go through it
+            meta, _ = channel.call("Push", {}, {"g": torch.ones(BIG)})
+            assert meta == {"checked_finite": True, "used_finite": True, "shared": True}
+    finally:
+        channel.close()
+        server.stop()

@@ -141,15 +141,19 @@ class Request:
     def receive(self, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Read the body: each tensor into ``into[name]`` if given (same shape and dtype), else a pooled buffer.
 
-        Without ``into``, tensors are only valid until the reply is sent: a body in shared memory
-        is returned as views of it, without a copy.
+        Without ``into``, tensors are only valid until the reply is sent (pooled buffers are reused).
+        A body in shared memory is copied out first, never handed on as views of the segment: the client
+        can write there at any time, so what the server checks (ids in range, finite gradients) must be
+        the bytes it then uses.
         """
         if self._shared:
             area, layout = self._reader.shared_area, tuple(self.entries)
             found = area.flat(layout) if into is None else None
-            if found is not None:
-                self.body, tensors = found
-                return dict(tensors)
+            flat = self._pool.flat(self.entries) if found is not None else None
+            if flat is not None:
+                self.body, tensors = flat
+                self.body.copy_(found[0])  # one copy of the whole body, out of the client's reach
+                return tensors
             return area.read(layout, into, self._pool.get)
         flat = self._pool.flat(self.entries) if into is None else None
         if flat is not None:
