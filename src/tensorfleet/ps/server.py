@@ -16,6 +16,7 @@ from tensorfleet.errors import ClusterSpecError, ConfigError
 from tensorfleet.ps.service import PsService
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.wire import auth, rpc
+from tensorfleet.wire.dataplane import MAX_CONNECTIONS as MAX_DATA_CONNECTIONS
 from tensorfleet.wire.dataplane import DataServer
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class Server:
         address = bind_address(cluster_address)
         options = options or rpc.WireOptions()  # from the environment now, not when the module loaded
         self._check_exposure(cluster_address, address, options.token, insecure)  # before anything listens
+        ensure_descriptors(self.task.name)
         replicas = cluster.replicas
         self.store = VariableStore(task=self.task.name, replica_names=[r.name for r in replicas],
                                    shard=(task_index, len(cluster.ps_addresses)), memory_budget=memory_budget)
@@ -127,3 +129,27 @@ class Server:
         # Only then wait for the data threads: until gRPC is down, Status would still send workers
         # to a data port that no longer listens.
         self._data.join(timeout_s=5.0)
+
+
+FD_RESERVE = 256  # descriptors kept for the task's own use (files, checkpoints, its own outgoing channels)
+
+
+def ensure_descriptors(task: str) -> int:
+    """Let the process hold what both planes may open to strangers and still have ``FD_RESERVE`` for itself:
+    the soft RLIMIT_NOFILE is raised (up to the hard one) when it is lower; a hard limit too low to do so is
+    said once, as the job may then run out of descriptors under a flood. Returns the soft limit now."""
+    needed = rpc.MAX_CONNECTIONS + MAX_DATA_CONNECTIONS + FD_RESERVE
+    try:
+        import resource
+    except ImportError:  # not a POSIX system: nothing to raise
+        return needed
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        soft = raised
+        if soft < needed:
+            log.warning("%s: only %d file descriptors may be open (ulimit -n; the hard limit), fewer than the %d "
+                        "its two ports may hold for callers plus %d of its own: raise the limit", task, soft,
+                        needed - FD_RESERVE, FD_RESERVE)
+    return soft

@@ -41,6 +41,11 @@ METHODS = (
     "Resize",  # launcher -> ps: the job's workers are now 0..N-1 (an asynchronous job scaled up or down)
 )
 
+# What one task's gRPC port holds at once (see server_limits).
+MAX_CONNECTIONS = 256
+HANDSHAKE_TIMEOUT_S = 10.0
+IDLE_CLOSE_S = 60.0
+
 Message = tuple[dict[str, Any], dict[str, torch.Tensor]]
 Handler = Callable[[dict[str, Any], dict[str, torch.Tensor]], Message]
 
@@ -192,6 +197,17 @@ class WireOptions:
                 ("grpc.use_local_subchannel_pool", 1)]
 
 
+def server_limits() -> list[tuple[str, int]]:
+    """What a stranger can hold of a task's gRPC port before any call proves the token (a connection proves
+    nothing): at most ``MAX_CONNECTIONS`` connections (more are closed as they come), each given
+    ``HANDSHAKE_TIMEOUT_S`` to open (TLS and HTTP/2) and closed after ``IDLE_CLOSE_S`` without a call; the job's
+    own channels open a new connection on their next call. With the data plane's own bounds this keeps a
+    task's file descriptors for its job (``ps/server.py`` checks the process may hold them all)."""
+    return [("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
+            ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+            ("grpc.max_connection_idle_ms", int(IDLE_CLOSE_S * 1000))]
+
+
 def _status_for(exc: errors.TensorfleetError) -> grpc.StatusCode:
     return grpc.StatusCode[exc.code]
 
@@ -270,7 +286,7 @@ def start_server(address: str, handlers: Mapping[str, Handler], *, task: str,
     if gate.required and gate.task != task:
         raise ValueError(f"the gate guards {gate.task!r}, not {task!r}: proofs are bound to the task's name")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"rpc-{task}"),
-                         options=options.grpc_options(), interceptors=[_TokenCheck(gate, task)])
+                         options=options.grpc_options() + server_limits(), interceptors=[_TokenCheck(gate, task)])
     method_handlers = {name: grpc.unary_unary_rpc_method_handler(_wrap(h, options, task, gate))
                        for name, h in handlers.items()}
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, method_handlers)])
