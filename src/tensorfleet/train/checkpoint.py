@@ -25,7 +25,8 @@ update (``ps/table.py``), so a delta is only taken on the timeline its chain was
 processes, no restore in between (``ShardState.epoch``), the same number of ps; otherwise it is full.
 Old files go (``max_to_keep`` counts files) only when no kept file's chain needs them.
 
-Every file is written to a temporary name, flushed to disk and renamed, and the
+Every file is written to a fresh temporary name (``train/atomic.py``: never through a planted link, in a
+directory no other user may write), flushed to disk and renamed, and the
 manifest is written last, so a crash at any moment leaves the previous
 checkpoint intact and named by the manifest.  ``max_to_keep`` old files are
 deleted only after the new manifest is in place.  The manifest is data: only the
@@ -55,6 +56,7 @@ from tensorfleet.cluster.placement import Part, Placement
 from tensorfleet.errors import (DataError, DeadlineExceededError, InvalidArgumentError, NotInitializedError,
                                 UnavailableError)
 from tensorfleet.ps.api import ShardState, TableState
+from tensorfleet.train.atomic import write_atomically
 from tensorfleet.train.manifest import (FORMAT, MANIFEST, checkpoint_name, foreign_names, is_checkpoint_name,
                                         latest_checkpoint, parse_header, read_header, read_manifest)
 from tensorfleet.train.manifest import list_checkpoints  # noqa: F401 (re-exported: part of this module's API)
@@ -200,7 +202,7 @@ def save(directory: str | Path, state: ShardState, *, info: Mapping[str, Any], m
     for kept in previous[-max_to_keep:]:
         needed.update(path.name for path in chain(directory / kept)[:-1])
     kept = [n for n in previous if n in needed]
-    _write_atomically(directory / MANIFEST, json.dumps({"latest": name, "all": kept}, indent=1).encode())
+    write_atomically(directory / MANIFEST, json.dumps({"latest": name, "all": kept}, indent=1).encode())
     for old in previous:
         if old not in needed:
             (directory / old).unlink(missing_ok=True)
@@ -213,7 +215,7 @@ def _write_file(path: Path, state: ShardState, info: Mapping[str, Any], base: st
                 "applied_updates": str(state.applied_updates), "saved_at": f"{time.time():.3f}",
                 "info": json.dumps(dict(info)), "base": base or ""}
     tensors = {key: value.contiguous() for key, value in state.flatten().items()}
-    _write_atomically(path, save_bytes(tensors, metadata=metadata))
+    write_atomically(path, save_bytes(tensors, metadata=metadata))
 
 
 def chain(path: Path) -> list[Path]:
@@ -244,7 +246,7 @@ def compact_latest(directory: str | Path) -> Path:
     _write_file(directory / name, merged.state, info, None)
     replaced = {f.name for f in files} - {name}
     kept = [n for n in _previous_names(directory) if n not in replaced and n != name] + [name]
-    _write_atomically(directory / MANIFEST, json.dumps({"latest": name, "all": kept}, indent=1).encode())
+    write_atomically(directory / MANIFEST, json.dumps({"latest": name, "all": kept}, indent=1).encode())
     for old in replaced:
         (directory / old).unlink(missing_ok=True)
     return directory / name
@@ -264,20 +266,6 @@ def _previous_names(directory: Path) -> list[str]:
                     "dropped from the new manifest", directory / MANIFEST, len(foreign),
                     "y" if len(foreign) == 1 else "ies", "is" if len(foreign) == 1 else "are", shown)
     return list(dict.fromkeys(name for name in names if is_checkpoint_name(name)))  # a repeated name once
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    directory_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory_fd)  # the rename itself must survive a crash
-    finally:
-        os.close(directory_fd)
 
 
 def load(path: str | Path) -> Checkpoint:
