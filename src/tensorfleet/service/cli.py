@@ -152,7 +152,7 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from tensorfleet.service.server import Service  # the web stack loads only for this command
+    from tensorfleet.service.server import Service, absolute  # the web stack loads only for this command
     if not is_loopback_host(args.host) and not args.tls_cert and not args.insecure_http:
         raise ConfigError(f"--host {args.host} would send passwords and tokens in clear over the network: give "
                           f"--tls-cert and --tls-key, or --insecure-http if something else encrypts the traffic")
@@ -161,7 +161,9 @@ def serve(args: argparse.Namespace) -> int:
     workspace = Path(args.workspace).resolve()
     if not workspace.is_dir():
         raise ConfigError(f"--workspace {args.workspace!r} is not a folder")
-    home = Path(args.home) if args.home else default_home()
+    home = absolute(args.home or default_home())  # once, here: a job's runner works in the job's folder
+    # Building the service binds its port before it creates anything: a taken port fails here, with no home
+    # folder made and no admin password printed for a service that never ran.
     service = Service(home, workspace, host=args.host, port=args.port, slots=args.slots,
                       k8s_image=args.k8s_image, k8s_namespace=args.k8s_namespace, kubeconfig=args.kubeconfig,
                       tls_cert=args.tls_cert, tls_key=args.tls_key)

@@ -4,6 +4,10 @@
 still running), starts the loop that admits queued jobs, and serves the web app from a thread;
 ``close()`` stops both and leaves running jobs running. Tests build one in-process; ``tensorfleet
 serve`` builds one and waits on it.
+
+Building one binds its port first: a port that is taken fails before the home folder, its database or
+its first user exist. Its folders are made absolute then, once: a runner opens the database from its
+job's folder, where a relative ``--home`` would name another place.
 """
 
 from __future__ import annotations
@@ -30,33 +34,47 @@ DATABASE = "jobs.sqlite"
 START_TIMEOUT_S = 10.0
 
 
+def absolute(path: str | Path) -> Path:
+    """``path`` with ``~`` expanded, absolute against the current directory now: the one resolution of a folder
+    given on the command line, before any process with another working directory is handed it."""
+    return Path(path).expanduser().resolve()
+
+
 class Service:
     """The job service of folder ``home`` over the scripts of ``workspace``."""
 
     def __init__(self, home: Path, workspace: Path, *, host: str = "127.0.0.1", port: int = 0,
                  slots: int | None = None, k8s_image: str | None = None, k8s_namespace: str = "default",
                  kubeconfig: str | None = None, tls_cert: str | None = None, tls_key: str | None = None) -> None:
-        self.home = Path(home)
-        try:
-            self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except OSError as exc:
-            raise ConfigError(f"cannot use {self.home} as the service's folder: {exc.strerror}") from None
-        self.store = JobStore(self.home / DATABASE)
-        self.accounts = Accounts(self.store)
-        backends: dict[str, Backend] = {"local": LocalBackend(self.store)}
-        if k8s_image:
-            from tensorfleet.service.kubernetes import KubernetesBackend  # needs the 'kubernetes' package
-            backends["kubernetes"] = KubernetesBackend(image=k8s_image, namespace=k8s_namespace,
-                                                       workspace=Path(workspace), kubeconfig=kubeconfig)
-        capacity = Capacity.of_machine()
-        if slots is not None:
-            capacity = Capacity(slots, capacity.gpus)
-        self.jobs = JobService(self.store, backends, home=self.home, workspace=Path(workspace), capacity=capacity)
         self.host, self.port = host, port
         self._tls = (tls_cert, tls_key)
-        self._socket: socket.socket | None = None
         self._server: ThreadServer | None = None
         self._thread: threading.Thread | None = None
+        try:
+            self._socket: socket.socket | None = bind(host, port)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve on {host}:{port}: {exc.strerror}; choose another --port") from None
+        try:
+            self.home = absolute(home)
+            workspace = absolute(workspace)
+            try:
+                self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError as exc:
+                raise ConfigError(f"cannot use {self.home} as the service's folder: {exc.strerror}") from None
+            self.store = JobStore(self.home / DATABASE)
+            self.accounts = Accounts(self.store)
+            backends: dict[str, Backend] = {"local": LocalBackend(self.store)}
+            if k8s_image:
+                from tensorfleet.service.kubernetes import KubernetesBackend  # needs the 'kubernetes' package
+                backends["kubernetes"] = KubernetesBackend(image=k8s_image, namespace=k8s_namespace,
+                                                           workspace=workspace, kubeconfig=kubeconfig)
+            capacity = Capacity.of_machine()
+            if slots is not None:
+                capacity = Capacity(slots, capacity.gpus)
+            self.jobs = JobService(self.store, backends, home=self.home, workspace=workspace, capacity=capacity)
+        except BaseException:
+            self._socket.close()
+            raise
 
     @property
     def url(self) -> str:
@@ -64,12 +82,8 @@ class Service:
         return f"{'https' if self._tls[0] else 'http'}://{url_host(self.host)}:{self._socket.getsockname()[1]}"
 
     def start(self) -> "Service":
-        """Recover, start the loop, serve; returns once the web server answers."""
-        try:
-            self._socket = bind(self.host, self.port)
-        except OSError as exc:
-            raise ConfigError(f"cannot serve on {self.host}:{self.port}: {exc.strerror}; choose another --port") \
-                from None
+        """Recover, start the loop, serve (on the port bound when it was built); returns once the web server
+        answers."""
         self.jobs.start()
         app = create_app(self.jobs, self.accounts, secure_cookies=bool(self._tls[0]))
         config = uvicorn.Config(app, loop="asyncio", http="h11", lifespan="off", log_config=None,

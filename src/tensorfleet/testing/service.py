@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from tensorfleet.service.cli import Client
 from tensorfleet.service.local import is_runner, process_state
-from tensorfleet.service.server import Service
+from tensorfleet.service.server import Service, absolute
 from tensorfleet.service.store import ACTIVE, JobStore
 
 ADMIN_PASSWORD = "admin-password-for-tests"
@@ -51,7 +51,9 @@ def start_service(home: Path, workspace: Path, **options: Any) -> ServiceUnderTe
 def stop_runners(home: Path, timeout_s: float = 30.0) -> None:
     """End every runner of ``home``: SIGTERM those of active jobs, wait for all (a runner that recorded its
     outcome is still exiting), SIGKILL what is left after ``timeout_s``."""
-    store_path = home / "jobs.sqlite"
+    store_path = absolute(home) / "jobs.sqlite"  # as the service resolved it: what its runners were given
+    if not store_path.is_file():  # no service ever started there (its port was taken, say): no runners
+        return
     with JobStore(store_path) as store:
         runners = [(job.pid, job.id, job.state in ACTIVE) for job in store.list() if job.pid]
     live = [(pid, job_id) for pid, job_id, active in runners if is_runner(pid, store_path, job_id)]
