@@ -34,12 +34,13 @@ class Observed:
 
 @dataclass(frozen=True)
 class TaskView:
-    """One task of a job as the job page shows it: how it is started, where its log is."""
+    """One task of a job as the job page shows it: how it was started, where its log is, what it does now."""
 
     name: str  # "ps:0", "worker:1"
     role: str  # "ps", "chief", "worker"
     command: list[str]
     env: dict[str, str] = field(default_factory=dict)  # TF_CONFIG and the rest; never the job's secret token
+    state: str = ""  # "running", "done", ... as its backend sees it; "removed": scaled away (its log stays)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,10 @@ The runner writes the job's state to the store itself; this backend starts it (d
 session of its own, so that it outlives the service), recognises it again after a service restart
 (its pid, checked against the runner's command line, since pids are reused), signals it to stop,
 and reads what it leaves in the job's folder: task logs, the dashboard picture, the tasks' commands.
+
+A task scaled away stays a task of the job: the runner lists it ``removed`` in ``tasks.json`` (each task
+with the environment its process was started with), and its log stays readable, as does every task
+log in the job's folder (a runner of an older version listed only the tasks of the moment).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from tensorfleet.service.store import ACTIVE, JobRecord, JobState, JobStore
 
 LAUNCHER_TASK = "launcher"  # the pseudo-task whose log is the runner's own output
 TASK_NAME = re.compile(r"^(ps|worker):\d{1,4}$")  # what a task may be called before the runner lists them
+TASK_LOG = re.compile(r"^(ps|worker)-(\d{1,4})\.log$")  # a task's log in the job's folder (LocalLauncher.log_path)
+REMOVED = "removed"  # the state of a task scaled away
 
 
 def runner_command(store_path: Path, job_id: int) -> list[str]:
@@ -113,8 +119,30 @@ class LocalBackend:
         # The runner reads the target from the store (the service has written it) on its next tick.
 
     def tasks(self, job: JobRecord) -> list[TaskView]:
-        listed = _read_json(Path(job.logdir) / TASKS_FILE) if job.logdir else None
-        return [TaskView(t["name"], t["role"], list(t["command"]), dict(t["env"])) for t in listed or []]
+        """Every task the job has had, ps first, each with what its process was started with and its state
+        now (from the picture; ``removed`` for one scaled away, and for a task log no list names)."""
+        if not job.logdir:
+            return []
+        jobdir = Path(job.logdir)
+        picture = _read_json(jobdir / PICTURE_FILE)
+        states = {t.get("name"): t.get("state") or "" for t in _dicts(picture.get("tasks") if isinstance(picture, dict)
+                                                                      else None)}
+        views: dict[str, TaskView] = {}
+        for t in _dicts(_read_json(jobdir / TASKS_FILE)):
+            try:
+                views[t["name"]] = TaskView(str(t["name"]), str(t["role"]), [str(a) for a in t["command"]],
+                                            {str(k): str(v) for k, v in t["env"].items()},
+                                            REMOVED if t.get("removed") else states.get(t["name"], ""))
+            except (KeyError, TypeError, AttributeError):
+                continue  # an entry this version cannot read: the others still show
+        try:
+            logs = [TASK_LOG.match(path.name) for path in jobdir.iterdir()]
+        except OSError:
+            logs = []
+        for match in filter(None, logs):
+            name = f"{match[1]}:{int(match[2])}"
+            views.setdefault(name, TaskView(name, match[1], [], {}, REMOVED))
+        return sorted(views.values(), key=_task_order)
 
     def log(self, job: JobRecord, task: str, offset: int = 0, limit: int = 1 << 20) -> LogChunk:
         listed = {t.name for t in self.tasks(job)}
@@ -147,6 +175,17 @@ def _whole_characters(data: bytes) -> bytes:
         needed = 1 if byte < 0xC0 else 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
         return data[:i] if len(data) - i < needed else data
     return data
+
+
+def _dicts(value: Any) -> list[dict[str, Any]]:
+    """The mappings of a list read from a file (anything else in it, or not a list: nothing)."""
+    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
+
+
+def _task_order(task: TaskView) -> tuple[int, int, str]:
+    """ps before workers, each by index (``worker:10`` after ``worker:9``)."""
+    kind, _, index = task.name.partition(":")
+    return (0 if kind == "ps" else 1, int(index) if index.isdigit() else 0, task.name)
 
 
 def _read_json(path: Path) -> Any:
