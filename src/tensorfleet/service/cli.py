@@ -40,7 +40,6 @@ from typing import Any, Sequence
 from tensorfleet.cluster.spec import is_loopback_host
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch import cli as launch_cli
-from tensorfleet.launch.config import load_job_file
 
 DEFAULT_PORT = 8470
 SERVICE_FILE = "service.json"
@@ -88,13 +87,18 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
                         "one running from --home)")
     parser.add_argument("--token", default=None, help="an API token (default: $TENSORFLEET_SERVICE_TOKEN, else "
                         "HOME/cli-token)")
-    parser.add_argument("--home", default=None, help="the service's folder (default $TENSORFLEET_HOME or ~/.tensorfleet)")
+    parser.add_argument("--home", default=None,
+                        help="the service's folder (default $TENSORFLEET_HOME or ~/.tensorfleet)")
 
 
 def _add_jobs(commands: argparse._SubParsersAction) -> None:
     jobs = commands.add_parser("jobs", help="submit, list, follow and stop jobs of a running 'tensorfleet serve'")
     actions = jobs.add_subparsers(dest="jobs_command", required=True, metavar="ACTION")
-    submit = actions.add_parser("submit", help="submit a job file (YAML/TOML, as for 'tensorfleet launch')")
+    submit = actions.add_parser(
+        "submit", help="submit a job file (YAML/TOML, as for 'tensorfleet launch')",
+        description="Submit a job file (YAML/TOML, as for 'tensorfleet launch'), read by the service as its web form "
+                    "reads one: the script is a path in the service's workspace (relative to it, or absolute inside "
+                    "it); logdir, dashboard and port are the service's to choose, and are named when not used.")
     submit.add_argument("job_file", metavar="JOBFILE")
     submit.add_argument("--name", default=None, help="the job's name (default: the file's, else the script's)")
     submit.add_argument("--backend", default="local", choices=("local", "kubernetes"))
@@ -289,14 +293,19 @@ def jobs(args: argparse.Namespace) -> int:
     client = Client.from_args(args)
     verb = args.jobs_command
     if verb == "submit":
-        fields = load_job_file(args.job_file)
-        if "script" not in fields:
-            raise ConfigError(f"job file {args.job_file!r} names no script: add 'script: path/to/train.py'")
-        fields["script"] = str(Path(fields["script"]).resolve())  # relative to here, as for 'tensorfleet launch'
+        try:
+            text = Path(args.job_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+            raise ConfigError(f"job file {args.job_file!r} cannot be read: {reason}") from None
+        # The service reads the file, by the rule the web form's import and the API follow too.
+        body: dict[str, Any] = {"job_file": {"name": Path(args.job_file).name, "text": text}, "backend": args.backend}
         if args.name:
-            fields["name"] = args.name
-        job = client.call("POST", "/api/jobs", {**fields, "backend": args.backend})
+            body["name"] = args.name
+        job = client.call("POST", "/api/jobs", body)
         print(f"job {job['id']} ({job['name']}) {job['state']}: {client.url}/jobs/{job['id']}")
+        for name, why in (job.get("ignored") or {}).items():
+            print(f"note: {name} in {args.job_file} is not used by the service: {why}")
     elif verb == "ls":
         query = f"?state={urllib.parse.quote(args.state)}" if args.state else ""
         listed = client.call("GET", f"/api/jobs{query}")["jobs"]
@@ -309,6 +318,11 @@ def jobs(args: argparse.Namespace) -> int:
         job = client.call("POST", f"/api/jobs/{args.job}/{verb}", {})
         print(f"job {args.job}: stop requested ({job['state']})" if verb == "stop" else
               f"job {args.job} restarted as job {job['id']}: {client.url}/jobs/{job['id']}")
+        if verb == "restart":
+            source = client.call("GET", f"/api/jobs/{args.job}")
+            if source["finished_at"] is None:  # a restart never stops the old run: say that both run
+                print(f"job {args.job} is still {source['state']}: job {job['id']} is a second run beside it "
+                      f"(stop the first with 'tensorfleet jobs stop {args.job}')")
     elif verb == "scale":
         client.call("POST", f"/api/jobs/{args.job}/scale", {"workers": args.workers})
         print(f"job {args.job}: asked for {args.workers} worker(s)")

@@ -4,19 +4,25 @@ The form has what a user sets on the command line of ``tensorfleet launch`` plus
 that deserve a field of their own, ``--replicas_to_aggregate`` (sync) and ``--towers`` (devices per
 worker); they travel in the job's ``args``, where the script reads them, and come back out of them
 when a job is cloned. Validation is the CLI's own (``JobConfig.validate`` through ``JobService``):
-the same rules and the same messages.
+the same rules and the same messages; ``check_choices`` adds what only the form knows to ask (its own
+two fields against the workers and the script), so that a mistake is said before the job runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import shlex
 from typing import Any, Mapping
 
 from tensorfleet.errors import ConfigError
+from tensorfleet.launch.config import JobConfig
+from tensorfleet.service.jobs import takes_towers
 
 SCRIPT_FLAGS = ("replicas_to_aggregate", "towers")  # form fields that become script flags
 FORM_FIELDS = ("name", "script", "args", "ps", "workers", "mode", "replicas_to_aggregate", "gpus_per_worker",
-               "towers", "restart", "max_restarts", "env", "backend")
+               "towers", "restart", "max_restarts", "restart_backoff", "env", "backend")
+_COPY = re.compile(r"^(?P<base>.*?)-copy(?:-(?P<n>\d+))?$")
 
 
 def _integer(name: str, text: str, *, minimum: int) -> int:
@@ -46,6 +52,11 @@ def settings_from_form(form: Mapping[str, str]) -> tuple[dict[str, Any], str]:
     for name, minimum in (("ps", 1), ("workers", 1), ("gpus_per_worker", 0), ("max_restarts", 0)):
         if text[name]:
             fields[name] = _integer(name, text[name], minimum=minimum)
+    if text["restart_backoff"]:
+        try:
+            fields["restart_backoff"] = float(text["restart_backoff"])
+        except ValueError:
+            raise ConfigError(f"restart_backoff must be a number of seconds, got {text['restart_backoff']!r}") from None
     for name in ("mode", "restart", "name"):
         if text[name]:
             fields[name] = text[name]
@@ -62,7 +73,8 @@ def settings_from_form(form: Mapping[str, str]) -> tuple[dict[str, Any], str]:
     return fields, text["backend"] or "local"
 
 
-def form_from_settings(config: Mapping[str, Any], backend: str = "local", workspace: str | None = None) -> dict[str, str]:
+def form_from_settings(config: Mapping[str, Any], backend: str = "local",
+                       workspace: str | None = None) -> dict[str, str]:
     """The form's text fields for a job's settings (a clone, or a job file imported into the form)."""
     args = [str(a) for a in config.get("args") or []]
     extracted: dict[str, str] = {}
@@ -70,8 +82,11 @@ def form_from_settings(config: Mapping[str, Any], backend: str = "local", worksp
     i = 0
     while i < len(args):
         flag = args[i][2:] if args[i].startswith("--") else None
-        if flag in SCRIPT_FLAGS and i + 1 < len(args):
-            extracted[flag] = args[i + 1]
+        value = args[i + 1] if i + 1 < len(args) else ""
+        # Into its field only what the field gives back as it was: a whole number (and towers but 1, which
+        # the form leaves out as the default); anything else stays in the arguments.
+        if flag in SCRIPT_FLAGS and value.isdigit() and int(value) >= 1 and not (flag == "towers" and value == "1"):
+            extracted[flag] = str(int(value))
             i += 2
             continue
         rest.append(args[i])
@@ -80,8 +95,57 @@ def form_from_settings(config: Mapping[str, Any], backend: str = "local", worksp
     if workspace and script.startswith(workspace.rstrip("/") + "/"):
         script = script[len(workspace.rstrip("/")) + 1:]
     form = {"script": script, "args": shlex.join(rest), "backend": backend, **extracted}
-    for name in ("name", "ps", "workers", "mode", "gpus_per_worker", "restart", "max_restarts"):
+    for name in ("name", "ps", "workers", "mode", "gpus_per_worker", "restart", "max_restarts", "restart_backoff"):
         if config.get(name) is not None:
             form[name] = str(config[name])
     form["env"] = "\n".join(f"{k}={v}" for k, v in (config.get("env") or {}).items())
     return form
+
+
+def unshown_settings(config: JobConfig, form: Mapping[str, str]) -> list[str]:
+    """The settings of ``config`` that ``form`` (its fields filled from it) would not give back: a job file
+    imported into the form must not lose a setting without saying so."""
+    unshown = []
+    if any(_unwritable(key, is_key=True) or _unwritable(value) for key, value in config.env.items()):
+        unshown.append("env")  # no NAME=VALUE line holds it: the rest is compared without it
+        form = {**form, "env": ""}
+    try:
+        back, _backend = settings_from_form(form)
+        shown = JobConfig(**{**back, "script": config.script})
+    except (ConfigError, TypeError):
+        return [f.name for f in dataclasses.fields(JobConfig) if f.name != "script"]
+    return unshown + [f.name for f in dataclasses.fields(JobConfig)
+                      if f.name not in ("script", *unshown) and getattr(shown, f.name) != getattr(config, f.name)]
+
+
+def _unwritable(text: str, *, is_key: bool = False) -> bool:
+    """Whether an env name or value cannot be one part of a ``NAME=VALUE`` line of the form."""
+    return "\n" in text or "\r" in text or text != text.strip() or (is_key and ("=" in text or not text))
+
+
+def check_choices(form: Mapping[str, str], script_source: str) -> None:
+    """What the form can tell before the job runs: replicas to aggregate beyond the workers (or in an
+    asynchronous job), towers for a script without a ``--towers`` flag. Raises ConfigError naming the field."""
+    text = {name: (form.get(name) or "").strip() for name in FORM_FIELDS}
+    workers = _integer("workers", text["workers"], minimum=1) if text["workers"] else 2
+    if text["replicas_to_aggregate"]:
+        replicas = _integer("replicas_to_aggregate", text["replicas_to_aggregate"], minimum=1)
+        if text["mode"] == "async":
+            raise ConfigError("replicas to aggregate is for synchronous training: choose 'synchronous', or leave "
+                              "it empty")
+        if replicas > workers:
+            raise ConfigError(f"replicas to aggregate ({replicas}) is more than the workers ({workers}): a step "
+                              f"would wait for gradients that never come; use at most {workers}")
+    if text["towers"] and _integer("towers", text["towers"], minimum=1) > 1:
+        if not takes_towers(script_source):
+            raise ConfigError(f"towers: {text['script']} has no --towers flag (it does not call "
+                              f"add_training_flags(parser, towers=True)), so it would train on one device: "
+                              f"leave Towers per worker empty, or choose a script with towers")
+
+
+def clone_name(name: str) -> str:
+    """The name a clone's form proposes: ``NAME-copy``, then ``NAME-copy-2``, ... (a job name's characters)."""
+    match = _COPY.match(name)
+    if match is None:
+        return f"{name}-copy"
+    return f"{match['base']}-copy-{int(match['n'] or 1) + 1}"

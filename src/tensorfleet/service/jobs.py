@@ -4,7 +4,9 @@ Everything a user can do through the web page, the JSON API or ``tensorfleet job
 taking the acting ``User``: anyone signed in may look at every job, only its owner or an admin may
 change one. Scripts come only from the workspace folder (a path that resolves outside it, through
 ``..`` or a symlink, is refused), so a user can run code that is already on the machine, never upload
-new code.
+new code. A job's settings, from the API, the form or a job file (``jobs submit``, the form's import:
+``job_file_fields``), follow one rule (``split_settings``): a launch job file's fields, those the
+service sets itself named and not used.
 
 The loop (``tick``, every ``TICK_S`` in a thread of ``serve``) observes active jobs through their
 backend and admits queued ones first come, first served while the machine has room: a local job
@@ -18,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,9 +40,56 @@ TICK_S = 0.5
 STOP_GRACE_S = 20.0  # after a stop request, when a local runner is signalled again
 STOP_KILL_S = 120.0  # ... and when it is killed (its tasks die with it; the job is recorded lost)
 MAX_SCRIPTS = 500
+SCRIPT_READ_BYTES = 256 * 1024  # how much of a script is read to tell whether it runs as a job
 SKIPPED_DIRS = {".git", ".venv", "venv", "node_modules", "__pycache__", "site-packages", ".tox"}
-# Settings a user may not set through the service: it chooses the job's folder, and the page is its dashboard.
-SERVICE_SET = {"logdir", "dashboard", "port"}
+JOB_FILE_SUFFIXES = (".yaml", ".yml", ".toml")
+MAX_JOB_FILE_BYTES = 64 * 1024
+# Settings of a job file that the service sets itself, and why: given to the service (a job file through
+# 'jobs submit', the API or the form's import), they are not used, and the answer says so.
+SERVICE_SET = {
+    "logdir": "the service gives every job its own folder (the job's page names it, for TensorBoard)",
+    "dashboard": "the job's page shows the job's dashboard",
+    "port": "the service picks free ports for the tasks",
+}
+# A call of run_task on a line of code (not its definition, a comment or a doctest), and a __main__ block.
+_CALLS_RUN_TASK = re.compile(r"^(?!\s*(?:#|>>>|\.\.\.))[^\n#]*?(?<!def )\brun_task\(", re.MULTILINE)
+_MAIN_BLOCK = re.compile(r"^if\s+__name__\s*==\s*['\"]__main__['\"]\s*:", re.MULTILINE)
+# The kinds of Python files of a workspace, in the order the form lists them.
+SCRIPT_KINDS = ("job", "script", "module")
+_TOWERS_FLAG = re.compile(r"[\"']--towers[\"']|\btowers\s*=\s*True\b")
+
+
+def split_settings(fields: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(the settings the service uses, {setting: why it is not used}) of a job file's or the API's fields.
+
+    The one rule for what a job given to the service may hold: the fields of a ``tensorfleet launch`` job
+    file (names with '-' or '_'); those the service sets itself (``SERVICE_SET``) are left out and named,
+    never dropped silently; an unknown one is an error naming the valid ones."""
+    fields = {str(k).replace("-", "_"): v for k, v in fields.items()}
+    unknown = sorted(set(fields) - FIELDS)
+    if unknown:
+        valid = ", ".join(sorted(FIELDS - set(SERVICE_SET)))
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; valid: {valid}")
+    ignored = {k: SERVICE_SET[k] for k in sorted(SERVICE_SET) if fields.get(k) is not None}
+    return {k: v for k, v in fields.items() if k not in SERVICE_SET}, ignored
+
+
+def ignored_text(ignored: Mapping[str, str]) -> str:
+    """One line per setting the service does not use, for the form, the CLI and the job's history."""
+    return "\n".join(f"{name} is not used by the service: {why}" for name, why in ignored.items())
+
+
+def script_kind(source: str) -> str:
+    """What a Python file's text is: a training ``job`` (it calls ``run_task``), another runnable ``script``
+    (a ``__main__`` block), or a ``module`` (neither: imported, not run)."""
+    if _CALLS_RUN_TASK.search(source):
+        return "job"
+    return "script" if _MAIN_BLOCK.search(source) else "module"
+
+
+def takes_towers(source: str) -> bool:
+    """Whether a script's text has a ``--towers`` flag (``add_training_flags(parser, towers=True)``)."""
+    return _TOWERS_FLAG.search(source) is not None
 
 
 class PermissionDeniedError(TensorfleetError):
@@ -194,16 +245,29 @@ class JobService:
     # ----- what users do
 
     def scripts(self) -> list[str]:
-        """The ``.py`` files of the workspace (relative paths), for the form's list."""
-        found: list[str] = []
+        """The ``.py`` files of the workspace (relative paths): training jobs first, then other scripts, then
+        modules (``script_groups``)."""
+        return [script for group in self.script_groups().values() for script in group]
+
+    def script_groups(self) -> dict[str, list[str]]:
+        """The ``.py`` files of the workspace by ``script_kind`` (in ``SCRIPT_KINDS`` order), for the form: a
+        repository has hundreds of modules, and the few scripts a user means should not drown among them."""
+        groups: dict[str, list[str]] = {kind: [] for kind in SCRIPT_KINDS}
+        found = 0
         for root, dirs, files in os.walk(self.workspace):
             dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS and not d.startswith("."))
             for name in sorted(files):
                 if name.endswith(".py"):
-                    found.append(str((Path(root) / name).relative_to(self.workspace)))
-                    if len(found) >= MAX_SCRIPTS:
-                        return found
-        return found
+                    path = Path(root) / name
+                    groups[script_kind(_head(path))].append(str(path.relative_to(self.workspace)))
+                    found += 1
+                    if found >= MAX_SCRIPTS:
+                        return groups
+        return groups
+
+    def script_source(self, script: str) -> str:
+        """The beginning of a workspace script's text (what the form checks its choices against)."""
+        return _head(Path(self.workspace_script(script)))
 
     def workspace_script(self, script: str) -> str:
         """The absolute path of ``script`` (relative to the workspace, or absolute inside it). Raises
@@ -220,15 +284,9 @@ class JobService:
         return str(path)
 
     def config_from(self, fields: Mapping[str, Any]) -> JobConfig:
-        """A validated JobConfig from a form's or the API's fields, with the script checked against the workspace."""
-        fields = {str(k).replace("-", "_"): v for k, v in fields.items()}
-        unknown = sorted(set(fields) - FIELDS)
-        if unknown:
-            raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(FIELDS - SERVICE_SET))}")
-        chosen = sorted(SERVICE_SET & {k for k, v in fields.items() if v is not None})
-        if chosen:
-            raise ConfigError(f"{', '.join(chosen)} cannot be set here: the service gives every job its own folder "
-                              f"and shows its dashboard on the job's page")
+        """A validated JobConfig from a job file's, the form's or the API's fields (``split_settings``: the
+        service's own settings left out), with the script checked against the workspace."""
+        fields, _ignored = split_settings(fields)
         if "script" not in fields:
             raise ConfigError("no script: choose a Python file of the workspace")
         fields["script"] = self.workspace_script(fields["script"])
@@ -239,13 +297,44 @@ class JobService:
                               f"{self.capacity.gpus}: use fewer, or 0 to train on the CPU")
         return config
 
+    def job_file_fields(self, data: bytes | str, filename: str) -> dict[str, Any]:
+        """The fields of a job file's text (YAML or TOML by ``filename``'s suffix), read by the launcher's own
+        reader (same names, same messages), for ``jobs submit``, the API and the form's import alike.
+
+        Its script, as every script given to the service, is a path in the workspace (relative to it, or
+        absolute inside it). Raises ConfigError naming ``filename``."""
+        suffix = Path(filename).suffix.lower()
+        if suffix not in JOB_FILE_SUFFIXES:
+            raise ConfigError(f"job file {filename!r} must end in .yaml, .yml or .toml")
+        raw = data.encode("utf-8") if isinstance(data, str) else data
+        if len(raw) > MAX_JOB_FILE_BYTES:
+            raise ConfigError(f"job file {filename!r} is larger than {MAX_JOB_FILE_BYTES // 1024} KiB")
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / f"job{suffix}"
+            path.write_bytes(raw)
+            try:
+                fields = load_job_file(path)
+            except ConfigError as exc:
+                raise ConfigError(str(exc).replace(str(path), filename)) from None
+            except UnicodeDecodeError:
+                raise ConfigError(f"job file {filename!r} is not UTF-8 text") from None
+        if "script" not in fields:
+            raise ConfigError(f"job file {filename!r} names no script: add 'script: path/to/train.py' "
+                              f"(a path in the workspace {self.workspace})")
+        return fields
+
     def config_from_job_file(self, path: str | Path, overrides: Mapping[str, Any] = {}) -> JobConfig:
         """A job file (YAML/TOML, as ``tensorfleet launch``) with ``overrides`` on top."""
         return self.config_from({**load_job_file(path), **overrides})
 
     def submit(self, user: User, fields: Mapping[str, Any], *, backend: str = "local") -> JobRecord:
+        """A new queued job of ``user``; settings the service does not use are named in its history."""
         self._backend(backend)
-        return self.store.submit(self.config_from(fields), user.name, backend=backend)
+        job = self.store.submit(self.config_from(fields), user.name, backend=backend)
+        _used, ignored = split_settings(fields)
+        if ignored:
+            self.store.add_event(job.id, "ignored", ignored_text(ignored))
+        return job
 
     def get(self, job_id: int) -> JobRecord:
         return self.store.get(job_id)
@@ -311,3 +400,12 @@ class JobService:
             raise ConfigError(f"backend {name!r} is not configured on this service (configured: {configured}); "
                               f"start the service with --k8s-image to run jobs on Kubernetes")
         return backend
+
+
+def _head(path: Path) -> str:
+    """The first ``SCRIPT_READ_BYTES`` of a script, as text ("" if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(SCRIPT_READ_BYTES).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
