@@ -173,8 +173,12 @@ def test_what_the_service_refuses(home, workspace, tmp_path):
                 api.call("POST", "/api/jobs", {"script": script})
         with pytest.raises(TensorfleetError, match="not a Python file of the workspace"):
             api.call("POST", "/api/jobs", {"script": "missing.py"})
-        with pytest.raises(TensorfleetError, match="logdir cannot be set here"):
-            api.call("POST", "/api/jobs", {"script": "paced_job.py", "logdir": "/tmp/x"})
+        with pytest.raises(TensorfleetError, match="unknown setting\\(s\\) wokers; valid: args, env, gpus_per_worker"):
+            api.call("POST", "/api/jobs", {"script": "paced_job.py", "wokers": 2})
+        with pytest.raises(TensorfleetError, match="job file 'job.json' must end in .yaml, .yml or .toml"):
+            api.call("POST", "/api/jobs", {"job_file": {"name": "job.json", "text": "script: paced_job.py"}})
+        with pytest.raises(TensorfleetError, match="job_file must be"):
+            api.call("POST", "/api/jobs", {"job_file": "script: paced_job.py"})
         with pytest.raises(TensorfleetError, match="workers must be at least 1"):
             api.call("POST", "/api/jobs", {"script": "paced_job.py", "workers": 0})
         assert api.call("GET", "/api/jobs")["jobs"] == []  # nothing stored
@@ -249,10 +253,18 @@ def test_the_jobs_command_submits_lists_follows_and_stops(home, workspace, tmp_p
         assert "worker:1 done at global step" in logs
         assert "succeeded" in tensorfleet("jobs", "ls", "--state", "succeeded")
         restarted = tensorfleet("jobs", "restart", "1")
-        assert "restarted as job 2" in restarted
+        assert "restarted as job 2" in restarted and "second run" not in restarted  # job 1 had finished
         wait_state(service, 2, {"running", "succeeded"})
         tensorfleet("jobs", "stop", "2")
         assert wait_state(service, 2, {"stopped", "succeeded", "failed"})["state"] in ("stopped", "succeeded")
+        slow = service.client().call("POST", "/api/jobs", job_fields(SLOW))["id"]
+        wait_state(service, slow, {"running"})
+        again = tensorfleet("jobs", "restart", str(slow))
+        assert (f"job {slow} is still running: job {slow + 1} is a second run beside it (stop the first with "
+                f"'tensorfleet jobs stop {slow}')") in again
+        for job_id in (slow, slow + 1):
+            tensorfleet("jobs", "stop", str(job_id))
+            wait_state(service, job_id, {"stopped", "failed"}, 60)
         bad = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", "jobs", "ls", "--url", service.url,
                               "--token", "wrong"], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and "sign in first" in bad.stderr
@@ -282,12 +294,22 @@ def test_a_running_async_job_is_scaled_up_and_down_from_the_api(home):
         poll(lambda: "worker:1 left the job (exit code 0)" in launcher_log()
              and "worker:2 left the job (exit code 0)" in launcher_log(), 90, "workers 1 and 2 to leave")
         assert service.job(job_id)["state"] == "running"
+        # The workers scaled away stay tasks of the job, listed removed, their logs readable (API and CLI).
+        removed = poll(lambda: [t["name"] for t in api.call("GET", f"/api/jobs/{job_id}/tasks")["tasks"]
+                                if t["state"] == "removed"] == ["worker:1", "worker:2"], 30, "removed workers")
+        assert removed
+        assert "training begins" in api.call("GET", f"/api/jobs/{job_id}/logs/worker:2")["text"]
+        printed = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", "jobs", "logs", str(job_id),
+                                  "worker:2", "--url", service.url, "--token", service.token],
+                                 capture_output=True, text=True, timeout=60)
+        assert printed.returncode == 0 and "training begins" in printed.stdout, printed.stderr
         texts = [e["text"] for e in api.call("GET", f"/api/jobs/{job_id}/events")["events"]]
         assert "admin asked for 3 worker(s)" in texts and "now 1 worker(s)" in texts
         api.call("POST", f"/api/jobs/{job_id}/stop", {})
         assert wait_state(service, job_id, {"stopped", "failed"}, 60)["state"] == "stopped"
 
-        sync = api.call("POST", "/api/jobs", job_fields(SLOW, mode="sync", script="tests/integration/paced_job.py"))["id"]
+        sync = api.call("POST", "/api/jobs",
+                        job_fields(SLOW, mode="sync", script="tests/integration/paced_job.py"))["id"]
         wait_state(service, sync, {"running"})
         with pytest.raises(TensorfleetError, match="only an asynchronous job can be scaled"):
             api.call("POST", f"/api/jobs/{sync}/scale", {"workers": 3})
@@ -304,3 +326,53 @@ def test_a_job_stopped_while_its_runner_still_starts_is_stopped_not_lost(home, w
             api.call("POST", f"/api/jobs/{job_id}/stop", {})
             stopped = wait_state(service, job_id, {"stopped", "failed", "lost", "succeeded"}, 60)
             assert stopped["state"] == "stopped", stopped["reason"]
+
+
+README_JOB_FILE = """script: examples/mnist_mlp.py
+args: [--last_step, 100000]
+ps: 1
+workers: 2
+mode: async             # or sync
+restart: on-failure     # or never
+max_restarts: 3
+logdir: runs/mnist
+dashboard: 8080         # optional
+env: {OMP_NUM_THREADS: "1"}
+"""
+
+
+def test_a_job_file_is_taken_by_one_rule_from_the_cli_and_the_api(home, workspace, tmp_path):
+    (workspace / "examples").mkdir()
+    shutil.copy(PACED, workspace / "examples" / "mnist_mlp.py")
+    job_file = tmp_path / "elsewhere" / "job.yaml"  # not in the workspace: its script is a path in the workspace
+    job_file.parent.mkdir()
+    job_file.write_text(README_JOB_FILE)
+    with running_service(home, workspace) as service:
+        api = service.client()
+        done = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", "jobs", "submit", str(job_file),
+                               "--url", service.url, "--token", service.token], cwd=tmp_path / "elsewhere",
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert lines[0].startswith("job 1 (mnist-mlp) queued")
+        assert lines[1:] == [f"note: dashboard in {job_file} is not used by the service: the job's page shows the "
+                             f"job's dashboard",
+                             f"note: logdir in {job_file} is not used by the service: the service gives every job "
+                             f"its own folder (the job's page names it, for TensorBoard)"]
+        job = api.call("POST", "/api/jobs", {"job_file": {"name": "job.yaml", "text": README_JOB_FILE},
+                                             "name": "from-the-api"})
+        assert (job["name"], sorted(job["ignored"])) == ("from-the-api", ["dashboard", "logdir"])
+        for job_id in (1, job["id"]):
+            config = service.job(job_id)["config"]
+            assert (config["script"], config["logdir"], config["dashboard"], config["env"]) == (
+                str(workspace / "examples" / "mnist_mlp.py"), None, None, {"OMP_NUM_THREADS": "1"})
+            events = api.call("GET", f"/api/jobs/{job_id}/events")["events"]
+            assert [e["text"].splitlines()[0] for e in events if e["kind"] == "ignored"] == [
+                "dashboard is not used by the service: the job's page shows the job's dashboard"]
+            api.call("POST", f"/api/jobs/{job_id}/stop", {})
+        missing = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", "jobs", "submit",
+                                  str(tmp_path / "nothing.yaml"), "--url", service.url, "--token", service.token],
+                                 capture_output=True, text=True, timeout=60)
+        assert missing.returncode == 2 and "cannot be read: No such file or directory" in missing.stderr
+        for job_id in (1, job["id"]):
+            wait_state(service, job_id, {"stopped", "failed", "succeeded"}, 60)

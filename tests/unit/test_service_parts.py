@@ -1,18 +1,24 @@
-"""The job service's parts without processes or a browser: accounts, the form, admission, ownership, the workspace."""
+"""The job service's parts without processes or a browser: accounts, the form, admission, ownership, the workspace,
+what a job file may hold, the local backend's view of tasks after a scale."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
 import pytest
 
 from tensorfleet.errors import ConfigError
+from tensorfleet.launch.config import JobConfig
 from tensorfleet.service.accounts import Accounts, TooBusyError, User
-from tensorfleet.service.backend import LogChunk, Observed, TaskView
-from tensorfleet.service.forms import form_from_settings, settings_from_form
-from tensorfleet.service.jobs import Capacity, JobService, PermissionDeniedError
+from tensorfleet.service.backend import LogChunk, Observed, TaskNotFoundError, TaskView
+from tensorfleet.service.forms import (check_choices, clone_name, form_from_settings, settings_from_form,
+                                       unshown_settings)
+from tensorfleet.service.jobs import Capacity, JobService, PermissionDeniedError, split_settings
+from tensorfleet.service.local import LocalBackend
 from tensorfleet.service.store import JobRecord, JobState, JobStore
+from tensorfleet.service.web import reason_parts
 
 
 class Clock:
@@ -96,14 +102,15 @@ def test_only_a_few_password_checks_run_at_once(store):
 def test_the_form_round_trips_through_a_jobs_settings():
     form = {"name": "mnist", "script": "examples/mnist_mlp.py", "args": "--train_steps 2000 --note 'a b'",
             "ps": "2", "workers": "3", "mode": "sync", "replicas_to_aggregate": "2", "gpus_per_worker": "0",
-            "towers": "2", "restart": "never", "max_restarts": "1", "env": "OMP_NUM_THREADS=1\n\nA=b=c",
-            "backend": "local"}
+            "towers": "2", "restart": "never", "max_restarts": "1", "restart_backoff": "2.5",
+            "env": "OMP_NUM_THREADS=1\n\nA=b=c", "backend": "local"}
     settings, backend = settings_from_form(form)
     assert backend == "local"
     assert settings["args"] == ["--train_steps", "2000", "--note", "a b", "--replicas_to_aggregate", "2",
                                 "--towers", "2"]
     assert settings["env"] == {"OMP_NUM_THREADS": "1", "A": "b=c"}
     assert (settings["ps"], settings["workers"], settings["mode"], settings["restart"]) == (2, 3, "sync", "never")
+    assert settings["restart_backoff"] == 2.5
     back = form_from_settings({**settings, "script": "/ws/examples/mnist_mlp.py"}, backend, "/ws")
     assert {k: v for k, v in back.items() if k in form} == {k: v for k, v in form.items() if k != "env"} | {
         "env": "OMP_NUM_THREADS=1\nA=b=c"}
@@ -112,10 +119,51 @@ def test_the_form_round_trips_through_a_jobs_settings():
 @pytest.mark.parametrize("field, value, message", [
     ("workers", "two", "workers must be an integer"), ("ps", "0", "ps must be at least 1"),
     ("args", "--x 'open", "args: No closing quotation"), ("env", "JUSTANAME", "must be NAME=VALUE"),
-    ("towers", "0", "towers must be at least 1")])
+    ("towers", "0", "towers must be at least 1"), ("restart_backoff", "soon", "restart_backoff must be a number")])
 def test_the_form_names_the_field_that_is_wrong(field, value, message):
     with pytest.raises(ConfigError, match=message):
         settings_from_form({"script": "x.py", field: value})
+
+
+def test_the_form_says_what_it_knows_before_the_job_runs():
+    plain = "import tensorfleet as tfl\ntfl.add_training_flags(parser)\n"
+    with_towers = "tfl.add_training_flags(parser, default_mode='sync', towers=True)\n"
+    with pytest.raises(ConfigError, match=r"replicas to aggregate \(3\) is more than the workers \(2\)"):
+        check_choices({"script": "a.py", "workers": "2", "mode": "sync", "replicas_to_aggregate": "3"}, plain)
+    with pytest.raises(ConfigError, match="replicas to aggregate is for synchronous training"):
+        check_choices({"script": "a.py", "workers": "2", "mode": "async", "replicas_to_aggregate": "2"}, plain)
+    with pytest.raises(ConfigError, match="towers: a.py has no --towers flag"):
+        check_choices({"script": "a.py", "workers": "2", "towers": "2"}, plain)
+    check_choices({"script": "a.py", "workers": "3", "mode": "sync", "replicas_to_aggregate": "2", "towers": "2"},
+                  with_towers)
+    check_choices({"script": "a.py", "workers": "2", "towers": "1"}, plain)  # one tower is no towers
+
+
+def test_a_clone_is_proposed_a_name_of_its_own():
+    assert [clone_name(n) for n in ("mnist-mlp", "mnist-mlp-copy", "mnist-mlp-copy-2", "copy")] == [
+        "mnist-mlp-copy", "mnist-mlp-copy-2", "mnist-mlp-copy-3", "copy-copy"]
+    JobConfig(script=__file__, name=clone_name("a.b_c")).validate()  # a valid job name
+
+
+def test_what_the_form_cannot_show_is_named():
+    config = JobConfig(script="/ws/a.py", args=["--towers", "1", "--x"], env={"A": "one\ntwo"}, restart_backoff=2.5)
+    form = form_from_settings(config.__dict__, "local", "/ws")
+    assert form["args"] == "--towers 1 --x" and form["restart_backoff"] == "2.5"
+    assert unshown_settings(config, form) == ["env"]  # a value with a new line has no NAME=VALUE line
+    assert unshown_settings(JobConfig(script="/ws/a.py", workers=3, mode="sync"),
+                            form_from_settings({"script": "/ws/a.py", "workers": 3, "mode": "sync"})) == []
+
+
+def test_a_failed_jobs_reason_puts_the_error_line_first():
+    reason = ("worker:0 exited with code 1; not restarted because it exited with code 1 at start-up twice\n"
+              "Traceback (most recent call last):\n  File \"crash.py\", line 2, in <module>\n"
+              "    raise RuntimeError('no')\nRuntimeError: the model does not fit")
+    parts = reason_parts(reason)
+    assert parts["error_line"] == "RuntimeError: the model does not fit"
+    assert parts["summary"].startswith("worker:0 exited with code 1")
+    assert parts["traceback"].startswith("Traceback") and parts["traceback"].endswith("does not fit")
+    assert reason_parts("stopped by admin") == {"error_line": None, "summary": "stopped by admin", "traceback": None}
+    assert reason_parts(None)["summary"] is None
 
 
 # ----- the service's rules, over a backend that records what it is asked
@@ -189,9 +237,18 @@ def test_a_job_needing_more_gpus_than_the_machine_has_is_refused_at_once(store, 
     assert service.list() == []
 
 
-def test_scripts_come_from_the_workspace_only(store, workspace, tmp_path):
+def test_scripts_come_from_the_workspace_only_runnable_ones_first(store, workspace, tmp_path):
     service, _ = service_over(store, workspace, tmp_path)
     assert service.scripts() == ["train.py", "models/cnn.py"]
+    (workspace / "models" / "run.py").write_text("import sys\n\nif __name__ == '__main__':\n    sys.exit(0)\n")
+    (workspace / "zz_task.py").write_text("import tensorfleet as tfl\n\n\ndef main():\n"
+                                          "    return tfl.run_task(args, train)\n")
+    (workspace / "lib.py").write_text('"""Run it with:\n\n    >>> tfl.run_task(args, train)\n"""\n\n'
+                                      "def run_task(args, train):  # run_task(...) of a library: no job\n"
+                                      "    pass\n")
+    assert service.script_groups() == {"job": ["zz_task.py"], "script": ["models/run.py"],
+                                       "module": ["lib.py", "train.py", "models/cnn.py"]}
+    assert service.scripts() == ["zz_task.py", "models/run.py", "lib.py", "train.py", "models/cnn.py"]
     assert service.workspace_script("models/cnn.py") == str(workspace / "models" / "cnn.py")
     (tmp_path / "evil.py").write_text("")
     (workspace / "escape.py").symlink_to(tmp_path / "evil.py")
@@ -229,13 +286,50 @@ def test_a_queued_job_is_stopped_without_starting_and_unknown_backends_are_named
         service.submit(ALICE, {"script": "train.py"}, backend="kubernetes")
 
 
-def test_settings_the_service_owns_cannot_be_set(store, workspace, tmp_path):
+def test_settings_the_service_sets_are_not_used_and_named_unknown_ones_refused(store, workspace, tmp_path):
     service, _ = service_over(store, workspace, tmp_path)
     for field, value in (("logdir", "/tmp/x"), ("dashboard", 0), ("port", 4000)):
-        with pytest.raises(ConfigError, match=f"{field} cannot be set here"):
-            service.submit(ALICE, {"script": "train.py", field: value})
+        job = service.submit(ALICE, {"script": "train.py", field: value})
+        assert job.config[field] is None
+        assert [e.text for e in service.events(job.id) if e.kind == "ignored"] == [
+            f"{field} is not used by the service: " + split_settings({field: value})[1][field]]
     with pytest.raises(ConfigError, match="unknown setting"):
         service.submit(ALICE, {"script": "train.py", "wokers": 2})
+
+
+README_JOB_FILE = """script: train.py
+args: [--train_steps, 2000]
+ps: 1
+workers: 2
+mode: async             # or sync
+restart: on-failure     # or never
+max_restarts: 3
+logdir: runs/mnist
+dashboard: 8080         # optional
+env: {OMP_NUM_THREADS: "1"}
+"""
+
+
+def test_a_job_file_given_to_the_service_follows_one_rule(store, workspace, tmp_path):
+    service, _ = service_over(store, workspace, tmp_path)
+    fields = service.job_file_fields(README_JOB_FILE, "job.yaml")
+    used, ignored = split_settings(fields)
+    assert sorted(ignored) == ["dashboard", "logdir"] and "logdir" not in used
+    config = service.config_from(fields)
+    assert (config.script, config.args, config.env) == (str(workspace / "train.py"), ["--train_steps", "2000"],
+                                                        {"OMP_NUM_THREADS": "1"})
+    toml = service.job_file_fields(b'script = "models/cnn.py"\nmax-restarts = 1\n', "job.toml")
+    assert service.config_from(toml).max_restarts == 1
+    for text, name, message in (
+            ("script: train.py\n", "job.json", "must end in .yaml, .yml or .toml"),
+            ("workers: 2\n", "job.yaml", "job file 'job.yaml' names no script"),
+            ("script: [unclosed\n", "job.yaml", "job file 'job.yaml' is not valid YAML"),
+            ("script: train.py\nwokers: 2\n", "job.yaml", "job file 'job.yaml': unknown field\\(s\\) wokers"),
+            (b"script: \xff\n", "job.yaml", "not UTF-8 text")):
+        with pytest.raises(ConfigError, match=message):
+            service.job_file_fields(text, name)
+    with pytest.raises(ConfigError, match="'nothing.py' is not a Python file of the workspace"):
+        service.config_from(service.job_file_fields("script: nothing.py\n", "job.yaml"))
 
 
 def test_one_queued_job_is_started_once_by_two_services_on_one_folder(store, workspace, tmp_path):
@@ -266,3 +360,39 @@ def test_what_a_backend_observes_is_recorded_restarts_included(store, workspace,
     failed = service.get(job)
     assert (failed.state, failed.reason, failed.restarts) == (JobState.FAILED,
                                                               "task worker:1 failed: BackoffLimitExceeded", 3)
+
+
+# ----- the local backend's view of a job's tasks after a scale (files as its runner writes them)
+
+
+def test_the_local_backend_lists_removed_tasks_and_reads_every_task_log(store, workspace, tmp_path):
+    backend = LocalBackend(store)
+    jobdir = tmp_path / "jobs" / "1"
+    jobdir.mkdir(parents=True)
+    job = store.submit(JobConfig(script=str(workspace / "train.py"), mode="async"), "alice")
+    store.transition(job.id, JobState.STARTING)
+    job = store.transition(job.id, JobState.RUNNING, pid=4242, logdir=str(jobdir))
+
+    def task(name: str, workers: int, **more: object) -> dict:
+        return {"name": name, "role": name.split(":")[0], "command": ["python", "train.py"],
+                "env": {"TF_CONFIG": f"{workers} workers"}, **more}
+
+    # Scaled from 3 workers to 2: the runner lists worker:2 removed; the others as they were started.
+    (jobdir / "tasks.json").write_text(json.dumps(
+        [task("ps:0", 3, removed=False), task("worker:10", 3, removed=False), task("worker:0", 3, removed=False),
+         task("worker:2", 3, removed=True)]))
+    (jobdir / "picture.json").write_text(json.dumps({"tasks": [{"name": "ps:0", "state": "running"},
+                                                               {"name": "worker:0", "state": "restarting"}]}))
+    (jobdir / "worker-2.log").write_text("worker:2 done at global step 40\n")
+    (jobdir / "worker-7.log").write_text("from a runner that listed only the tasks of the moment\n")
+    tasks = backend.tasks(job)
+    assert [(t.name, t.state) for t in tasks] == [("ps:0", "running"), ("worker:0", "restarting"),
+                                                  ("worker:2", "removed"), ("worker:7", "removed"),
+                                                  ("worker:10", "")]
+    assert tasks[2].env == {"TF_CONFIG": "3 workers"} and tasks[3].command == []
+    assert backend.log(job, "worker:2").text == "worker:2 done at global step 40\n"
+    assert backend.log(job, "worker:7").text.startswith("from a runner")
+    with pytest.raises(TaskNotFoundError, match="no task 'worker:9'"):
+        backend.log(job, "worker:9")
+    (jobdir / "tasks.json").write_text("[{\"name\": \"ps:0\"}, 3]")  # unreadable entries: skipped, not a 500
+    assert [t.name for t in backend.tasks(job)] == ["worker:2", "worker:7"]

@@ -8,19 +8,20 @@ Without a session, a page redirects to the login and the API answers 401.
 
 What the pages may do in the browser: the dashboard's rules: scripts only from our own files, the DOM
 built with ``textContent``, and a Content-Security-Policy saying so. Request bodies are bounded
-(``MAX_BODY_BYTES``) before they are read. Errors a user can fix (a missing script, bad settings, a
-full disk) come back on the form or as a 4xx JSON ``{"error": ...}``, never as a 500.
+(``MAX_BODY_BYTES``) before they are read. Errors a user can fix (a wrong password, a missing script,
+bad settings, a job file the service cannot read, a button of a job they do not own, a full disk) come
+back on the page they came from (the sign-in page, the form, the job's page) with a 4xx (507) status,
+or as a 4xx JSON ``{"error": ...}``, never as a 500.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 import sqlite3
-import tempfile
 import time
 from importlib import resources
-from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from jinja2 import Environment, PackageLoader, select_autoescape
@@ -33,11 +34,11 @@ from starlette.staticfiles import StaticFiles
 
 from tensorfleet.dashboard.server import BodyLimit, json_safe
 from tensorfleet.errors import ConfigError, TensorfleetError
-from tensorfleet.launch.config import load_job_file
 from tensorfleet.service.accounts import Accounts, Session, TooBusyError
-from tensorfleet.service.forms import FORM_FIELDS, form_from_settings, settings_from_form
-from tensorfleet.service.jobs import JobService
-from tensorfleet.service.store import JobRecord, JobState
+from tensorfleet.service.forms import (FORM_FIELDS, check_choices, clone_name, form_from_settings, settings_from_form,
+                                       unshown_settings)
+from tensorfleet.service.jobs import JobService, ignored_text, split_settings
+from tensorfleet.service.store import ACTIVE, JobRecord, JobState
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,26 @@ _CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'
         "frame-ancestors 'self'")
 HEADERS = {"Cache-Control": "no-store", "Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff",
            "Referrer-Policy": "same-origin"}
+SCRIPT_GROUP_LABELS = {"job": "training scripts (they call run_task)",
+                       "script": "other scripts (with a __main__ block)", "module": "other Python files"}
 _STATUS_OF_CODE = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
                    "FAILED_PRECONDITION": 409, "RESOURCE_EXHAUSTED": 429}
+TRACEBACK_START = "Traceback (most recent call last)"
+
+
+def reason_parts(reason: str | None) -> dict[str, str | None]:
+    """A job's reason as a reader wants it: the error line first (``RuntimeError: ...``), then what happened
+    (``worker:0 exited with code 1; not restarted because ...``), the traceback below. The runner writes
+    what happened first and the traceback after it, whose last line is the error."""
+    if not reason:
+        return {"error_line": None, "summary": None, "traceback": None}
+    at = reason.find(TRACEBACK_START)
+    if at < 0:
+        return {"error_line": None, "summary": reason, "traceback": None}
+    traceback = reason[at:].strip("\n")
+    lines = [line for line in traceback.splitlines()[1:] if line.strip()]
+    error = next((line for line in reversed(lines) if not line.startswith((" ", "\t"))), None)
+    return {"error_line": error, "summary": reason[:at].strip("\n") or None, "traceback": traceback}
 
 
 def job_json(job: JobRecord, picture: dict[str, Any] | None, now: float) -> dict[str, Any]:
@@ -59,7 +78,8 @@ def job_json(job: JobRecord, picture: dict[str, Any] | None, now: float) -> dict
     progress = (picture or {}).get("job") or {}
     return {
         "id": job.id, "name": job.name, "owner": job.owner, "state": job.state.value, "backend": job.backend,
-        "reason": job.reason, "restarts": job.restarts, "created_at": job.created_at, "started_at": job.started_at,
+        "reason": job.reason, **reason_parts(job.reason),
+        "restarts": job.restarts, "created_at": job.created_at, "started_at": job.started_at,
         "finished_at": job.finished_at, "age_s": round(now - job.created_at, 1), "pid": job.pid,
         "logdir": job.logdir, "restarted_from": job.restarted_from, "stop_requested": job.stop_requested,
         "workers_target": job.workers_target, "config": job.config,
@@ -90,9 +110,11 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
         sent = request.headers.get("x-csrf-token") or (form.get("csrf") if form is not None else None) or ""
         return hmac.compare_digest(str(sent), session.csrf)
 
-    def page(name: str, session: Session | None, status: int = 200, **context: Any) -> Response:
-        html = templates.get_template(name).render(user=session.user if session else None,
-                                                   csrf=session.csrf if session else "", states=STATES, **context)
+    def page(template: str, session: Session | None, status: int = 200, **context: Any) -> Response:
+        # ``template``, not ``name``: the sign-in page's context has a ``name`` (the user name typed) of its own.
+        html = templates.get_template(template).render(user=session.user if session else None,
+                                                       csrf=session.csrf if session else "", states=STATES,
+                                                       **context)
         return Response(html, status, media_type="text/html; charset=utf-8", headers=HEADERS)
 
     def api_error(exc: Exception) -> JSONResponse:
@@ -178,63 +200,82 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
                                 "backend": "local", "mode": "async"}
         source = request.query_params.get("from")
         if source and source.isdigit():
-            job = await run_in_threadpool(service.get, int(source))
+            try:
+                job = await run_in_threadpool(service.get, int(source))
+            except TensorfleetError as exc:
+                return page("error.html", session, 404, error=str(exc))
             form = form_from_settings(job.config, job.backend, str(service.workspace))
-            form["name"] = ""
-        return new_form(session, form)
+            form["name"] = clone_name(job.name)
+        return await run_in_threadpool(new_form, session, form)
 
-    def new_form(session: Session, form: dict[str, str], error: str | None = None, status: int = 200) -> Response:
-        return page("new.html", session, status, form=form, error=error, scripts=service.scripts(),
-                    backends=sorted(service.backends), workspace=str(service.workspace))
+    def new_form(session: Session, form: dict[str, str], error: str | None = None, status: int = 200,
+                 notice: str | None = None) -> Response:
+        groups = service.script_groups()
+        listed = {script for scripts in groups.values() for script in scripts}
+        return page("new.html", session, status, form=form, error=error, notice=notice, groups=groups,
+                    listed=listed, labels=SCRIPT_GROUP_LABELS, backends=sorted(service.backends),
+                    workspace=str(service.workspace))
 
     async def create_job(request: Request, session: Session) -> Response:
         form = await request.form(max_files=1, max_fields=50)
         fields = {name: str(form.get(name) or "") for name in FORM_FIELDS}
         upload = form.get("job_file")
         if form.get("import") is not None:  # the "import a job file" button: fill the form from the file
-            return await import_job_file(session, upload, fields)
+            data = await upload.read() if upload is not None and getattr(upload, "filename", "") else None
+            return await run_in_threadpool(import_job_file, session, data, getattr(upload, "filename", ""), fields)
         try:
             settings, backend = settings_from_form(fields)
+            if fields["script"].strip():
+                source = await run_in_threadpool(service.script_source, fields["script"].strip())
+                check_choices(fields, source)
             job = await run_in_threadpool(service.submit, session.user, settings, backend=backend)
         except TensorfleetError as exc:  # bad settings (ConfigError), or the store refusing (its text says why)
-            return new_form(session, fields, str(exc), 400)
+            return await run_in_threadpool(new_form, session, fields, str(exc), 400)
         except (OSError, sqlite3.Error) as exc:
-            return new_form(session, fields, f"the service could not save the job: {_os_text(exc)}", 507)
+            return await run_in_threadpool(new_form, session, fields,
+                                           f"the service could not save the job: {_os_text(exc)}", 507)
         return RedirectResponse(f"/jobs/{job.id}", 303)
 
-    async def import_job_file(session: Session, upload: Any, fields: dict[str, str]) -> Response:
-        if upload is None or not getattr(upload, "filename", ""):
+    def import_job_file(session: Session, data: bytes | None, filename: str, fields: dict[str, str]) -> Response:
+        """The form filled from a job file, by the rule of every job file given to the service
+        (``JobService.job_file_fields``, ``split_settings``): what the form cannot hold is said on it."""
+        if data is None:
             return new_form(session, fields, "choose a job file (.yaml, .yml or .toml) to import", 400)
-        suffix = Path(upload.filename).suffix.lower()
-        data = await upload.read()
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / f"job{suffix}"
-            path.write_bytes(data)
-            try:
-                if suffix not in (".yaml", ".yml", ".toml"):
-                    raise ConfigError(f"job file {upload.filename!r} must end in .yaml, .yml or .toml")
-                settings = load_job_file(path)
-                if "script" in settings:  # as on the command line: relative to the workspace
-                    settings["script"] = service.workspace_script(str(settings["script"]))
-                imported = form_from_settings(settings, fields.get("backend") or "local", str(service.workspace))
-            except ConfigError as exc:
-                return new_form(session, fields, str(exc).replace(str(path), upload.filename), 400)
-        return new_form(session, {**fields, **imported})
-
-    async def job_page(request: Request, session: Session) -> Response:
-        job_id = request.path_params["job_id"]
         try:
-            job = await run_in_threadpool(service.get, job_id)
+            settings = service.job_file_fields(data, filename)
+            config = service.config_from(settings)
+        except ConfigError as exc:
+            return new_form(session, fields, str(exc), 400)
+        _used, ignored = split_settings(settings)
+        notes = [ignored_text(ignored)] if ignored else []
+        # Every field from the file (a default where it says nothing, as 'tensorfleet launch' would run it);
+        # only the backend, which a job file does not hold, stays as chosen.
+        filled = {**dict.fromkeys(FORM_FIELDS, ""), **form_from_settings(dataclasses.asdict(config),
+                                                                          fields.get("backend") or "local",
+                                                                          str(service.workspace))}
+        unshown = unshown_settings(config, filled)
+        if unshown:
+            notes.append(f"{', '.join(unshown)} from {filename} cannot be shown in this form: submit the file with "
+                         f"'tensorfleet jobs submit {filename}' to keep them")
+        return new_form(session, filled, notice="\n".join(notes) or None)
+
+    def job_view(session: Session, job_id: int, *, status: int = 200, error: str | None = None,
+                 confirm: str | None = None) -> Response:
+        try:
+            job = service.get(job_id)
         except TensorfleetError as exc:
             return page("error.html", session, 404, error=str(exc))
-        tasks = await run_in_threadpool(service.tasks, job_id)
-        events = await run_in_threadpool(service.events, job_id)
+        tasks, events = service.tasks(job_id), service.events(job_id)
         owner = job.owner == session.user.name or session.user.admin
-        return page("job.html", session, job=job_json(job, None, service.store.now()), tasks=tasks,
-                    events=events, can_change=owner, error=request.query_params.get("error"))
+        return page("job.html", session, status, job=job_json(job, None, service.store.now()), tasks=tasks,
+                    events=events, can_change=owner, error=error, confirm=confirm)
+
+    async def job_page(request: Request, session: Session) -> Response:
+        return await run_in_threadpool(job_view, session, request.path_params["job_id"])
 
     def action(do: Callable[[Request, Session, int, Any], Any]) -> Handler:
-        """A button on the job page: do it, then back to a job's page (with the error, if any)."""
+        """A button on the job page: do it, then to a job's page; an error is shown on the job's page, with
+        its status (a 4xx the user can act on, 507 when the disk is full)."""
         async def handler(request: Request, session: Session) -> Response:
             job_id = request.path_params["job_id"]
             form = await request.form(max_files=0, max_fields=10)
@@ -245,18 +286,30 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
                     text, status = str(exc), _STATUS_OF_CODE.get(getattr(exc, "code", ""), 400)
                 else:
                     text, status = f"the service could not save it: {_os_text(exc)}", 507
-                return page("error.html", session, status, error=text, back=f"/jobs/{job_id}")
+                return await run_in_threadpool(job_view, session, job_id, status=status, error=text)
+            if isinstance(target, Response):
+                return target
             return RedirectResponse(f"/jobs/{target}", 303)
         return handler
 
     def do_stop(request: Request, session: Session, job_id: int, form: Any) -> int:
         return service.stop(session.user, job_id).id
 
-    def do_restart(request: Request, session: Session, job_id: int, form: Any) -> int:
+    def do_restart(request: Request, session: Session, job_id: int, form: Any) -> int | Response:
+        """A new run with the same settings. Of a job still active, only once the user chose: stop it first
+        (``then=stop``), or run a second one beside it (``then=second``); until then, the page asks."""
+        then = str(form.get("then") or "")
+        if then not in ("", "stop", "second"):
+            raise ConfigError(f"then must be 'stop' or 'second', got {then!r}")
+        job = service.get(job_id)
+        if job.state in (JobState.QUEUED, *ACTIVE) and not then:
+            return job_view(session, job_id, confirm="restart")
+        if then == "stop" and job.state in (JobState.QUEUED, *ACTIVE):
+            service.stop(session.user, job_id)
         return service.restart(session.user, job_id).id
 
     def do_scale(request: Request, session: Session, job_id: int, form: Any) -> int:
-        text = str(form.get("workers", ""))
+        text = str(form.get("workers", "")).strip()
         if not text.isdigit():
             raise ConfigError(f"workers must be a whole number, got {text!r}")
         return service.scale(session.user, job_id, int(text)).id
@@ -283,10 +336,19 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
         return JSONResponse({"jobs": json_safe(await run_in_threadpool(summaries, state))}, headers=HEADERS)
 
     async def api_submit(request: Request, session: Session) -> Response:
+        """A job from its settings, or from a job file's text (``{"job_file": {"name": "job.yaml", "text": ...}}``,
+        what ``jobs submit`` sends) with settings on top; the answer names the settings it did not use."""
         body = await _json_body(request)
         backend = str(body.pop("backend", "local"))
+        job_file = body.pop("job_file", None)
+        if job_file is not None:
+            if not isinstance(job_file, dict) or not isinstance(job_file.get("name"), str) \
+                    or not isinstance(job_file.get("text"), str):
+                raise ConfigError('job_file must be {"name": "job.yaml", "text": "the file\'s text"}')
+            body = {**await run_in_threadpool(service.job_file_fields, job_file["text"], job_file["name"]), **body}
+        _used, ignored = split_settings(body)
         job = await run_in_threadpool(service.submit, session.user, body, backend=backend)
-        return JSONResponse(job_json(job, None, service.store.now()), 201, headers=HEADERS)
+        return JSONResponse({**job_json(job, None, service.store.now()), "ignored": ignored}, 201, headers=HEADERS)
 
     async def api_job(request: Request, session: Session) -> Response:
         job_id = request.path_params["job_id"]
@@ -322,8 +384,8 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
 
     async def api_tasks(request: Request, session: Session) -> Response:
         tasks = await run_in_threadpool(service.tasks, request.path_params["job_id"])
-        return JSONResponse({"tasks": [{"name": t.name, "role": t.role, "command": t.command, "env": t.env}
-                                       for t in tasks]}, headers=HEADERS)
+        return JSONResponse({"tasks": [{"name": t.name, "role": t.role, "command": t.command, "env": t.env,
+                                        "state": t.state} for t in tasks]}, headers=HEADERS)
 
     async def api_log(request: Request, session: Session) -> Response:
         offset = request.query_params.get("offset", "0")
