@@ -175,6 +175,53 @@ def test_the_tables_stay_within_the_memory_budget_and_recent_rows_stay():
     assert rows["a"][0, 0] == -1.0 and rows["a"][1, 0] == 0.0  # the newest row is there, the oldest went
 
 
+def test_a_push_whose_rows_cannot_fit_the_budget_is_refused_and_changes_nothing():
+    """Issue 28, item 8: one push of 400k new ids left a ps at 4x a 64 MiB budget (a push's own rows are never
+    evicted). A push that cannot fit with every other row evicted is refused before it changes anything."""
+    budget = 2 << 20
+    store = budget_store(budget)
+    store.apply({ids_key("a"): torch.arange(100), grads_key("a"): torch.ones(100, 16)}, advance_step=True)
+    before = store.status()
+    many = torch.arange(1000, 1000 + 40_000)  # ~4 MiB of rows of "a" alone
+    with pytest.raises(InvalidArgumentError, match="over this ps's memory budget of 2.0 MiB: push fewer unique ids"):
+        store.apply({ids_key("a"): many, grads_key("a"): torch.ones(40_000, 16)}, advance_step=True,
+                    origin=Origin(0, 0, 1))
+    after = store.status()
+    assert (after.applied_updates, after.global_step, after.tables["a"]["rows"]) == (
+        before.applied_updates, before.global_step, 100)
+    assert after.accepted_pushes == before.accepted_pushes  # refused, not taken: a resend is refused alike
+    store.apply({ids_key("a"): many[:2000], grads_key("a"): torch.ones(2000, 16)}, advance_step=True,
+                origin=Origin(0, 0, 1))
+    assert store.status().tables["a"]["rows"] == 2100
+
+
+def test_the_log_of_evicted_ids_counts_within_the_budget():
+    """Issue 28, item 8: the eviction log (up to 10M ids per table) was outside the budget: a 16 MiB budget held
+    229 MiB more. It counts in a table's bytes now, and keeps at most a tenth of the budget."""
+    budget = 1 << 20
+    store = budget_store(budget)
+    for step in range(300):
+        ids = torch.arange(step * 2000, (step + 1) * 2000, dtype=torch.int64)  # every step evicts thousands
+        store.apply({ids_key("b"): ids, grads_key("b"): torch.ones(2000, 4)}, advance_step=True,
+                    origin=Origin(0, 0, step + 1))
+        tables = store.status().tables
+        assert tables["a"]["bytes"] + tables["b"]["bytes"] <= budget
+    shard = store._tables["b"]
+    kept = sum(ids.nbytes for _, ids in shard._evictions)  # what the log really holds
+    assert shard.evicted > 500_000 and kept == shard.log_bytes <= 0.1 * budget
+    assert store.snapshot(since=1).since is None  # the oldest evictions were forgotten: the save is whole
+
+
+def test_a_budget_below_the_tables_floor_is_said_at_start_up(caplog):
+    store = VariableStore(task="/job:ps/task:0", memory_budget=64 << 10)
+    store.initialize({}, OptimizerSpec("sgd", {"lr": 1.0}), tables=[TableSpec("a", 64, SGD, initializer=ZERO)])
+    said = [r.getMessage() for r in caplog.records if "below what its 1 table(s) need" in r.getMessage()]
+    assert len(said) == 1 and "raise --ps_memory_budget" in said[0], said
+    caplog.clear()
+    budget_store(64 << 20)  # plenty: nothing said
+    assert not [r for r in caplog.records if "memory budget" in r.getMessage()]
+
+
 def test_a_resent_push_neither_counts_towards_admission_twice_nor_applies_twice():
     store = VariableStore(task="/job:ps/task:0")
     store.initialize({}, OptimizerSpec("sgd", {"lr": 1.0}), tables=[

@@ -36,6 +36,8 @@ from tensorfleet.ps.apply import Applier, MovingAverage, check_layout
 from tensorfleet.ps.table import EmbeddingShard, unique_ids_error
 
 BUDGET_EVICT_TO = 0.8  # over its memory budget, a ps evicts down to this fraction of it
+BUDGET_LOG_SHARE = 0.1  # of the memory budget, what the logs of evicted ids (for delta checkpoints) may keep
+FLOOR_ROWS = 1024  # rows per table and shard below which a budget is said at start-up to be too small
 SNAPSHOT_PAGE_BYTES = 256 << 20  # table rows per page of a Snapshot: replies stay far below the message limit
 # Rows of one table in one request at most: a bound on what one message can make a shard allocate or send.
 MAX_IDS_PER_REQUEST = 1 << 24
@@ -221,6 +223,7 @@ class VariableStore:
         self.shard = shard
         self.memory_budget = memory_budget  # bytes the embedding tables may hold; evicted down to below it
         self._tables: dict[str, EmbeddingShard] = {}
+        self._table_floor = 0  # what the tables hold with no row (storage, id maps, sketches): the budget's floor
         self.replica_names = list(replica_names)
         self.num_replicas = len(self.replica_names)  # pushes name a replica below this (0: not checked)
         self._cond = threading.Condition()
@@ -267,6 +270,8 @@ class VariableStore:
                              sync.total_num_replicas if sync is not None else 0,
                              {table.name: table for table in tables}, self.shard)
         shards = {table.name: EmbeddingShard(table) for table in tables}
+        floor = sum(shard.nbytes for shard in shards.values())
+        self._say_if_budget_below_floor(shards, floor)
         if restore is not None:
             self._restore_tables(layout, shards, restore.tables, restore.applied_updates)
             applier.load_slots(restore.slots)
@@ -284,7 +289,7 @@ class VariableStore:
             if self._applier is not None and not force:
                 return False
             self._variables, self._applier, self._sync, self._average = owned, applier, accumulator, average
-            self.nonfinite, self._layout, self._tables = nonfinite, layout, shards
+            self.nonfinite, self._layout, self._tables, self._table_floor = nonfinite, layout, shards, floor
             self._global_step = restore.global_step if restore is not None else 0
             self._applied_updates = restore.applied_updates if restore is not None else 0
             self._initial_updates, self._accepted_pushes = self._applied_updates, 0
@@ -477,6 +482,7 @@ class VariableStore:
 
     def _apply_async(self, push: PushRequest, gradients: Mapping[str, torch.Tensor], rows: Rows
                      ) -> tuple[int, Outcome]:
+        self._check_fits(rows)
         if not self._admit(push.origin):
             return self._global_step, Outcome.RETRIED
         if gradients or self._tables:  # with tables every push is an update of every shard (rows or not)
@@ -489,6 +495,7 @@ class VariableStore:
                     ) -> tuple[int, Outcome]:
         sync, replica, step = self._sync, push.replica, push.step
         sync.check_step(step)  # every refusal comes before _admit: a refused push is not "accepted"
+        self._check_fits(rows)
         if not self._admit(push.origin):  # a retry: the first copy was offered; wait for its step like it
             if sync.step <= step:
                 self._wait_for_step(step)
@@ -611,6 +618,33 @@ class VariableStore:
             self._average.update(self._applied_updates)
         self._applied_updates += 1
 
+    def _say_if_budget_below_floor(self, shards: Mapping[str, EmbeddingShard], floor: int) -> None:
+        """At start-up (Init): a budget below the tables' floor (their empty storage, id maps and admission
+        sketches, and ``FLOOR_ROWS`` rows each) cannot be kept with any training; say so once, with the figure."""
+        if self.memory_budget is None or not shards:
+            return
+        least = floor + sum(FLOOR_ROWS * shard.row_cost() for shard in shards.values())
+        if self.memory_budget < least:
+            log.warning("%s: the memory budget of %.1f MiB is below what its %d table(s) need to train at all "
+                        "(%.1f MiB: their empty storage, id maps and admission sketches, and %d rows each): pushes "
+                        "will be refused or evict almost every row; raise --ps_memory_budget", self.task,
+                        self.memory_budget / 2 ** 20, len(shards), least / 2 ** 20, FLOOR_ROWS)
+
+    def _check_fits(self, rows: Rows) -> None:
+        """Refuse a push whose rows could not fit in the memory budget even with every other row evicted: the
+        rows of the push being applied are never evicted, so it would hold the ps over its budget."""
+        if self.memory_budget is None or not rows:
+            return
+        tables = self._tables
+        needed = self._table_floor + sum(ids.numel() * tables[name].row_cost() for name, (ids, _) in rows.items())
+        if needed > self.memory_budget:
+            counts = ", ".join(f"{ids.numel():,} of {name!r}" for name, (ids, _) in rows.items())
+            raise InvalidArgumentError(
+                f"this push's rows ({counts}) need about {needed / 2 ** 20:.1f} MiB with every other row evicted, "
+                f"over this ps's memory budget of {self.memory_budget / 2 ** 20:.1f} MiB: push fewer unique ids per "
+                "step (smaller batches, or more ps tasks) or raise --ps_memory_budget; nothing was applied",
+                task=self.task)
+
     def _keep_within_budget(self) -> None:
         """Evict the least recently updated rows of all tables (never those of this update) until the tables
         hold at most ``BUDGET_EVICT_TO`` of the memory budget: evictions come in batches, as each one
@@ -618,6 +652,10 @@ class VariableStore:
         if self.memory_budget is None:
             return
         tables = list(self._tables.values())
+        held = sum(table.nbytes for table in tables)
+        if held > self.memory_budget:  # first what is cheapest to lose: evictions kept for delta checkpoints
+            for table in tables:
+                table.trim_log(int(BUDGET_LOG_SHARE * self.memory_budget / 8 / max(len(tables), 1)))
         for _ in range(3):  # a row's cost is estimated from what its table holds now: a round or two more
             held = sum(table.nbytes for table in tables)
             if held <= self.memory_budget:
@@ -639,6 +677,7 @@ class VariableStore:
             for index, table in enumerate(tables):
                 mine = chosen[owner[chosen] == index] - starts[index]
                 table.evict_rows(np.sort(mine))
+                table.trim_log(int(BUDGET_LOG_SHARE * self.memory_budget / 8 / len(tables)))  # it logged them
 
     def _wait_for_step(self, step: int) -> Outcome:
         options = self._sync.options

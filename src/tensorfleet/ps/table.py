@@ -71,6 +71,8 @@ class EmbeddingShard:
         # EVICTION_LOG_IDS ids; a delta since before ``_log_from`` cannot be told (the chief then saves whole).
         self._evictions: list[tuple[int, np.ndarray]] = []
         self._log_from = 0
+        self._bare_row_bytes = spec.row_bytes() + 8 + sum(torch.empty(shape, dtype=dtype).nbytes
+                                                          for shape, dtype in self._slot_layout(1).values())
 
     def _empty_storage(self) -> tuple[GrowingRows, dict[str, GrowingRows], GrowingRows]:
         """Rows, slots and each row's last update. Each row's id is the id map's (``row_ids``)."""
@@ -100,16 +102,33 @@ class EmbeddingShard:
     @property
     def nbytes(self) -> int:
         """Bytes held for this table: rows and slots as allocated (with room to grow), the id map, the
-        admission sketch."""
+        admission sketch, and the log of evicted ids kept for delta checkpoints."""
         return (self._values.nbytes + sum(slot.nbytes for slot in self._slots.values()) + self._updated.nbytes
-                + self._map.nbytes + self.admission.nbytes)
+                + self._map.nbytes + self.admission.nbytes + self.log_bytes)
+
+    @property
+    def log_bytes(self) -> int:
+        """Bytes of the evicted ids kept for delta checkpoints."""
+        return sum(ids.nbytes for _, ids in self._evictions)
+
+    def row_cost(self) -> float:
+        """What one more row costs: its values, slots and last update, and its part of the id map (26 bytes,
+        the most a map holds per id)."""
+        return self._bare_row_bytes + 26.0
+
+    def new_rows(self, ids: torch.Tensor) -> int:
+        """How many of ``ids`` (unique) have no row yet: the most rows a push of them can create."""
+        return int((self._map.find(ids.numpy()) < 0).sum())
+
+    def trim_log(self, max_ids: int) -> None:
+        """Forget the oldest evictions until at most ``max_ids`` ids are kept (a delta from before them cannot
+        be told any more: the chief saves whole then)."""
+        self._forget_evictions_over(max(max_ids, 0))
 
     def bytes_per_row(self) -> dict[str, float]:
         """What one row costs: its values and slots alone, and everything held divided by the rows."""
-        bare = self.spec.row_bytes() + 8 + sum(torch.empty(shape, dtype=dtype).nbytes
-                                               for shape, dtype in self._slot_layout(1).values())
         rows = max(len(self), 1)
-        return {"bare": float(bare), "held": self.nbytes / rows, "map": self._map.nbytes / rows}
+        return {"bare": float(self._bare_row_bytes), "held": self.nbytes / rows, "map": self._map.nbytes / rows}
 
     # --- reads ----------------------------------------------------------------------------------
 
@@ -268,8 +287,11 @@ class EmbeddingShard:
 
     def _log_evictions(self, ids: np.ndarray) -> None:
         self._evictions.append((self._now, ids.copy()))
+        self._forget_evictions_over(EVICTION_LOG_IDS, keep_last=True)
+
+    def _forget_evictions_over(self, max_ids: int, keep_last: bool = False) -> None:
         logged = sum(entry.size for _, entry in self._evictions)
-        while logged > EVICTION_LOG_IDS and len(self._evictions) > 1:
+        while logged > max_ids and len(self._evictions) > (1 if keep_last else 0):
             update, dropped = self._evictions.pop(0)
             logged -= dropped.size
             self._log_from = update + 1
