@@ -129,3 +129,26 @@ def test_serve_model_refuses_a_script_without_the_serving_functions(tmp_path):
                            str(script), "--port", "0"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 2, done.stderr
     assert "serving_model(argv) -> nn.Module and predict(module, inputs)" in done.stderr
+
+
+def test_a_runtime_error_of_predict_is_the_callers_400_and_a_bug_is_a_500(tmp_path):
+    """Issue 28: torch says 'cannot use this input' (a shape, a dtype) with RuntimeError; that was a 500."""
+    import torch
+
+    from tensorfleet.serving.server import ModelServer
+
+    def predict(module, inputs):
+        if inputs == "bug":
+            return module.no_such_attribute  # the script's own bug
+        return module.version.view(inputs["shape"])  # a shape the version cannot take: RuntimeError
+
+    served_model.write_version(tmp_path, 1, base=None)
+    with ModelServer(served_model.serving_model([]), predict, tmp_path, port=0) as server:
+        probe = http.client.HTTPConnection(urlsplit(server.url).hostname, urlsplit(server.url).port, timeout=30)
+        wait_for(lambda: request(probe, "GET", "/v1/model")[1]["version"] is not None, what="version 1")
+        status, reply = request(probe, "POST", "/v1/predict", {"inputs": {"shape": [3, 3]}})
+        assert status == 400 and reply["error"].startswith("RuntimeError: shape '[3, 3]' is invalid"), reply
+        assert request(probe, "POST", "/v1/predict", {"inputs": {"shape": [1]}})[0] == 200
+        status, reply = request(probe, "POST", "/v1/predict", {"inputs": "bug"})
+        assert status == 500 and "AttributeError" in reply["error"]
+        probe.close()

@@ -10,7 +10,9 @@ Routes: ``POST /v1/predict`` with ``{"inputs": ...}`` answers ``{"outputs": ...,
 global_step, saved_at, applied_at}}``, the version that answered; ``GET /v1/model`` the served version,
 the chain, the rows per table and the recent reloads; ``GET /healthz`` 200 once a checkpoint is
 loaded (503 before: the server starts before training has saved anything); ``GET /metrics``.
-Bad input is a 400 with the script's message; nothing a request sends changes the served state.
+Bad input is a 400 with the script's message (what ``predict`` raises of ``BAD_INPUT``: torch's
+RuntimeError included, its word for a shape or dtype it cannot use; any other exception is the
+script's bug, a 500); nothing a request sends changes the served state.
 What a caller can make the server spend is bounded: a body of at most ``MAX_BODY_BYTES``, parsed in
 the thread pool, and at most ``MAX_PREDICTIONS`` requests parsed or predicting at once (more: 503).
 """
@@ -51,7 +53,8 @@ MAX_PREDICTIONS = 32  # requests being parsed or predicted at once; a parsed JSO
 DEFAULT_PORT = 8500
 START_TIMEOUT_S = 10.0
 # What a script's predict raises for input it cannot use: the caller's fault, answered 400.
-BAD_INPUT = (InvalidArgumentError, DataError, ValueError, TypeError, KeyError, IndexError)
+# torch says it cannot use an input (a shape, a dtype) with RuntimeError; running out of memory is not the caller's.
+BAD_INPUT = (InvalidArgumentError, DataError, ValueError, TypeError, KeyError, IndexError, RuntimeError)
 
 Predict = Callable[[torch.nn.Module, Any], Any]
 
@@ -130,6 +133,9 @@ def create_app(model: ServedModel, predict: Predict, reloader: Reloader) -> Star
         except NotLoadedError as exc:
             counters.add("unavailable")
             return JSONResponse({"error": str(exc)}, 503, headers={"Retry-After": "1"})
+        except torch.OutOfMemoryError as exc:  # a RuntimeError too, but the server's state, not the input's
+            counters.add("unavailable")
+            return JSONResponse({"error": f"out of memory: {exc}"}, 503, headers={"Retry-After": "1"})
         except BAD_INPUT as exc:
             counters.add("bad_requests")
             return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, 400)
