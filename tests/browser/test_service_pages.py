@@ -306,11 +306,23 @@ def test_the_new_job_form_lists_runnable_scripts_first_and_says_every_error(brow
         "dashboard is not used by the service: the job's page shows the job's dashboard\n"
         "logdir is not used by the service: the service gives every job its own folder (the job's page names it, "
         "for TensorBoard)")
-    imported("odd.yaml", 'script: paced_job.py\nenv: {GREETING: "two\\nlines"}\n', 200)
+    imported("odd.yaml", 'script: paced_job.py\nenv: {GREETING: "two\\nlines", A: "1"}\n', 200)
     expect(page.locator("#form-notice")).to_have_text(
-        "env from odd.yaml cannot be shown in this form: submit the file with 'tensorfleet jobs submit odd.yaml' "
-        "to keep them")
+        "env (GREETING) from odd.yaml cannot be shown in this form: submit the file with "
+        "'tensorfleet jobs submit odd.yaml' to keep them")
+    expect(page.locator("#env")).to_have_value("A=1")
     assert service.client().call("GET", "/api/jobs")["jobs"] == []
+
+    # A clone's form says the same of what it cannot show, and proposes a name of its own.
+    job = service.client().call("POST", "/api/jobs", {"script": "paced_job.py", "name": "odd", "workers": 1,
+                                                      "args": ["--last_step", "1"], "env": {"GREETING": "a\nb"}})
+    page.goto(f"{url}/jobs/new?from={job['id']}")
+    expect(page.locator("#name")).to_have_value("odd-copy")
+    expect(page.locator("#form-notice")).to_have_text(
+        f"env (GREETING) from job {job['id']} cannot be shown in this form: clone it through the API "
+        f"(POST /api/jobs/{job['id']}/clone) to keep them")
+    page.goto(f"{url}/jobs/new?from=999")
+    expect(page.locator("#action-error")).to_have_text("no job 999")
 
 
 def test_the_job_pages_buttons_say_what_went_wrong(browser_page: Page, service):

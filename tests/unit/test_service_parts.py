@@ -14,7 +14,7 @@ from tensorfleet.launch.config import JobConfig
 from tensorfleet.service.accounts import Accounts, TooBusyError, User
 from tensorfleet.service.backend import LogChunk, Observed, TaskNotFoundError, TaskView
 from tensorfleet.service.forms import (check_choices, clone_name, form_from_settings, settings_from_form,
-                                       unshown_settings)
+                                       unshown_settings, unshown_text)
 from tensorfleet.service.jobs import Capacity, JobService, PermissionDeniedError, split_settings
 from tensorfleet.service.local import LocalBackend
 from tensorfleet.service.store import JobRecord, JobState, JobStore
@@ -146,10 +146,14 @@ def test_a_clone_is_proposed_a_name_of_its_own():
 
 
 def test_what_the_form_cannot_show_is_named():
-    config = JobConfig(script="/ws/a.py", args=["--towers", "1", "--x"], env={"A": "one\ntwo"}, restart_backoff=2.5)
+    config = JobConfig(script="/ws/a.py", args=["--towers", "1", "--x"], env={"A": "one\ntwo", "B": "b"},
+                       restart_backoff=2.5)
     form = form_from_settings(config.__dict__, "local", "/ws")
     assert form["args"] == "--towers 1 --x" and form["restart_backoff"] == "2.5"
-    assert unshown_settings(config, form) == ["env"]  # a value with a new line has no NAME=VALUE line
+    assert form["env"] == "B=b"  # a value with a new line has no NAME=VALUE line: left out, and named
+    assert unshown_settings(config, form) == ["env"]
+    assert unshown_text(config, form, "job.yaml", "submit it") == (
+        "env (A) from job.yaml cannot be shown in this form: submit it to keep them")
     assert unshown_settings(JobConfig(script="/ws/a.py", workers=3, mode="sync"),
                             form_from_settings({"script": "/ws/a.py", "workers": 3, "mode": "sync"})) == []
 

@@ -98,29 +98,39 @@ def form_from_settings(config: Mapping[str, Any], backend: str = "local",
     for name in ("name", "ps", "workers", "mode", "gpus_per_worker", "restart", "max_restarts", "restart_backoff"):
         if config.get(name) is not None:
             form[name] = str(config[name])
-    form["env"] = "\n".join(f"{k}={v}" for k, v in (config.get("env") or {}).items())
+    env = config.get("env") or {}
+    form["env"] = "\n".join(f"{k}={v}" for k, v in env.items() if k not in unwritable_env(env))
     return form
+
+
+def unwritable_env(env: Mapping[str, str]) -> list[str]:
+    """The variables of ``env`` that no ``NAME=VALUE`` line of the form can hold (a new line in the value, a
+    '=' in the name, spaces the form would strip): left out of the form, and named (``unshown_settings``)."""
+    def bad(text: str, is_name: bool) -> bool:
+        return "\n" in text or "\r" in text or text != text.strip() or (is_name and ("=" in text or not text))
+    return [name for name, value in env.items() if bad(str(name), True) or bad(str(value), False)]
 
 
 def unshown_settings(config: JobConfig, form: Mapping[str, str]) -> list[str]:
     """The settings of ``config`` that ``form`` (its fields filled from it) would not give back: a job file
     imported into the form must not lose a setting without saying so."""
-    unshown = []
-    if any(_unwritable(key, is_key=True) or _unwritable(value) for key, value in config.env.items()):
-        unshown.append("env")  # no NAME=VALUE line holds it: the rest is compared without it
-        form = {**form, "env": ""}
     try:
         back, _backend = settings_from_form(form)
         shown = JobConfig(**{**back, "script": config.script})
     except (ConfigError, TypeError):
         return [f.name for f in dataclasses.fields(JobConfig) if f.name != "script"]
-    return unshown + [f.name for f in dataclasses.fields(JobConfig)
-                      if f.name not in ("script", *unshown) and getattr(shown, f.name) != getattr(config, f.name)]
+    return [f.name for f in dataclasses.fields(JobConfig)
+            if f.name != "script" and getattr(shown, f.name) != getattr(config, f.name)]
 
 
-def _unwritable(text: str, *, is_key: bool = False) -> bool:
-    """Whether an env name or value cannot be one part of a ``NAME=VALUE`` line of the form."""
-    return "\n" in text or "\r" in text or text != text.strip() or (is_key and ("=" in text or not text))
+def unshown_text(config: JobConfig, form: Mapping[str, str], source: str, keep: str) -> str | None:
+    """What the form, filled from ``source`` (a job file, a job), leaves out, and how to keep it; None if nothing."""
+    unshown = unshown_settings(config, form)
+    if not unshown:
+        return None
+    names = [f"env ({', '.join(unwritable_env(config.env))})" if name == "env" and unwritable_env(config.env)
+             else name for name in unshown]
+    return f"{', '.join(names)} from {source} cannot be shown in this form: {keep} to keep them"
 
 
 def check_choices(form: Mapping[str, str], script_source: str) -> None:

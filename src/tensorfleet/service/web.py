@@ -36,7 +36,7 @@ from tensorfleet.dashboard.server import BodyLimit, json_safe
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.service.accounts import Accounts, Session, TooBusyError
 from tensorfleet.service.forms import (FORM_FIELDS, check_choices, clone_name, form_from_settings, settings_from_form,
-                                       unshown_settings)
+                                       unshown_text)
 from tensorfleet.service.jobs import JobService, ignored_text, split_settings
 from tensorfleet.service.store import ACTIVE, JobRecord, JobState
 
@@ -206,6 +206,9 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
                 return page("error.html", session, 404, error=str(exc))
             form = form_from_settings(job.config, job.backend, str(service.workspace))
             form["name"] = clone_name(job.name)
+            notice = unshown_text(job.job_config, {**form, "name": job.config.get("name") or ""}, f"job {job.id}",
+                                  f"clone it through the API (POST /api/jobs/{job.id}/clone)")
+            return await run_in_threadpool(new_form, session, form, notice=notice)
         return await run_in_threadpool(new_form, session, form)
 
     def new_form(session: Session, form: dict[str, str], error: str | None = None, status: int = 200,
@@ -253,11 +256,8 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
         filled = {**dict.fromkeys(FORM_FIELDS, ""), **form_from_settings(dataclasses.asdict(config),
                                                                           fields.get("backend") or "local",
                                                                           str(service.workspace))}
-        unshown = unshown_settings(config, filled)
-        if unshown:
-            notes.append(f"{', '.join(unshown)} from {filename} cannot be shown in this form: submit the file with "
-                         f"'tensorfleet jobs submit {filename}' to keep them")
-        return new_form(session, filled, notice="\n".join(notes) or None)
+        unshown = unshown_text(config, filled, filename, f"submit the file with 'tensorfleet jobs submit {filename}'")
+        return new_form(session, filled, notice="\n".join(notes + [unshown] if unshown else notes) or None)
 
     def job_view(session: Session, job_id: int, *, status: int = 200, error: str | None = None,
                  confirm: str | None = None) -> Response:

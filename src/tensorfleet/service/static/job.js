@@ -1,4 +1,4 @@
-// A job's page: its state kept current (a change of state reloads the page: new buttons, tasks, history),
+// A job's page: its state kept current (a change of state loads the page again: new buttons, tasks, history),
 // its tasks and log tabs following a scale (from /api/jobs/ID/tasks, no reload), and the log of the chosen
 // task streamed from /api/jobs/ID/logs/TASK?offset=N. textContent only.
 "use strict";
@@ -28,7 +28,9 @@ async function refreshState() {
     const response = await fetch(`/api/jobs/${jobId}`, { cache: "no-store", credentials: "same-origin" });
     if (!response.ok) return;
     const job = await response.json();
-    if (job.state !== section.dataset.state) { window.location.reload(); return; }
+    // The job's own address, not reload(): this page may be the answer to a POST (an error, a question),
+    // which a reload would send again.
+    if (job.state !== section.dataset.state) { window.location.assign(`/jobs/${jobId}`); return; }
     document.getElementById("job-restarts").textContent = String(job.restarts);
     document.getElementById("job-reason-box").hidden = !job.reason;
     showText("job-error-line", job.error_line);
