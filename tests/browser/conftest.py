@@ -66,6 +66,19 @@ def browser_page() -> Iterator[Page]:
 
 
 @pytest.fixture
+def service_home(tmp_path: Path) -> Path:
+    """The job service's home for a test whose pages are screenshots of the docs: $TENSORFLEET_SCREENSHOT_HOME
+    (a new folder, so that the pictures show a neutral path, not a pytest temporary one), else tmp_path/home."""
+    chosen = os.environ.get("TENSORFLEET_SCREENSHOT_HOME")
+    if not chosen:
+        return tmp_path / "home"
+    home = Path(chosen)
+    if home.exists() and any(home.iterdir()):
+        pytest.fail(f"TENSORFLEET_SCREENSHOT_HOME={chosen} is not empty: give a new folder")
+    return home
+
+
+@pytest.fixture
 def save_screenshot(tmp_path: Path) -> Callable[[Page, str], Path]:
     """``save_screenshot(page, "name.png")``: a full-page PNG in $TENSORFLEET_SCREENSHOT_DIR, else tmp_path."""
     folder = Path(os.environ.get("TENSORFLEET_SCREENSHOT_DIR") or tmp_path)

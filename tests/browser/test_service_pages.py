@@ -81,8 +81,8 @@ def running(pid: int) -> bool:
         return False
 
 
-def test_a_user_runs_stops_and_finds_jobs_from_the_browser_only(browser_page: Page, tmp_path, save_screenshot):
-    home, page = tmp_path / "home", browser_page
+def test_a_user_runs_stops_and_finds_jobs_from_the_browser_only(browser_page: Page, service_home, save_screenshot):
+    home, page = service_home, browser_page
     service = start_service(home, REPO)
     try:
         sign_in(page, service.url)
