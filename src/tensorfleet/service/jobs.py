@@ -31,6 +31,7 @@ from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch.config import FIELDS, JobConfig, load_job_file
 from tensorfleet.launch.local import usable_cores
 from tensorfleet.service.accounts import User
+from tensorfleet.service.environment import check_job_env
 from tensorfleet.service.backend import Backend, LogChunk, TaskView
 from tensorfleet.service.store import ACTIVE, JobEvent, JobRecord, JobState, JobStore
 
@@ -274,6 +275,8 @@ class JobService:
         ConfigError for a path outside the workspace or a file that is not there."""
         if not isinstance(script, str) or not script.strip():
             raise ConfigError("script: choose a Python file of the workspace")
+        if "\x00" in script:
+            raise ConfigError(f"script {script!r}: a path cannot hold a NUL character")
         candidate = Path(script)
         path = (candidate if candidate.is_absolute() else self.workspace / candidate).resolve()
         if not path.is_relative_to(self.workspace):
@@ -330,7 +333,9 @@ class JobService:
     def submit(self, user: User, fields: Mapping[str, Any], *, backend: str = "local") -> JobRecord:
         """A new queued job of ``user``; settings the service does not use are named in its history."""
         self._backend(backend)
-        job = self.store.submit(self.config_from(fields), user.name, backend=backend)
+        config = self.config_from(fields)
+        check_job_env(config.env, admin=user.admin)
+        job = self.store.submit(config, user.name, backend=backend)
         _used, ignored = split_settings(fields)
         if ignored:
             self.store.add_event(job.id, "ignored", ignored_text(ignored))
@@ -355,15 +360,20 @@ class JobService:
         return self.store.get(job_id)
 
     def restart(self, user: User, job_id: int) -> JobRecord:
-        """A new run of ``job_id`` with the same settings (the old record keeps its history)."""
+        """A new run of ``job_id`` with the same settings (the old record keeps its history), owned by ``user``,
+        whoever owned the first: any user may run what they can see, with their own rights (its env is checked
+        against them, as a new job's)."""
         source = self.store.get(job_id)
         self.workspace_script(source.config["script"])  # still there?
+        check_job_env(source.config.get("env") or {}, admin=user.admin)
         return self.store.clone(job_id, user.name)
 
     def clone(self, user: User, job_id: int, fields: Mapping[str, Any], *, backend: str | None = None) -> JobRecord:
-        """A new job from ``job_id``'s settings with ``fields`` changed."""
+        """A new job of ``user`` from ``job_id``'s settings with ``fields`` changed (any job a user can see may be
+        cloned; the new one is checked against the cloner's rights)."""
         source = self.store.get(job_id)
         config = self.config_from({**{k: v for k, v in source.config.items() if k not in SERVICE_SET}, **fields})
+        check_job_env(config.env, admin=user.admin)  # the cloner's rights, not the first owner's
         return self.store.submit(config, user.name, backend=self._backend(backend or source.backend).name)
 
     def scale(self, user: User, job_id: int, workers: int) -> JobRecord:
