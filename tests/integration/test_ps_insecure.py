@@ -75,7 +75,7 @@ def port_is_free(port: int) -> bool:
 
 
 def answers_status(port: int, token: str | None = None) -> dict:
-    channel = Channel(f"127.0.0.1:{port}", task="ps:0", options=WireOptions(token=token))
+    channel = Channel(f"127.0.0.1:{port}", task="/job:ps/task:0", options=WireOptions(token=token))
     try:
         return channel.call("Status", timeout=10)[0]
     finally:

@@ -241,7 +241,8 @@ class _TokenCheck(grpc.ServerInterceptor):
 
     def _refuse(self, requests: Any, context: grpc.ServicerContext) -> bytes:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{self._task} refuses calls without the job's token: "
-                      "set TENSORFLEET_TOKEN (or TENSORFLEET_TOKEN_FILE) to the token of this job")
+                      "set TENSORFLEET_TOKEN (or TENSORFLEET_TOKEN_FILE) to the token of this job (a proof of it "
+                      f"is made for one task: a channel must name the task it calls, {self._task})")
         raise AssertionError("unreachable")  # context.abort always raises
 
 
