@@ -52,7 +52,7 @@ class Sampler:
     """Samples ps:0's global step from its Status every ``interval_s`` (only while it is initialized)."""
 
     def __init__(self, address: str, token: str, interval_s: float = 0.1) -> None:
-        self.channel = Channel(address, task="ps:0", options=WireOptions(token=token, deadline_s=2.0))
+        self.channel = Channel(address, task="/job:ps/task:0", options=WireOptions(token=token, deadline_s=2.0))
         self.interval_s = interval_s
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
