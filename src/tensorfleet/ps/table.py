@@ -12,8 +12,9 @@ The per-row rules (plain torch on the touched rows; the caller holds the store's
   touched rows; ``initial_accumulator_value`` as there)
 * ``adam`` (lazy): per row ``t += 1; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
   row -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``: ``torch.optim.Adam``'s update of a
-  row that is a parameter of its own, stepped only when touched.  (``torch.optim.SparseAdam`` counts
-  ``t`` per tensor instead; the two agree while every row is touched every step.)
+  row that is a parameter of its own, stepped only when touched, to the bit (the bias corrections in
+  float64, as torch computes them).  ``torch.optim.SparseAdam`` counts ``t`` per tensor instead and adds
+  eps to sqrt(v) before the bias correction (its eps is Adam's times sqrt(1 - b2^t)).
 
 Storage grows by a quarter of its size when full, in place (``GrowingRows``: no copy, so no
 moment with the old and the new storage both alive), so a table of n rows holds at most
@@ -206,10 +207,13 @@ class EmbeddingShard:
         step = slots["step"][rows] + 1
         exp_avg = slots["exp_avg"][rows].lerp_(grads, 1 - beta1)
         exp_avg_sq = slots["exp_avg_sq"][rows].mul_(beta2).addcmul_(grads, grads, value=1 - beta2)
-        bias1 = 1 - torch.pow(beta1, step)
-        bias2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
+        # As torch.optim.Adam: the bias corrections and the step size in float64 (Python floats there), rounded
+        # once to the rows' dtype, and the same order of operations, so that a row equals it to the bit.
+        step64 = step.to(torch.float64)
+        step_size = (lr / (1 - torch.pow(beta1, step64))).to(values.dtype)
+        bias2_sqrt = (1 - torch.pow(beta2, step64)).sqrt().to(values.dtype)
         denom = (exp_avg_sq.sqrt() / bias2_sqrt[:, None]).add_(eps)
-        values.sub_(exp_avg / denom * (lr / bias1)[:, None])
+        values.sub_(step_size[:, None] * exp_avg / denom)
         slots["step"][rows], slots["exp_avg"][rows], slots["exp_avg_sq"][rows] = step, exp_avg, exp_avg_sq
 
     def _rows_for(self, ids: torch.Tensor) -> torch.Tensor:
