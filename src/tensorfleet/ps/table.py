@@ -62,6 +62,8 @@ class EmbeddingShard:
         self._map = IdMap()
         self._values, self._slots, self._updated = self._empty_storage()
         self.admission = Admission(spec.admit_after, spec.admit_probability)
+        # The counts are this shard object's (a process's, since its start or the restore that made it): a
+        # checkpoint holds rows, not counts, so they restart at 0 (README, "Visible").
         self.rows_created = 0  # since start (a restore's rows are loaded, not created)
         self.evicted = 0  # rows evicted since start
         self.row_updates = 0  # row gradients applied since start: with lookups, the shard's traffic
