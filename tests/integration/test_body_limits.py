@@ -14,7 +14,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from tensorfleet.dashboard import server as dashboard_server
+from tensorfleet.web import bodies as web_bodies
 from tensorfleet.serving.server import ModelServer
 from tensorfleet.testing.service import running_service
 
@@ -25,7 +25,7 @@ MIB = 1 << 20
 @pytest.fixture(params=["serve-model", "job service"])
 def app(request, tmp_path: Path, monkeypatch) -> Iterator[tuple[str, str]]:
     """(base URL, a POST path that reads its body before anything else) of a running app."""
-    monkeypatch.setattr(dashboard_server, "BODY_TIMEOUT_S", 1.5, raising=False)
+    monkeypatch.setattr(web_bodies, "BODY_TIMEOUT_S", 1.5, raising=False)
     if request.param == "serve-model":
         with ModelServer(torch.nn.Linear(2, 1), lambda model, inputs: inputs, tmp_path, port=0) as served:
             yield served.url, "/v1/predict"  # (its /healthz is 503 until a checkpoint is loaded)
@@ -99,7 +99,7 @@ def test_slow_senders_do_not_take_the_prediction_slots(tmp_path, monkeypatch):
     """Issue 28: 32 requests whose bodies dripped in held every prediction slot, and serve-model answered 503 to
     everyone. A body is read (bounded in time) before a request takes a slot now."""
     from tensorfleet.serving import server as serving_server
-    monkeypatch.setattr(dashboard_server, "BODY_TIMEOUT_S", 30.0, raising=False)
+    monkeypatch.setattr(web_bodies, "BODY_TIMEOUT_S", 30.0, raising=False)
     with ModelServer(torch.nn.Linear(2, 1), lambda model, inputs: inputs, tmp_path, port=0) as served:
         host, port = served.url.removeprefix("http://").split(":")
         slow = []

@@ -42,7 +42,7 @@ PACKAGE = SRC / "tensorfleet"
 #   layer         may import
 #   -----------   -------------------------------------------------------------
 ALL_LAYERS = frozenset({"errors", "cluster", "data", "wire", "ps.api", "ps", "worker", "train", "parallel",
-                        "dashboard", "serving", "launch", "service", "testing", "tensorfleet"})
+                        "web", "dashboard", "serving", "launch", "service", "testing", "tensorfleet"})
 ALLOWED: dict[str, frozenset[str]] = {
     "errors":      frozenset(),
     "cluster":     frozenset({"errors", "cluster"}),
@@ -53,11 +53,12 @@ ALLOWED: dict[str, frozenset[str]] = {
     "worker":      frozenset({"errors", "cluster", "wire", "ps.api", "worker"}),             # of ps: ps.api only
     "train":       frozenset({"errors", "cluster", "wire", "ps.api", "worker", "train"}),    # of ps: ps.api only
     "parallel":    frozenset({"errors", "cluster", "wire", "ps.api", "worker", "train", "parallel"}),  # ps.api only
-    "dashboard":   frozenset({"errors", "dashboard"}),
-    "serving":     frozenset({"errors", "cluster", "wire", "ps.api", "ps", "worker", "train", "dashboard",
+    "web":         frozenset({"errors", "web"}),  # the HTTP toolkit the web apps share
+    "dashboard":   frozenset({"errors", "web", "dashboard"}),
+    "serving":     frozenset({"errors", "cluster", "wire", "ps.api", "ps", "worker", "train", "web",
                               "serving"}),  # of ps: the IdMap (a serving table's ids)
     "launch":      ALL_LAYERS - {"testing", "service"},
-    "service":     frozenset({"errors", "cluster", "wire", "dashboard", "launch", "service"}),  # the job service
+    "service":     frozenset({"errors", "cluster", "wire", "web", "dashboard", "launch", "service"}),  # job service
     "testing":     ALL_LAYERS,
     "tensorfleet": ALL_LAYERS - {"testing"},
 }

@@ -6,7 +6,7 @@ import signal
 import threading
 import time
 
-from tensorfleet.dashboard.server import wait_for_stop_signal
+from tensorfleet.web import wait_for_stop_signal
 
 
 def test_a_sigterm_that_lands_on_another_thread_still_ends_the_wait():

@@ -47,7 +47,8 @@ def _say_refused(tasks: list[str], reason: str) -> None:
 
 def serve_dashboard(args: argparse.Namespace, environ: dict[str, str] | None = None) -> int:
     """Serve until Ctrl-C or SIGTERM; return 0."""
-    from tensorfleet.dashboard.server import Dashboard, wait_for_stop_signal
+    from tensorfleet.dashboard.server import Dashboard
+    from tensorfleet.web import wait_for_stop_signal
     cluster = cluster_of(args, dict(os.environ) if environ is None else environ)
     monitor = FleetMonitor(cluster, job_name=args.name, on_refused=_say_refused)
     try:

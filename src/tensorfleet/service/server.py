@@ -19,7 +19,7 @@ from pathlib import Path
 
 import uvicorn
 
-from tensorfleet.dashboard.server import ThreadServer, bind, serve_in_thread, url_host
+from tensorfleet.web import ThreadServer, bind, serve_in_thread, url_host
 from tensorfleet.errors import ConfigError, LaunchError
 from tensorfleet.service.accounts import Accounts
 from tensorfleet.service.backend import Backend

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, RedirectRespons
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from tensorfleet.dashboard.server import BodyLimit, json_safe
+from tensorfleet.web import BodyLimit, json_safe
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.service.accounts import Accounts, Session, TooBusyError
 from tensorfleet.service.forms import (FORM_FIELDS, check_choices, clone_name, form_from_settings, settings_from_form,

@@ -34,17 +34,17 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from tensorfleet.dashboard.metrics import CONTENT_TYPE
-from tensorfleet.dashboard.server import BodyLimit, bind, json_safe, serve_in_thread, url_host, wait_for_stop_signal
 from tensorfleet.errors import ConfigError, DataError, InvalidArgumentError, LaunchError
 from tensorfleet.serving.model import NotLoadedError, ServedModel
 from tensorfleet.serving.reload import Reloader
+from tensorfleet.web import BodyLimit, bind, json_safe, serve_in_thread, url_host, wait_for_stop_signal
 
 log = logging.getLogger(__name__)
 
