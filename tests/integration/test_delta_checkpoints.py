@@ -207,10 +207,10 @@ def test_while_one_shard_sends_its_pages_no_other_shard_body_waits_unread(monkey
 
     taken_whole = VariableStore.snapshot
 
-    def slow_pages(store, since=None, page=0, pages=None):
+    def slow_pages(store, since=None, page=0, pages=None, cut=None):
         if page > 0:
             time.sleep(0.4)  # later pages come slowly: well past the servers' send limit, all told
-        return taken_whole(store, since, page, pages)
+        return taken_whole(store, since, page, pages, cut=cut)
 
     with ps_servers(num_ps=2, options=WireOptions(deadline_s=1.5)) as (cluster, servers):
         torch.manual_seed(0)

@@ -62,7 +62,8 @@ class PsService:
 
     def data_methods(self) -> dict[str, Method]:
         """The data plane's methods: the calls of every training step."""
-        return {"Pull": self.pull, "Push": self.push, "Lookup": self.lookup, "Snapshot": self.snapshot_data}
+        return {"Pull": self.pull, "Push": self.push, "Lookup": self.lookup, "Snapshot": self.snapshot_data,
+                "Fence": self.fence}
 
     def init(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         init = InitRequest.from_meta(meta)
@@ -135,9 +136,16 @@ class PsService:
         for name, value, low in (("page", page, 0), ("pages", pages, 1)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise InvalidArgumentError(f"Snapshot '{name}' must be an integer >= {low}, got {value!r:.40}")
-        state = self.store.snapshot(since, page, pages)
+        state = self.store.snapshot(since, page, pages, cut=_cut_from_meta(meta.get("cut")))
         return {"global_step": state.global_step, "applied_updates": state.applied_updates, "since": state.since,
                 "epoch": state.epoch, "pages": state.pages}, state.flatten()
+
+    def fence(self, request: Request) -> Reply:
+        """Start a consistent cut (``VariableStore.fence``): hold pushes; answer each worker's latest applied."""
+        if request.entries:
+            raise InvalidArgumentError("a Fence carries no tensors")
+        applied = self.store.fence()
+        return Reply({"applied": [[w, inc, seq] for w, (inc, seq) in sorted(applied.items())]})
 
     def snapshot_data(self, request: Request) -> Reply:
         """Snapshot on the data plane: the same request and reply as the gRPC method, the rows at TCP speed
@@ -229,3 +237,18 @@ def nonfinite_names(gradients: dict[str, torch.Tensor], *, body: torch.Tensor | 
     suspects = [name for name, grad in gradients.items()
                 if grad.is_floating_point() and grad.numel() and not math.isfinite(float(grad.sum()))]
     return [name for name in suspects if not bool(torch.isfinite(gradients[name]).all())]
+
+
+def _cut_from_meta(value: Any) -> dict[int, tuple[int, int]] | None:
+    """A Snapshot's ``cut``: a list of [worker, incarnation, seq] (the chief's merge of every shard's Fence)."""
+    if value is None:
+        return None
+    entries = value if isinstance(value, list) and len(value) <= 1 << 16 else None
+    cut: dict[int, tuple[int, int]] = {}
+    for entry in entries if entries is not None else [None]:
+        if not (isinstance(entry, list) and len(entry) == 3
+                and all(type(x) is int and 0 <= x < 2 ** 63 for x in entry)):
+            raise InvalidArgumentError(f"Snapshot 'cut' must be a list of [worker, incarnation, seq], got "
+                                       f"{value!r:.60}")
+        cut[entry[0]] = (entry[1], entry[2])
+    return cut

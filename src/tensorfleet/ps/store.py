@@ -42,6 +42,7 @@ SNAPSHOT_PAGE_BYTES = 256 << 20  # table rows per page of a Snapshot: replies st
 # Rows of one table in one request at most: a bound on what one message can make a shard allocate or send.
 MAX_IDS_PER_REQUEST = 1 << 24
 MAX_REPLY_ROW_BYTES = 1 << 30  # rows one lookup's reply may carry
+FENCE_HOLD_S = 5.0  # the longest a fence holds pushes (a chief that fenced and went away must not stop training)
 MAX_INCARNATION_AHEAD_S = 3600.0  # a push's incarnation (its process's start, ns) this far past the ps's clock at most
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,17 @@ def _entries(gradients: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dty
     return {name: (grad.dtype, tuple(grad.shape)) for name, grad in gradients.items()}
 
 
+@dataclass
+class _Fence:
+    """A cut being taken on this shard (``VariableStore.fence``): pushes are held until ``until`` at most; once
+    the chief sent the cut, those of its pushes go through; ``held``: the pushes waiting now (worker, incarnation,
+    seq)."""
+
+    until: float
+    cut: dict[int, tuple[int, int]] | None = None
+    held: set[tuple[int, int, int]] = field(default_factory=set)
+
+
 class VariableStore:
     """Variables of one shard. Thread-safe; every method is one atomic step (a sync push waits inside).
 
@@ -241,6 +253,7 @@ class VariableStore:
         self._nonce = secrets.token_hex(6)  # with the generation: this shard's timeline (``epoch``)
         self.nonfinite = "reject"  # NaN/Inf gradients: "reject" the push or "apply" it (set by Init)
         self._origins: dict[int, Origin] = {}  # worker -> its latest push (exactly-once bookkeeping)
+        self._fence: _Fence | None = None  # a consistent cut being taken (see ``fence``)
         self._initial_updates = 0
         self._accepted_pushes = 0
         self._retried_pushes = 0
@@ -294,6 +307,7 @@ class VariableStore:
             self._applied_updates = restore.applied_updates if restore is not None else 0
             self._initial_updates, self._accepted_pushes = self._applied_updates, 0
             self._generation += 1
+            self._fence = None  # an initialization or restore ends any cut in progress
             self._cond.notify_all()
             return True
 
@@ -316,7 +330,73 @@ class VariableStore:
         """This shard's timeline: its process and the initialization or restore it started from."""
         return f"{self._nonce}.{self._generation}"
 
-    def snapshot(self, since: int | None = None, page: int = 0, pages: int | None = None) -> ShardState:
+    # --- consistent cuts ---------------------------------------------------------------------------
+
+    def fence(self, hold_s: float = FENCE_HOLD_S) -> dict[int, tuple[int, int]]:
+        """Start a cut: hold every push from now on (async mode; a sync shard holds nothing, returns {}), for
+        at most ``hold_s``; return the latest push applied of each worker, (incarnation, seq).
+
+        A push is split over the shards and its parts arrive at different moments, so the chief fences
+        every shard, takes the latest of each worker over all of them (the cut), and asks each for a
+        snapshot at that cut (``snapshot(cut=...)``): a shard first lets through the held parts of pushes
+        in the cut, waits for those still on their way, copies, and lets the rest go. Every push is then in
+        every shard's copy or in none: the checkpoint is one point of the fleet's push order."""
+        with self._cond:
+            self._require_initialized()
+            if self._sync is not None:
+                return {}
+            self._fence = _Fence(until=time.monotonic() + hold_s)
+            return {w: (o.incarnation, o.seq) for w, o in self._origins.items()}
+
+    def _fence_lets(self, origin: Origin | None) -> bool:
+        fence = self._fence
+        if fence is None or origin is None:  # in-process callers that do not number their pushes: not held
+            return True
+        if time.monotonic() >= fence.until:
+            log.warning("%s: a cut held pushes for %.1f s without a snapshot (the chief went away?): let go",
+                        self.task, FENCE_HOLD_S)
+            self._fence = None
+            self._cond.notify_all()
+            return True
+        cut = fence.cut.get(origin.worker) if fence.cut is not None else None
+        return cut is not None and (origin.incarnation, origin.seq) <= cut
+
+    def _wait_for_fence(self, origin: Origin | None) -> None:
+        """Wait (the lock released) while a fence holds ``origin``'s push; say it is held, for the cut's wait."""
+        while not self._fence_lets(origin):
+            fence = self._fence
+            assert fence is not None and origin is not None
+            fence.held.add((origin.worker, origin.incarnation, origin.seq))
+            try:
+                self._cond.wait(max(fence.until - time.monotonic(), 0.0))
+            finally:
+                fence.held.discard((origin.worker, origin.incarnation, origin.seq))
+
+    def _wait_for_cut(self, cut: Mapping[int, tuple[int, int]]) -> None:
+        """Let the held pushes of the cut through, and wait until every worker's push of the cut was applied
+        here, or this shard holds a later one of that worker (its part of the cut will never come: it was
+        lost with a dead ps). Past the fence's time, go on, saying which workers the cut may tear."""
+        fence = self._fence
+        if fence is None:
+            return
+        fence.cut = dict(cut)
+        self._cond.notify_all()
+
+        def missing() -> list[int]:
+            later = {w: (inc, seq) for w, inc, seq in fence.held}
+            return [w for w, at in cut.items()
+                    if (w not in self._origins or (self._origins[w].incarnation, self._origins[w].seq) < at)
+                    and not (w in later and later[w] > at)]
+
+        while (waiting := missing()) and time.monotonic() < fence.until and self._fence is fence:
+            self._cond.wait(max(fence.until - time.monotonic(), 0.0))
+        if waiting:
+            log.warning("%s: the pushes of %s in this cut did not arrive in %.1f s: this shard's part of the "
+                        "checkpoint may lack them", self.task, ", ".join(self.replica_name(w) for w in waiting),
+                        FENCE_HOLD_S)
+
+    def snapshot(self, since: int | None = None, page: int = 0, pages: int | None = None,
+                 cut: Mapping[int, tuple[int, int]] | None = None) -> ShardState:
         """A consistent copy of the shard, taken under the lock: whole, or (``since``) a delta holding, of the
         tables, only the rows updated since update ``since`` and the ids evicted since. A delta that cannot be
         told (the evictions that far back were not kept, or ``since`` is ahead of this shard: another
@@ -326,39 +406,53 @@ class VariableStore:
         (``SNAPSHOT_PAGE_BYTES`` of rows each; said in ``pages`` of the reply) and gives page 0; then pages
         1..pages-1 are asked for. Page 0 holds the dense state; each page the table rows (and evicted ids)
         whose ids ``page_of`` puts there. Each row is read whole under the lock; pages are taken one by one.
+
+        ``cut``: the cut of a ``fence`` (worker -> its latest push, over every shard): taken at it, and the
+        fence's held pushes let go after the copy.
         """
         with self._cond:
             self._require_initialized()
-            if since is not None and since > self._applied_updates:
-                since = None
-            if since is not None and not all(table.can_tell_delta(since) for table in self._tables.values()):
-                since = None  # whole, and paged as a whole: evictions that far back were not kept
-            changed = {}  # a delta's rows, found once: the page count and the delta both need them
-            if since is not None:
-                changed = {name: table.changed_rows(since) for name, table in self._tables.items()}
-            if pages is None:
-                estimate = sum(table.snapshot_bytes(len(changed[name]) if name in changed else None)
-                               for name, table in self._tables.items())
-                pages = max(1, -(-estimate // SNAPSHOT_PAGE_BYTES))
-            if not 0 <= page < pages:
-                raise InvalidArgumentError(f"Snapshot page {page} of {pages} does not exist", task=self.task)
-            if since is None:
-                tables = {name: table.state(page, pages) for name, table in self._tables.items()}
-                evicted = {}
-            else:
-                tables, evicted = {}, {}
-                for name, table in self._tables.items():
-                    told = table.delta_state(since, page, pages, changed[name])
-                    assert told is not None, "can_tell_delta was checked above, under this hold of the lock"
-                    tables[name], evicted[name] = told
-            dense = page == 0
-            return ShardState(
-                values={name: value.clone() for name, value in self._variables.items()} if dense else {},
-                slots=self._applier.slots() if dense else {},
-                averages=({n: v.clone() for n, v in self._average.shadows.items()} if self._average else None)
-                if dense else None,
-                global_step=self._global_step, applied_updates=self._applied_updates,
-                tables=tables, evicted=evicted, since=since, epoch=self.epoch, pages=pages)
+            if cut is not None:
+                self._wait_for_cut(cut)
+            try:
+                return self._copy(since, page, pages)
+            finally:
+                if cut is not None and self._fence is not None:
+                    self._fence = None
+                    self._cond.notify_all()
+
+    def _copy(self, since: int | None, page: int, pages: int | None) -> ShardState:
+        """``snapshot``'s copy, under the lock held by the caller."""
+        if since is not None and since > self._applied_updates:
+            since = None
+        if since is not None and not all(table.can_tell_delta(since) for table in self._tables.values()):
+            since = None  # whole, and paged as a whole: evictions that far back were not kept
+        changed = {}  # a delta's rows, found once: the page count and the delta both need them
+        if since is not None:
+            changed = {name: table.changed_rows(since) for name, table in self._tables.items()}
+        if pages is None:
+            estimate = sum(table.snapshot_bytes(len(changed[name]) if name in changed else None)
+                           for name, table in self._tables.items())
+            pages = max(1, -(-estimate // SNAPSHOT_PAGE_BYTES))
+        if not 0 <= page < pages:
+            raise InvalidArgumentError(f"Snapshot page {page} of {pages} does not exist", task=self.task)
+        if since is None:
+            tables = {name: table.state(page, pages) for name, table in self._tables.items()}
+            evicted = {}
+        else:
+            tables, evicted = {}, {}
+            for name, table in self._tables.items():
+                told = table.delta_state(since, page, pages, changed[name])
+                assert told is not None, "can_tell_delta was checked above, under this hold of the lock"
+                tables[name], evicted[name] = told
+        dense = page == 0
+        return ShardState(
+            values={name: value.clone() for name, value in self._variables.items()} if dense else {},
+            slots=self._applier.slots() if dense else {},
+            averages=({n: v.clone() for n, v in self._average.shadows.items()} if self._average else None)
+            if dense else None,
+            global_step=self._global_step, applied_updates=self._applied_updates,
+            tables=tables, evicted=evicted, since=since, epoch=self.epoch, pages=pages)
 
     def lookup(self, ids: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
         """The current rows of each table's ``ids`` (new tensors; initial rows for ids never updated), and
@@ -466,13 +560,19 @@ class VariableStore:
             layout.check(_entries(gradients), push, task=self.task, as_sent=False)
         dense, rows = parts or layout.split(gradients, task=self.task)  # ids checked here, without the lock
         with self._cond:
-            self._exclusive()  # first: from here on the lock is never released until the update is done
+            while True:  # a fence (a cut being taken) may hold this push; then it waits for the update's turn
+                self._wait_for_fence(push.origin)
+                self._exclusive()  # from here on the lock is never released until the update is done
+                if self._fence_lets(push.origin):
+                    break  # else a fence came up while this push waited for readers: wait for it first
             self._require_initialized()
             if layout is not self._layout:  # an Init replaced the layout since: check against the new one
                 self._layout.check(_entries(gradients), push, task=self.task, as_sent=False)
                 dense, rows = self._layout.split(gradients, task=self.task)
             if push.step is None:
                 step, outcome = self._apply_async(push, dense, rows)
+                if self._fence is not None:
+                    self._cond.notify_all()  # a cut may be waiting for this push
             else:
                 step, outcome = self._offer_sync(push, dense, rows)
             if not push.with_values:

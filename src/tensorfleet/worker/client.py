@@ -208,7 +208,11 @@ class PsClient:
         (taken one by one), every shard's is read here, together: a body left unread while another shard's
         pages travel could pass its ps's send limit (60 s without progress). Each shard answers on a data
         connection of its own, closed after: the training connection stays free, and none keeps a
-        shared-memory segment sized for a page."""
+        shared-memory segment sized for a page.
+
+        With several shards the states are one consistent cut: every shard is fenced first (it holds new
+        pushes and says each worker's latest applied), and each takes its state at the merged cut (every
+        push in every shard's state or in none; ``VariableStore.fence``)."""
         wanted = list(range(len(self.channels)) if shards is None else shards)
         for shard in wanted:
             if self.data[shard].address is None:
@@ -216,7 +220,15 @@ class PsClient:
         if not wanted:
             return SnapshotInFlight({})
         with ThreadPoolExecutor(max_workers=len(wanted), thread_name_prefix="snapshot") as threads:
-            futures = {s: threads.submit(self._start_shard_snapshot, s, {"since": since[s]} if since else {})
+            channels = {s: self._snapshot_channel(s) for s in wanted}
+            try:
+                cut = self._fence(channels, threads) if len(wanted) > 1 else None
+            except BaseException:
+                for channel in channels.values():
+                    channel.close()
+                raise
+            futures = {s: threads.submit(self._start_shard_snapshot, channels[s],
+                                         {**({"since": since[s]} if since else {}), **({"cut": cut} if cut is not None else {})})
                        for s in wanted}
             started = {}
             try:
@@ -234,9 +246,25 @@ class PsClient:
                     pending.close()
                 raise
 
-    def _start_shard_snapshot(self, shard: int, ask: dict[str, Any]) -> "_ShardSnapshot":
+    def _snapshot_channel(self, shard: int) -> DataChannel:
+        """A data connection of its own for one shard's snapshot (it connects on its first call)."""
         channel = DataChannel(task=self.data[shard].task, options=self.data[shard].options)
         channel.set_address(*self.data[shard].address)
+        return channel
+
+    @staticmethod
+    def _fence(channels: Mapping[int, DataChannel], threads: ThreadPoolExecutor) -> list[list[int]]:
+        """Fence every shard at once; the cut: each worker's latest push applied on any of them."""
+        answers = [future.result() for future in [threads.submit(channel.call, "Fence", {})
+                                                  for channel in channels.values()]]
+        cut: dict[int, tuple[int, int]] = {}
+        for meta, _ in answers:
+            for worker, incarnation, seq in meta.get("applied", []):
+                cut[worker] = max(cut.get(worker, (incarnation, seq)), (incarnation, seq))
+        return [[worker, *at] for worker, at in sorted(cut.items())]
+
+    @staticmethod
+    def _start_shard_snapshot(channel: DataChannel, ask: dict[str, Any]) -> "_ShardSnapshot":
         try:
             meta, body = channel.call_in_two("Snapshot", ask)
         except BaseException:
@@ -450,8 +478,9 @@ class _ShardSnapshot:
                 self._done = True
                 pages = [_shard_state(self.meta, self._body())]
                 for page in range(1, pages[0].pages):
+                    later = {key: value for key, value in self.ask.items() if key != "cut"}  # page 0 took the cut
                     pages.append(_shard_state(*self.channel.call(
-                        "Snapshot", {**self.ask, "page": page, "pages": pages[0].pages})))
+                        "Snapshot", {**later, "page": page, "pages": pages[0].pages})))
             finally:
                 self.channel.close()
             self._state = pages[0] if len(pages) == 1 else ShardState.join_pages(pages)
