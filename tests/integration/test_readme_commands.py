@@ -79,7 +79,7 @@ def test_a_documented_command_is_taken_as_written(command, folder):
     ours, script_args = tokens[:split], tokens[split + 1:]
     if tokens[0] == "launch":
         if "--gpus-per-worker" in ours and not _gpus():
-            pytest.skip("a command for GPUs: this machine has none (its flags are checked on a GPU machine)")
+            pytest.skip("a command for GPUs: this machine has none, so it cannot start here")
         done = tensorfleet(["launch", "--dry-run", *[t for t in ours[1:] if t != "--dry-run"]], folder)
         assert done.returncode == 0, done.stdout + done.stderr
         script = next(t for t in ours[1:] if t.endswith((".py", ".yaml", ".toml")))
