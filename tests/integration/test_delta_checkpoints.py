@@ -16,7 +16,7 @@ from tensorfleet.train.checkpoint import Checkpointer, chain, gather, load, load
 from tensorfleet.train.manifest import read_manifest
 from tensorfleet.worker.embedding import EmbeddingTable
 from tensorfleet.wire.dataplane import DataChannel
-from tensorfleet.worker.client import SnapshotInFlight
+from tensorfleet.worker.snapshots import SnapshotInFlight
 from tensorfleet.worker.replica import Replica
 
 pytestmark = pytest.mark.cluster

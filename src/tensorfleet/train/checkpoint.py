@@ -60,7 +60,7 @@ from tensorfleet.train.atomic import write_atomically
 from tensorfleet.train.manifest import (FORMAT, MANIFEST, checkpoint_name, foreign_names, is_checkpoint_name,
                                         latest_checkpoint, parse_header, read_header, read_manifest)
 from tensorfleet.train.manifest import list_checkpoints  # noqa: F401 (re-exported: part of this module's API)
-from tensorfleet.worker.client import SnapshotInFlight
+from tensorfleet.worker.snapshots import SnapshotInFlight
 from tensorfleet.worker.embedding import tables_of
 from tensorfleet.worker.protocol import TrainingReplica
 

@@ -1,8 +1,8 @@
 """The worker's client to every ps shard: sharded, concurrent pull and push.
 
-Control calls (Init, Status, Snapshot, Done) go over gRPC; pull and push over
-the data plane, one connection per shard, each shard's calls run on a thread of
-its own so that all shards transfer at once (``x_async()`` returns a
+Control calls (Init, Status, Done) go over gRPC; pull and push over the data
+plane (and a checkpoint's snapshots: ``worker/snapshots.py``), one connection per
+shard, each shard's calls run on a thread of its own so that all shards transfer at once (``x_async()`` returns a
 ``Gathered`` future; ``x()`` runs one shard's call on the calling thread and
 the others beside it).  Rows of embedding tables are looked up by id from the
 shards their ids hash to (``lookup``), and their gradients ride in the same push
@@ -15,7 +15,6 @@ variables.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -33,6 +32,7 @@ from tensorfleet.ps.api import (DoneRequest, InitRequest, LookupRequest, Optimiz
 from tensorfleet.wire.codec import NARROW_DTYPES, TensorEntry
 from tensorfleet.wire.dataplane import DataChannel, Stream
 from tensorfleet.wire.rpc import Channel, WireOptions
+from tensorfleet.worker.snapshots import SnapshotInFlight, start_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -201,76 +201,10 @@ class PsClient:
         return [states[s] for s in wanted] if shards is None else states
 
     def start_snapshot(self, shards: Sequence[int] | None = None, *,
-                       since: Sequence[int | None] | None = None) -> "SnapshotInFlight":
-        """Ask ``shards`` (default: all) for their state, as ``snapshot``; return once every shard has taken
-        it (its reply's head arrived: the state is a copy made under the shard's lock), before the rows have
-        travelled: ``result()`` waits for them, from any thread. When a shard's snapshot has several pages
-        (taken one by one), every shard's is read here, together: a body left unread while another shard's
-        pages travel could pass its ps's send limit (60 s without progress). Each shard answers on a data
-        connection of its own, closed after: the training connection stays free, and none keeps a
-        shared-memory segment sized for a page.
-
-        With several shards the states are one consistent cut: every shard is fenced first (it holds new
-        pushes and says each worker's latest applied), and each takes its state at the merged cut (every
-        push in every shard's state or in none; ``VariableStore.fence``)."""
-        wanted = list(range(len(self.channels)) if shards is None else shards)
-        for shard in wanted:
-            if self.data[shard].address is None:
-                raise UnavailableError(f"{self.data[shard].task}: its data port is not known yet (not started)")
-        if not wanted:
-            return SnapshotInFlight({})
-        with ThreadPoolExecutor(max_workers=len(wanted), thread_name_prefix="snapshot") as threads:
-            channels = {s: self._snapshot_channel(s) for s in wanted}
-            try:
-                cut = self._fence(channels, threads) if len(wanted) > 1 else None
-            except BaseException:
-                for channel in channels.values():
-                    channel.close()
-                raise
-            futures = {s: threads.submit(self._start_shard_snapshot, channels[s],
-                                         {**({"since": since[s]} if since else {}), **({"cut": cut} if cut is not None else {})})
-                       for s in wanted}
-            started = {}
-            try:
-                for shard, future in futures.items():
-                    started[shard] = future.result()
-                in_flight = SnapshotInFlight(started)
-                if any(head.pages > 1 for head in in_flight.heads.values()):
-                    in_flight.result()  # read now, every shard at once (kept: result() answers it again)
-                return in_flight
-            except BaseException:
-                for shard, future in futures.items():  # the others' connections: read nothing more, close
-                    if shard not in started and future.exception() is None:
-                        started[shard] = future.result()
-                for pending in started.values():
-                    pending.close()
-                raise
-
-    def _snapshot_channel(self, shard: int) -> DataChannel:
-        """A data connection of its own for one shard's snapshot (it connects on its first call)."""
-        channel = DataChannel(task=self.data[shard].task, options=self.data[shard].options)
-        channel.set_address(*self.data[shard].address)
-        return channel
-
-    @staticmethod
-    def _fence(channels: Mapping[int, DataChannel], threads: ThreadPoolExecutor) -> list[list[int]]:
-        """Fence every shard at once; the cut: each worker's latest push applied on any of them."""
-        answers = [future.result() for future in [threads.submit(channel.call, "Fence", {})
-                                                  for channel in channels.values()]]
-        cut: dict[int, tuple[int, int]] = {}
-        for meta, _ in answers:
-            for worker, incarnation, seq in meta.get("applied", []):
-                cut[worker] = max(cut.get(worker, (incarnation, seq)), (incarnation, seq))
-        return [[worker, *at] for worker, at in sorted(cut.items())]
-
-    @staticmethod
-    def _start_shard_snapshot(channel: DataChannel, ask: dict[str, Any]) -> "_ShardSnapshot":
-        try:
-            meta, body = channel.call_in_two("Snapshot", ask)
-        except BaseException:
-            channel.close()
-            raise
-        return _ShardSnapshot(channel, ask, meta, body)
+                       since: Sequence[int | None] | None = None) -> SnapshotInFlight:
+        """``worker/snapshots.start_snapshot`` of ``shards`` (default: all): every shard's state at one
+        consistent cut, the rows still on their way."""
+        return start_snapshot(self.data, list(range(len(self.channels)) if shards is None else shards), since)
 
     def done(self, replica: int, *, timeout_s: float = DONE_WAIT_S) -> None:
         """Tell every shard this replica finished; a ps exits once all replicas have.
@@ -462,62 +396,6 @@ class PsClient:
             channel.close()
 
 
-class _ShardSnapshot:
-    """One shard's snapshot whose state is taken: its first page's head has arrived, its rows may follow."""
-
-    def __init__(self, channel: DataChannel, ask: dict[str, Any], meta: dict[str, Any],
-                 body: Callable[..., dict[str, torch.Tensor]]) -> None:
-        self.channel, self.ask, self.meta, self._body = channel, ask, meta, body
-        self._state: ShardState | None = None
-        self._done = False  # its body was read or dropped
-
-    def read(self) -> ShardState:
-        """The shard's state: the first page's rows, then any further pages (each asked for and read)."""
-        if self._state is None:
-            try:
-                self._done = True
-                pages = [_shard_state(self.meta, self._body())]
-                for page in range(1, pages[0].pages):
-                    later = {key: value for key, value in self.ask.items() if key != "cut"}  # page 0 took the cut
-                    pages.append(_shard_state(*self.channel.call(
-                        "Snapshot", {**later, "page": page, "pages": pages[0].pages})))
-            finally:
-                self.channel.close()
-            self._state = pages[0] if len(pages) == 1 else ShardState.join_pages(pages)
-        return self._state
-
-    def close(self) -> None:
-        """Done with it, read or not: an unread body is not read, its connection is closed."""
-        if not self._done:
-            self._done = True
-            self._body(drop=True)
-        self.channel.close()
-
-
-class SnapshotInFlight:
-    """Snapshots every shard has taken, whose rows may still be on their way (``PsClient.start_snapshot``).
-
-    ``heads`` tells at once what each shard took (global step, update count, delta or whole, epoch);
-    ``result()`` reads the rows, each shard's on a thread of its own, and may be called from another
-    thread than the one that started it (a background checkpoint writer)."""
-
-    def __init__(self, shards: dict[int, _ShardSnapshot]) -> None:
-        self._shards = shards
-        self.heads = {shard: _shard_state(pending.meta, {}) for shard, pending in shards.items()}
-
-    def discard(self) -> None:
-        """Drop every shard's snapshot: the rows not read yet are not read, the connections closed."""
-        for pending in self._shards.values():
-            pending.close()
-
-    def result(self) -> dict[int, ShardState]:
-        if len(self._shards) <= 1:
-            return {shard: pending.read() for shard, pending in self._shards.items()}
-        with ThreadPoolExecutor(max_workers=len(self._shards), thread_name_prefix="snapshot") as threads:
-            futures = {shard: threads.submit(pending.read) for shard, pending in self._shards.items()}
-            return {shard: future.result() for shard, future in futures.items()}
-
-
 @dataclass(frozen=True)
 class Pulled:
     """Values by name on the ps, the global step (ps 0's) and the step each shard served."""
@@ -656,10 +534,3 @@ class PushStreams:
             self._streams[shard].result().abort()
         except Exception:  # noqa: BLE001 - a stream that never opened has nothing to abort
             pass
-
-
-def _shard_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> ShardState:
-    """A Snapshot reply (one page of it) as a ShardState."""
-    state = ShardState.unflatten(tensors, global_step=meta["global_step"], applied_updates=meta["applied_updates"],
-                                 since=meta.get("since"), epoch=meta.get("epoch", ""))
-    return dataclasses.replace(state, pages=meta.get("pages", 1))

@@ -1,0 +1,154 @@
+"""A checkpoint's snapshots of every shard, as the chief takes them: a consistent cut, then the rows.
+
+``start_snapshot`` fences every shard, asks each for its state at the merged cut on a data connection of
+its own, and returns a ``SnapshotInFlight`` once every shard has taken it; the rows follow (``result()``,
+from any thread: the background checkpoint writer's), page by page where a shard's state is large.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from tensorfleet.errors import UnavailableError
+from tensorfleet.ps.api import ShardState
+from tensorfleet.wire.dataplane import DataChannel
+
+
+def start_snapshot(data: Sequence[DataChannel], wanted: Sequence[int],
+                   since: Sequence[int | None] | None = None) -> "SnapshotInFlight":
+    """Ask the shards ``wanted`` (their data channels in ``data``) for their state; return once every shard has
+    taken it (its reply's head arrived: the state is a copy made under the shard's lock), before the rows have
+    travelled: ``result()`` waits for them, from any thread. When a shard's snapshot has several pages
+    (taken one by one), every shard's is read here, together: a body left unread while another shard's
+    pages travel could pass its ps's send limit (60 s without progress). Each shard answers on a data
+    connection of its own, closed after: the training connection stays free, and none keeps a
+    shared-memory segment sized for a page.
+
+    With several shards the states are one consistent cut: every shard is fenced first (it holds new
+    pushes and says each worker's latest applied), and each takes its state at the merged cut (every
+    push in every shard's state or in none; ``VariableStore.fence``)."""
+    for shard in wanted:
+        if data[shard].address is None:
+            raise UnavailableError(f"{data[shard].task}: its data port is not known yet (not started)")
+    if not wanted:
+        return SnapshotInFlight({})
+    with ThreadPoolExecutor(max_workers=len(wanted), thread_name_prefix="snapshot") as threads:
+        channels = {s: _snapshot_channel(data[s]) for s in wanted}
+        try:
+            cut = _fence(channels, threads) if len(wanted) > 1 else None
+        except BaseException:
+            for channel in channels.values():
+                channel.close()
+            raise
+        asks = {s: {**({"since": since[s]} if since else {}), **({"cut": cut} if cut is not None else {})}
+                for s in wanted}
+        futures = {s: threads.submit(_start_shard_snapshot, channels[s], asks[s]) for s in wanted}
+        started = {}
+        try:
+            for shard, future in futures.items():
+                started[shard] = future.result()
+            in_flight = SnapshotInFlight(started)
+            if any(head.pages > 1 for head in in_flight.heads.values()):
+                in_flight.result()  # read now, every shard at once (kept: result() answers it again)
+            return in_flight
+        except BaseException:
+            for shard, future in futures.items():  # the others' connections: read nothing more, close
+                if shard not in started and future.exception() is None:
+                    started[shard] = future.result()
+            for pending in started.values():
+                pending.close()
+            raise
+
+
+def _snapshot_channel(training: DataChannel) -> DataChannel:
+    """A data connection of its own for one shard's snapshot (it connects on its first call)."""
+    channel = DataChannel(task=training.task, options=training.options)
+    channel.set_address(*training.address)
+    return channel
+
+
+def _fence(channels: Mapping[int, DataChannel], threads: ThreadPoolExecutor) -> list[list[int]]:
+    """Fence every shard at once; the cut: each worker's latest push applied on any of them."""
+    answers = [future.result() for future in [threads.submit(channel.call, "Fence", {})
+                                              for channel in channels.values()]]
+    cut: dict[int, tuple[int, int]] = {}
+    for meta, _ in answers:
+        for worker, incarnation, seq in meta.get("applied", []):
+            cut[worker] = max(cut.get(worker, (incarnation, seq)), (incarnation, seq))
+    return [[worker, *at] for worker, at in sorted(cut.items())]
+
+
+def _start_shard_snapshot(channel: DataChannel, ask: dict[str, Any]) -> "_ShardSnapshot":
+    try:
+        meta, body = channel.call_in_two("Snapshot", ask)
+    except BaseException:
+        channel.close()
+        raise
+    return _ShardSnapshot(channel, ask, meta, body)
+
+
+class _ShardSnapshot:
+    """One shard's snapshot whose state is taken: its first page's head has arrived, its rows may follow."""
+
+    def __init__(self, channel: DataChannel, ask: dict[str, Any], meta: dict[str, Any],
+                 body: Callable[..., dict[str, torch.Tensor]]) -> None:
+        self.channel, self.ask, self.meta, self._body = channel, ask, meta, body
+        self._state: ShardState | None = None
+        self._done = False  # its body was read or dropped
+
+    def read(self) -> ShardState:
+        """The shard's state: the first page's rows, then any further pages (each asked for and read)."""
+        if self._state is None:
+            try:
+                self._done = True
+                pages = [_shard_state(self.meta, self._body())]
+                for page in range(1, pages[0].pages):
+                    later = {key: value for key, value in self.ask.items() if key != "cut"}  # page 0 took the cut
+                    pages.append(_shard_state(*self.channel.call(
+                        "Snapshot", {**later, "page": page, "pages": pages[0].pages})))
+            finally:
+                self.channel.close()
+            self._state = pages[0] if len(pages) == 1 else ShardState.join_pages(pages)
+        return self._state
+
+    def close(self) -> None:
+        """Done with it, read or not: an unread body is not read, its connection is closed."""
+        if not self._done:
+            self._done = True
+            self._body(drop=True)
+        self.channel.close()
+
+
+class SnapshotInFlight:
+    """Snapshots every shard has taken, whose rows may still be on their way (``PsClient.start_snapshot``).
+
+    ``heads`` tells at once what each shard took (global step, update count, delta or whole, epoch);
+    ``result()`` reads the rows, each shard's on a thread of its own, and may be called from another
+    thread than the one that started it (a background checkpoint writer)."""
+
+    def __init__(self, shards: dict[int, _ShardSnapshot]) -> None:
+        self._shards = shards
+        self.heads = {shard: _shard_state(pending.meta, {}) for shard, pending in shards.items()}
+
+    def discard(self) -> None:
+        """Drop every shard's snapshot: the rows not read yet are not read, the connections closed."""
+        for pending in self._shards.values():
+            pending.close()
+
+    def result(self) -> dict[int, ShardState]:
+        if len(self._shards) <= 1:
+            return {shard: pending.read() for shard, pending in self._shards.items()}
+        with ThreadPoolExecutor(max_workers=len(self._shards), thread_name_prefix="snapshot") as threads:
+            futures = {shard: threads.submit(pending.read) for shard, pending in self._shards.items()}
+            return {shard: future.result() for shard, future in futures.items()}
+
+
+def _shard_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> ShardState:
+    """A Snapshot reply (one page of it) as a ShardState."""
+    state = ShardState.unflatten(tensors, global_step=meta["global_step"], applied_updates=meta["applied_updates"],
+                                 since=meta.get("since"), epoch=meta.get("epoch", ""))
+    return dataclasses.replace(state, pages=meta.get("pages", 1))
