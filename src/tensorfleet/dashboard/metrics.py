@@ -29,7 +29,8 @@ __all__ = ["CONTENT_TYPE", "JOB_STATES", "TASK_STATES", "PictureCollector", "ren
 CONTENT_TYPE: str = CONTENT_TYPE_LATEST
 
 JOB_STATES: tuple[str, ...] = ("running", "succeeded", "failed", "stopped")
-TASK_STATES: tuple[str, ...] = ("starting", "running", "restarting", "done", "failed", "stopped", "unreachable", "refused")
+TASK_STATES: tuple[str, ...] = ("starting", "running", "restarting", "done", "failed", "stopped", "unreachable",
+                                "refused")
 
 _TASK_LABELS = ["task", "role"]
 _TABLE_LABELS = ["task", "table"]  # a ps shard's part of an embedding table (the role is always ps)

@@ -511,7 +511,8 @@ def _mode(value: Any) -> str | None:
 # The Status fields the monitor reads: how each is checked, and what it must be.
 _FIELDS: dict[str, tuple[Any, str]] = {
     **{field: (_count, f"a whole number from 0 to {MAX_COUNT}")
-       for field in ("global_step", "local_step", "applied_updates", "examples", "target_step", "dropped_stale", "unique_ids", "pid")},
+       for field in ("global_step", "local_step", "applied_updates", "examples", "target_step", "dropped_stale",
+                     "unique_ids", "pid")},
     "loss": (_real, "a finite number"),
     "state": (_text, f"a string of at most {MAX_TEXT} characters"),
     "mode": (_mode, " or ".join(repr(mode) for mode in MODES)),

@@ -752,10 +752,10 @@ class VariableStore:
         if self.memory_budget is None:
             return
         tables = list(self._tables.values())
-        held = sum(table.nbytes for table in tables)
-        if held > self.memory_budget:  # first what is cheapest to lose: evictions kept for delta checkpoints
-            for table in tables:
-                table.trim_log(int(BUDGET_LOG_SHARE * self.memory_budget / 8 / max(len(tables), 1)))
+        log_ids = int(BUDGET_LOG_SHARE * self.memory_budget / 8 / max(len(tables), 1))  # each table's log at most
+        if sum(table.nbytes for table in tables) > self.memory_budget:
+            for table in tables:  # first what is cheapest to lose: evictions kept for delta checkpoints
+                table.trim_log(log_ids)
         for _ in range(3):  # a row's cost is estimated from what its table holds now: a round or two more
             held = sum(table.nbytes for table in tables)
             if held <= self.memory_budget:
@@ -777,7 +777,7 @@ class VariableStore:
             for index, table in enumerate(tables):
                 mine = chosen[owner[chosen] == index] - starts[index]
                 table.evict_rows(np.sort(mine))
-                table.trim_log(int(BUDGET_LOG_SHARE * self.memory_budget / 8 / len(tables)))  # it logged them
+                table.trim_log(log_ids)  # it logged the rows it evicted
 
     def _wait_for_step(self, step: int) -> Outcome:
         options = self._sync.options

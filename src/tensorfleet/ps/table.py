@@ -119,14 +119,14 @@ class EmbeddingShard:
         the most a map holds per id)."""
         return self._bare_row_bytes + 26.0
 
-    def new_rows(self, ids: torch.Tensor) -> int:
-        """How many of ``ids`` (unique) have no row yet: the most rows a push of them can create."""
-        return int((self._map.find(ids.numpy()) < 0).sum())
-
-    def trim_log(self, max_ids: int) -> None:
+    def trim_log(self, max_ids: int, *, keep_last: bool = False) -> None:
         """Forget the oldest evictions until at most ``max_ids`` ids are kept (a delta from before them cannot
-        be told any more: the chief saves whole then)."""
-        self._forget_evictions_over(max(max_ids, 0))
+        be told any more: the chief saves whole then); ``keep_last``: never the latest batch."""
+        logged = sum(entry.size for _, entry in self._evictions)
+        while logged > max_ids and len(self._evictions) > (1 if keep_last else 0):
+            update, dropped = self._evictions.pop(0)
+            logged -= dropped.size
+            self._log_from = update + 1
 
     def bytes_per_row(self) -> dict[str, float]:
         """What one row costs: its values and slots alone, and everything held divided by the rows."""
@@ -293,14 +293,7 @@ class EmbeddingShard:
 
     def _log_evictions(self, ids: np.ndarray) -> None:
         self._evictions.append((self._now, ids.copy()))
-        self._forget_evictions_over(EVICTION_LOG_IDS, keep_last=True)
-
-    def _forget_evictions_over(self, max_ids: int, keep_last: bool = False) -> None:
-        logged = sum(entry.size for _, entry in self._evictions)
-        while logged > max_ids and len(self._evictions) > (1 if keep_last else 0):
-            update, dropped = self._evictions.pop(0)
-            logged -= dropped.size
-            self._log_from = update + 1
+        self.trim_log(EVICTION_LOG_IDS, keep_last=True)
 
     # --- delta checkpoints ------------------------------------------------------------------------
 

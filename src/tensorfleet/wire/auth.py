@@ -121,6 +121,13 @@ class Gate:
         self.refused = 0
         self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()  # nonce -> time, for replays
 
+    def check_guards(self, task: str) -> "Gate":
+        """This gate, after checking it guards ``task``: proofs are bound to a task's name, so a server whose
+        gate names another task would refuse every caller. Raises ValueError."""
+        if self.required and self.task != task:
+            raise ValueError(f"the gate guards {self.task!r}, not {task!r}: proofs are bound to the task's name")
+        return self
+
     @property
     def required(self) -> bool:
         return self._token is not None

@@ -201,9 +201,7 @@ class DataServer:
                  options: WireOptions | None = None, port: int = 0, gate: auth.Gate | None = None) -> None:
         options = options or WireOptions()  # from the environment now, not when the module loaded
         self.methods, self.task, self.options = dict(methods), task, options
-        self.gate = gate if gate is not None else auth.Gate(options.token, task)
-        if self.gate.required and self.gate.task != task:
-            raise ValueError(f"the gate guards {self.gate.task!r}, not {task!r}: proofs are bound to the task's name")
+        self.gate = (gate if gate is not None else auth.Gate(options.token, task)).check_guards(task)
         try:
             self._listener = socket.create_server((host, port), backlog=128)
         except OSError as exc:

@@ -228,9 +228,7 @@ class _TokenCheck(grpc.ServerInterceptor):
     def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
         if not self._gate.required:
             return continuation(details)
-        presented = next((value for key, value in details.invocation_metadata or () if key == auth.METADATA_KEY),
-                         None)
-        if self._gate.admits_call(presented, details.method):
+        if self._gate.admits_call(_presented_proof(details.invocation_metadata), details.method):
             return continuation(details)
         now = time.monotonic()
         if now - self._last_warning >= 10.0:  # a flood of refusals must not flood the log
@@ -246,13 +244,16 @@ class _TokenCheck(grpc.ServerInterceptor):
         raise AssertionError("unreachable")  # context.abort always raises
 
 
+def _presented_proof(metadata: Any) -> str | None:
+    """The call proof a call's metadata carries (None without one)."""
+    return next((value for key, value in metadata or () if key == auth.METADATA_KEY), None)
+
+
 def _wrap(handler: Handler, options: WireOptions, task: str,
           gate: auth.Gate) -> Callable[[bytes, grpc.ServicerContext], bytes]:
     def unary(request: bytes, context: grpc.ServicerContext) -> bytes:  # the proof was checked: _TokenCheck
         if gate.required:  # ... and now that the request is read, that it is the request the proof covers
-            presented = next((value for key, value in context.invocation_metadata() or ()
-                              if key == auth.METADATA_KEY), None)
-            if not gate.admits_request(presented, request):
+            if not gate.admits_request(_presented_proof(context.invocation_metadata()), request):
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{task} refuses a request that is not the one its "
                               "proof was made for")
         try:
@@ -283,9 +284,7 @@ def start_server(address: str, handlers: Mapping[str, Handler], *, task: str,
     unknown = set(handlers) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown RPC method(s) {sorted(unknown)}: the service defines {METHODS}")
-    gate = gate if gate is not None else auth.Gate(options.token, task)
-    if gate.required and gate.task != task:
-        raise ValueError(f"the gate guards {gate.task!r}, not {task!r}: proofs are bound to the task's name")
+    gate = (gate if gate is not None else auth.Gate(options.token, task)).check_guards(task)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"rpc-{task}"),
                          options=options.grpc_options() + server_limits(), interceptors=[_TokenCheck(gate, task)])
     method_handlers = {name: grpc.unary_unary_rpc_method_handler(_wrap(h, options, task, gate))
