@@ -31,6 +31,12 @@ def get_json(url: str) -> dict:
     return json.loads(urllib.request.urlopen(url, timeout=10).read())
 
 
+def started_addresses(job: LauncherProcess, count: int) -> dict[str, str]:
+    """Each task's address as the launcher says it started them, once ``count`` tasks have."""
+    return poll(lambda: (lambda found: found if len(found) == count else None)(
+        dict(re.findall(r"started (\w+:\d+) \(pid \d+\) at (\S+)", job.output))), 60, f"{count} tasks to start")
+
+
 def test_attached_dashboard_shows_a_fleet_started_elsewhere(tmp_path):
     token = auth.new_token()  # the launcher uses the token it is given; the dashboard needs the same one
     env = {**os.environ, auth.TOKEN_ENV: token}
@@ -38,8 +44,7 @@ def test_attached_dashboard_shows_a_fleet_started_elsewhere(tmp_path):
                           ["--last_step", "1200", "--step_sleep_s", "0.01"], env=env)
     board = None
     try:
-        addresses = poll(lambda: (lambda found: found if len(found) == 3 else None)(
-            dict(re.findall(r"started (\w+:\d+) \(pid \d+\) at (\S+)", job.output))), 60, "three tasks to start")
+        addresses = started_addresses(job, 3)
         cluster = {"ps": [addresses["ps:0"]], "worker": [addresses["worker:0"], addresses["worker:1"]]}
         stranger = Channel(addresses["worker:1"], task="worker:1", options=WireOptions(token=None))
         with pytest.raises(UnauthenticatedError, match="refuses calls without the job's token"):
@@ -77,8 +82,7 @@ def test_a_dashboard_without_the_jobs_token_says_so_on_the_console_and_the_page(
                           ["--last_step", "100000", "--step_sleep_s", "0.01"], env=env)
     board = None
     try:
-        addresses = poll(lambda: (lambda found: found if len(found) == 2 else None)(
-            dict(re.findall(r"started (\w+:\d+) \(pid \d+\) at (\S+)", job.output))), 60, "two tasks to start")
+        addresses = started_addresses(job, 2)
         cluster = {"ps": [addresses["ps:0"]], "worker": [addresses["worker:0"]]}
         tokenless = {k: v for k, v in os.environ.items() if k not in (auth.TOKEN_ENV, auth.TOKEN_FILE_ENV)}
         board = subprocess.Popen([sys.executable, "-m", "tensorfleet.launch.cli", "dashboard", "--cluster",

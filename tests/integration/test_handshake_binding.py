@@ -5,12 +5,12 @@ itself to a server that failed its check."""
 from __future__ import annotations
 
 import socket
-import threading
 
 import pytest
 import torch
 
 from tensorfleet.errors import UnauthenticatedError
+from tensorfleet.testing.sockets import Relay
 from tensorfleet.wire import auth, frame
 from tensorfleet.wire.dataplane import HELLO, OK, PROVE, DataChannel, DataServer, Reply
 from tensorfleet.wire.rpc import WireOptions
@@ -35,47 +35,9 @@ def live_ps0():
     server.stop()
 
 
-class Relay:
-    """The squatter: listens on a dead ps:1's port and pipes every byte to and from the live ps:0, keeping what the
-    victim (a worker that thinks it talks to ps:1) sent."""
-
-    def __init__(self, target_port: int) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.target_port = target_port
-        self.from_victim = bytearray()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        victim, _ = self.listener.accept()
-        upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=10)
-        back = threading.Thread(target=self._pipe, args=(upstream, victim, None), daemon=True)
-        back.start()
-        self._pipe(victim, upstream, self.from_victim)
-        back.join(timeout=10)
-        for sock in (victim, upstream, self.listener):
-            sock.close()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket, kept: bytearray | None) -> None:
-        try:
-            while data := source.recv(65536):
-                if kept is not None:
-                    kept += data
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            try:
-                sink.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-
-
 def test_a_squatter_relaying_a_live_tasks_handshake_gets_no_proof_and_no_connection(live_ps0):
     server, calls = live_ps0
-    relay = Relay(server.port)
+    relay = Relay(("127.0.0.1", server.port))  # the squatter on the dead ps:1's port, piping to the live ps:0
     victim = DataChannel(task=PS1, options=OPTIONS)  # the worker's channel to ps:1, whose port the squatter holds
     victim.set_address("127.0.0.1", relay.port)
     try:
@@ -83,8 +45,9 @@ def test_a_squatter_relaying_a_live_tasks_handshake_gets_no_proof_and_no_connect
             victim.call("Read", {})
     finally:
         victim.close()
-    relay.thread.join(timeout=10)
-    assert HELLO.encode() in relay.from_victim and PROVE.encode() not in relay.from_victim  # no proof to relay
+        relay.close()
+    # The victim's Hello crossed the relay before ps:0's answer came back: what it sent is all recorded.
+    assert HELLO.encode() in relay.upstream and PROVE.encode() not in relay.upstream  # no proof to relay
     assert calls == []
 
 
