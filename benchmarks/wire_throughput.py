@@ -52,7 +52,9 @@ import torch
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.launch.local import local_cluster
 from tensorfleet.ps.api import OptimizerSpec
-from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply
+from tensorfleet.wire.datachannel import DataChannel
+from tensorfleet.wire.dataplane import Reply
+from tensorfleet.wire.dataserver import DataServer
 from tensorfleet.testing.certificates import make_certificates
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import PsClient

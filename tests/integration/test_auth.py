@@ -13,7 +13,9 @@ from tensorfleet.errors import ConfigError, UnauthenticatedError
 from tensorfleet.ps.api import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire import auth, frame
-from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply
+from tensorfleet.wire.datachannel import DataChannel
+from tensorfleet.wire.dataplane import Reply
+from tensorfleet.wire.dataserver import DataServer
 from tensorfleet.wire.rpc import Channel, WireOptions
 from tensorfleet.worker.client import PsClient
 

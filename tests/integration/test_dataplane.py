@@ -12,7 +12,9 @@ from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
 from tensorfleet.ps.api import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
-from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply, read_tensors
+from tensorfleet.wire.datachannel import DataChannel
+from tensorfleet.wire.dataplane import Reply, read_tensors
+from tensorfleet.wire.dataserver import DataServer
 from tensorfleet.wire.frame import READ_BUFFER_BYTES, Reader, send_message
 from tensorfleet.wire.rpc import SHARED_MEMORY_ENV, WireOptions
 from tensorfleet.worker.client import PsClient

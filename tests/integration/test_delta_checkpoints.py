@@ -15,7 +15,7 @@ from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.train.checkpoint import Checkpointer, chain, gather, load, load_file, split
 from tensorfleet.train.manifest import read_manifest
 from tensorfleet.worker.embedding import EmbeddingTable
-from tensorfleet.wire.dataplane import DataChannel
+from tensorfleet.wire.datachannel import DataChannel
 from tensorfleet.worker.snapshots import SnapshotInFlight
 from tensorfleet.worker.replica import Replica
 
@@ -207,10 +207,10 @@ def test_while_one_shard_sends_its_pages_no_other_shard_body_waits_unread(monkey
 
     taken_whole = VariableStore.snapshot
 
-    def slow_pages(store, since=None, page=0, pages=None, cut=None):
+    def slow_pages(store, since=None, page=0, pages=None, cut=None, token=""):
         if page > 0:
             time.sleep(0.4)  # later pages come slowly: well past the servers' send limit, all told
-        return taken_whole(store, since, page, pages, cut=cut)
+        return taken_whole(store, since, page, pages, cut=cut, token=token)
 
     with ps_servers(num_ps=2, options=WireOptions(deadline_s=1.5)) as (cluster, servers):
         torch.manual_seed(0)

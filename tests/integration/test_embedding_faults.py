@@ -37,7 +37,7 @@ from tensorfleet.ps.server import Server
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire import frame
 from tensorfleet.wire.codec import TensorEntry
-from tensorfleet.wire.dataplane import DataChannel
+from tensorfleet.wire.datachannel import DataChannel
 from tensorfleet.worker.client import PsClient
 
 TIMEOUT_S = 10.0

@@ -46,7 +46,9 @@ from tensorfleet.ps.api import OPTIMIZER_NAMES, OptimizerSpec
 from tensorfleet.ps.server import Server
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire import codec, frame, rpc
-from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply
+from tensorfleet.wire.datachannel import DataChannel
+from tensorfleet.wire.dataplane import Reply
+from tensorfleet.wire.dataserver import DataServer
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import PsClient
 

@@ -12,7 +12,9 @@ import torch
 from tensorfleet.errors import UnauthenticatedError
 from tensorfleet.testing.sockets import Relay
 from tensorfleet.wire import auth, frame
-from tensorfleet.wire.dataplane import HELLO, OK, PROVE, DataChannel, DataServer, Reply
+from tensorfleet.wire.datachannel import DataChannel
+from tensorfleet.wire.dataplane import HELLO, OK, PROVE, Reply
+from tensorfleet.wire.dataserver import DataServer
 from tensorfleet.wire.rpc import WireOptions
 
 pytestmark = pytest.mark.cluster

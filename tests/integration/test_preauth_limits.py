@@ -19,8 +19,10 @@ import torch
 
 from tensorfleet.errors import UnauthenticatedError
 from tensorfleet.testing.sockets import closed_within
-from tensorfleet.wire import dataplane, frame
-from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply
+from tensorfleet.wire import dataserver, frame
+from tensorfleet.wire.datachannel import DataChannel
+from tensorfleet.wire.dataplane import Reply
+from tensorfleet.wire.dataserver import DataServer
 from tensorfleet.wire.rpc import WireOptions
 
 TOKEN = "s3cret-token"
@@ -46,7 +48,7 @@ def guarded():
 
 
 def test_a_hello_dripped_a_byte_at_a_time_is_cut_off_at_the_hello_deadline(monkeypatch):
-    monkeypatch.setattr(dataplane, "HELLO_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(dataserver, "HELLO_TIMEOUT_S", 1.0)
     server = echo_server(WireOptions(token=TOKEN, shared_memory=False))
     payload = frame.PREFIX.pack(frame.MAGIC, frame.VERSION, 0, 100, 0) + b" " * 100  # each byte in time
     try:
@@ -79,8 +81,8 @@ def test_a_head_announcing_megabytes_is_refused_before_the_token_without_waiting
 
 
 def test_connections_without_their_hello_are_capped_and_the_job_is_served_once_they_go(monkeypatch):
-    monkeypatch.setattr(dataplane, "MAX_UNAUTHENTICATED", 4)
-    monkeypatch.setattr(dataplane, "HELLO_TIMEOUT_S", 1.5)
+    monkeypatch.setattr(dataserver, "MAX_UNAUTHENTICATED", 4)
+    monkeypatch.setattr(dataserver, "HELLO_TIMEOUT_S", 1.5)
     server = echo_server(WireOptions(token=TOKEN, shared_memory=False))
     silent = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(4)]
     try:
@@ -103,7 +105,7 @@ def test_connections_without_their_hello_are_capped_and_the_job_is_served_once_t
 
 
 def test_an_idle_connection_is_closed_and_the_client_reconnects_on_its_next_call(monkeypatch):
-    monkeypatch.setattr(dataplane, "IDLE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(dataserver, "IDLE_TIMEOUT_S", 0.5)
     server = echo_server(WireOptions(token=TOKEN, shared_memory=False))
     channel = channel_to(server)
     try:
@@ -120,7 +122,8 @@ def test_an_idle_connection_is_closed_and_the_client_reconnects_on_its_next_call
 
 SERVER_WITH_FEW_DESCRIPTORS = textwrap.dedent("""
     import resource, sys, time
-    from tensorfleet.wire.dataplane import DataServer, Reply
+    from tensorfleet.wire.dataplane import Reply
+    from tensorfleet.wire.dataserver import DataServer
     from tensorfleet.wire.rpc import WireOptions
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
@@ -205,7 +208,7 @@ def test_grpc_refuses_a_call_without_the_token_before_reading_its_message():
 
 def test_a_connection_that_gets_no_thread_is_closed_and_the_port_stays(monkeypatch):
     server = echo_server(WireOptions(token=None, shared_memory=False))
-    real_start, failures = dataplane.threading.Thread.start, [1]
+    real_start, failures = dataserver.threading.Thread.start, [1]
 
     def start(thread):  # the first serving thread cannot start (out of threads), later ones can
         if thread.name.startswith("data-echo") and failures:
@@ -213,7 +216,7 @@ def test_a_connection_that_gets_no_thread_is_closed_and_the_port_stays(monkeypat
             raise RuntimeError("can't start new thread")
         return real_start(thread)
 
-    monkeypatch.setattr(dataplane.threading.Thread, "start", start)
+    monkeypatch.setattr(dataserver.threading.Thread, "start", start)
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as doomed:
             assert closed_within(doomed, 3.0)

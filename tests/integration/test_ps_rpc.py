@@ -12,7 +12,7 @@ from tensorfleet.ps.api import OptimizerSpec, SyncOptions
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire import frame
 from tensorfleet.wire.codec import TensorEntry
-from tensorfleet.wire.dataplane import DataChannel
+from tensorfleet.wire.datachannel import DataChannel
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import PsClient
 

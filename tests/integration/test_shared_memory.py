@@ -13,7 +13,9 @@ import torch
 
 from tensorfleet.errors import UnavailableError
 from tensorfleet.wire import frame, shm
-from tensorfleet.wire.dataplane import SHARED_MIN_BYTES, DataChannel, DataServer, Reply, _same_host
+from tensorfleet.wire.datachannel import SHARED_MIN_BYTES, DataChannel, _same_host
+from tensorfleet.wire.dataplane import Reply
+from tensorfleet.wire.dataserver import DataServer
 from tensorfleet.wire.frame import Reader, encode_head, send_buffers
 from tensorfleet.wire.rpc import WireOptions
 
@@ -183,7 +185,8 @@ def test_a_refused_attach_leaves_the_channel_on_tcp(server, monkeypatch):
 
 SERVER_PROCESS = textwrap.dedent("""
     import time
-    from tensorfleet.wire.dataplane import DataServer, Reply
+    from tensorfleet.wire.dataplane import Reply
+    from tensorfleet.wire.dataserver import DataServer
     from tensorfleet.wire.rpc import WireOptions
     server = DataServer("127.0.0.1", {"Echo": lambda r: Reply(r.meta, r.receive())}, task="echo",
                         options=WireOptions(shared_memory=True))

@@ -20,9 +20,11 @@ from tensorfleet.ps.api import OptimizerSpec
 from tensorfleet.testing.certificates import make_certificates
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.testing.sockets import Relay, closed_within
-from tensorfleet.wire import dataplane, shm
+from tensorfleet.wire import dataserver, shm
 from tensorfleet.wire.codec import TensorEntry
-from tensorfleet.wire.dataplane import DataChannel, DataServer, Reply
+from tensorfleet.wire.datachannel import DataChannel
+from tensorfleet.wire.dataplane import Reply
+from tensorfleet.wire.dataserver import DataServer
 from tensorfleet.wire.frame import send_message
 from tensorfleet.wire.rpc import Channel, TlsFiles, WireOptions
 from tensorfleet.worker.client import PsClient
@@ -268,7 +270,7 @@ def test_a_dripped_tls_handshake_is_cut_off_at_the_hello_deadline_and_holds_no_o
         certificates, monkeypatch, token):
     """The handshake runs on the connection's own thread (a stranger does not hold accept) and within the
     Hello's time from accept, with or without a token."""
-    monkeypatch.setattr(dataplane, "HELLO_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(dataserver, "HELLO_TIMEOUT_S", 1.0)
     options = WireOptions(tls=certificates, token=token, shared_memory=False)
     server = _echo_server(options)
     channel = _channel(server, options)
@@ -321,7 +323,7 @@ def test_a_tls_client_that_stops_reading_cannot_hold_the_servers_reply_forever(c
 
 
 def test_an_idle_tls_connection_closed_by_the_server_is_replaced_on_the_next_call(certificates, monkeypatch):
-    monkeypatch.setattr(dataplane, "IDLE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(dataserver, "IDLE_TIMEOUT_S", 0.5)
     options = WireOptions(tls=certificates, token=TOKEN, shared_memory=False)
     server = _echo_server(options)
     channel = _channel(server, options)

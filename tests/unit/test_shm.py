@@ -171,5 +171,5 @@ def test_a_full_shared_memory_gives_none_and_leaves_nothing_open(monkeypatch):
 
 def test_unlink_closes_the_descriptor_once(segment):
     segment.unlink()
-    segment.unlink()  # the dataplane's finally may follow an earlier close
+    segment.unlink()  # DataChannel._attach's finally may follow an earlier close
     assert segment._fd is None

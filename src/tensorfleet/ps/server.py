@@ -16,8 +16,8 @@ from tensorfleet.errors import ClusterSpecError, ConfigError
 from tensorfleet.ps.service import PsService
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.wire import auth, rpc
-from tensorfleet.wire.dataplane import MAX_CONNECTIONS as MAX_DATA_CONNECTIONS
-from tensorfleet.wire.dataplane import DataServer
+from tensorfleet.wire.dataserver import MAX_CONNECTIONS as MAX_DATA_CONNECTIONS
+from tensorfleet.wire.dataserver import DataServer
 
 log = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ class TlsFiles:
     the fleet's certificates (clients, which check that the certificate names the host they dial).
 
     gRPC uses them through ``server_credentials`` / ``channel_credentials``, the data plane
-    (``tensorfleet.wire.dataplane``) through ``server_context`` / ``client_context``: with TLS set,
+    (``tensorfleet.wire.dataserver``, ``datachannel``) through ``server_context`` / ``client_context``: with TLS set,
     gradients and values are encrypted and authenticated on the path too.  Bodies between tasks on
     one host may still go through shared memory (``tensorfleet.wire.shm``): they never cross a network.
     """
