@@ -16,16 +16,9 @@ themselves (each worker's Done tells them) or are stopped after a grace period.
 A task that fails for good stops the job, since the others could only wait for it.
 
 An asynchronous job can be scaled while it runs (``scale_workers``, called from the
-supervising thread: the ``on_tick`` hook).  Worker indices stay ``0 .. N-1``, so the
-cluster (and the ``TF_CONFIG`` of every task started from now on) is always the current
-fleet.  Up: new workers get new free ports; every ps is told the new count (``Resize``)
-and only then do they start (their pushes and their Done must be accepted, and no ps may
-finish without them).  Down: the highest indices (never the chief) get the leave signal
-(``tensorfleet.worker.leave``), finish their step, say Done and exit 0; once they are
-gone the cluster shrinks and every ps is told, which forgets their Done, so that a later
-scale-up reuses their indices as new workers.  A ps that restarts meanwhile starts from
-the current cluster, or is told again.  One change at a time: a scale-up waits for the
-leavers of a scale-down, and for every ps to know the current count.
+supervising thread: the ``on_tick`` hook).  The ``Scaler`` (``scaling.py``) decides the
+order of the steps and owns the cluster, which it changes; the launcher is its ``Fleet``:
+it starts the added workers, signals the leavers and tells each ps the count.
 """
 
 from __future__ import annotations
@@ -44,14 +37,15 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from tensorfleet.cluster.environment import LOGDIR_ENV, STATUS_DIR_ENV
-from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, parse_address
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch.config import JobConfig
 from tensorfleet.launch.console import Console
 from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks, progress_line, task_role
 from tensorfleet.launch.output import TaskOutput
+from tensorfleet.launch.scaling import RESIZE_RETRY_S, Scaler
 from tensorfleet.launch.supervisor import Decision, Supervisor, TaskRecord, describe_exit
-from tensorfleet.ps.api import MAX_REPLICAS, ResizeRequest
+from tensorfleet.ps.api import ResizeRequest
 from tensorfleet.wire import auth
 from tensorfleet.wire.rpc import BUSY_POLL_ENV, Channel, WireOptions
 from tensorfleet.worker.leave import LEAVE_SIGNAL
@@ -64,9 +58,7 @@ SECRET_SHOWN = "<the job's secret token>"  # what --dry-run prints instead of th
 BUSY_POLL_US = 2000  # the polling budget of each data connection when every task has a core of its own
 PUMP_JOIN_S = 2.0  # how long an exit waits for the rest of the task's output
 _PR_SET_PDEATHSIG = 1
-LEAVE_TIMEOUT_S = 60.0  # a worker asked to leave (scale-down) that is still there after this is stopped
 RESIZE_TIMEOUT_S = 1.0  # one Resize call to a ps, made from the supervising loop
-RESIZE_RETRY_S = 1.0  # after a Resize that failed (a ps restarting), the next try
 
 
 def usable_cores() -> int:
@@ -135,16 +127,18 @@ class LocalLauncher:
         self.config = config
         self.on_tick = on_tick  # called from the supervising loop, about every LOOP_S (the job service's hook)
         self.failed: list[TaskRecord] = []  # the tasks that failed for good, once run() has returned
-        self.cluster = local_cluster(config.ps, config.workers, first_port=config.port)
-        self.tasks = fleet_tasks(self.cluster)
+        cluster = local_cluster(config.ps, config.workers, first_port=config.port)
+        self.tasks = fleet_tasks(cluster)
         self._gpus_available = gpus_available
         self._gpus = (gpu_assignment(config.gpus_per_worker, config.workers, self._visible_gpus())
                       if config.gpus_per_worker else None)
         self.console = Console(out or sys.stdout, interactive=interactive, every_s=progress_every_s)
         self.logdir = Path(config.logdir) if config.logdir else None
-        records = [TaskRecord(t, self.cluster.task_address(t.job_name, t.index), task_role(self.cluster, t))
+        records = [TaskRecord(t, cluster.task_address(t.job_name, t.index), task_role(cluster, t))
                    for t in self.tasks]
         self.supervisor = Supervisor(records, config.restart_policy)
+        # Scaling (see scaling.py): the worker count asked for, the steps towards it, and so the cluster.
+        self.scaler = Scaler(cluster, self.supervisor, self, free_ports=free_ports, kill_grace_s=KILL_GRACE_S)
         # A new secret per job (or the one this launcher was given): every task requires it of every caller.
         self.token = auth.job_token() or auth.new_token()
         self.monitor = FleetMonitor(self.cluster, job_name=config.job_name, mode=config.mode,
@@ -155,17 +149,15 @@ class LocalLauncher:
         self._events_written = 0
         self._interrupted: str | None = None
         self.dashboard = None
-        # Scaling (see the module docstring): the worker count asked for, and the steps towards it.
-        self.target_workers = config.workers
-        self._unstarted: list[int] = []  # worker indices in the cluster, started once every ps knows the count
-        self._leaving: dict[str, float] = {}  # workers asked to leave -> when (monotonic)
-        self._terminated: set[str] = set()  # leavers that outstayed LEAVE_TIMEOUT_S and were sent SIGTERM
-        self._ps_knows: dict[str, int] = {}  # ps task -> the worker count its incarnation started with or was told
-        self._resize_after = 0.0  # no Resize before this (monotonic): the last one failed
         self.started_with: dict[str, dict[str, str]] = {}  # task -> the variables its current process started with
         self.spawns = 0  # processes started so far (restarts and scaled-up workers included)
 
     # --- what each task gets --------------------------------------------------------------------
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        """The current cluster: the scaler's, which a scale changes."""
+        return self.scaler.cluster
 
     @property
     def command(self) -> list[str]:
@@ -220,8 +212,7 @@ class LocalLauncher:
     def _spawn(self, record: TaskRecord) -> None:
         task = record.task
         env = {**os.environ, **self.task_env(task)}
-        if record.role == "ps":
-            self._ps_knows[record.name] = self.cluster.num_tasks("worker")  # its TF_CONFIG's workers
+        self.scaler.started(record)  # a ps knows the worker count of its TF_CONFIG
         process = subprocess.Popen(with_launcher_death(self.command), env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.processes[record.name] = process
@@ -292,7 +283,7 @@ class LocalLauncher:
             self.console.line(f"[launch] {record.name}: {repeats} line(s) of its output repeat a crash shown above "
                               f"(all of it in {self.log_path(record.task)})")
 
-    def _write_events(self) -> None:
+    def write_events(self) -> None:
         new = self.supervisor.events[self._events_written:]
         if self.logdir is not None and new:
             with open(self.logdir / "events.jsonl", "a", encoding="utf-8") as f:
@@ -320,7 +311,7 @@ class LocalLauncher:
             self.stop()
             self.monitor.poll()  # the final statuses the tasks left, for the summary and the dashboard
             self.monitor.stop()
-            self._write_events()
+            self.write_events()
             for s, handler in previous.items():
                 signal.signal(s, handler)
         self.failed = failed
@@ -336,7 +327,7 @@ class LocalLauncher:
         last_progress = 0.0
         while not self._interrupted:
             failed = self._reap()
-            self._write_events()
+            self.write_events()
             if failed:
                 return failed
             if self.supervisor.workers_done():
@@ -344,7 +335,7 @@ class LocalLauncher:
                 return []
             for record in self.supervisor.due():
                 self._spawn(record)
-            self._rescale()
+            self.scaler.step()
             self.output.release_due(lambda name: self.supervisor.by_name[name].answered)
             if self.on_tick is not None:
                 self.on_tick(self)
@@ -363,7 +354,7 @@ class LocalLauncher:
         while self.processes and time.monotonic() < deadline:
             self._reap()
             time.sleep(LOOP_S / 2)
-        self._write_events()
+        self.write_events()
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._interrupted = signal.Signals(signum).name
@@ -385,7 +376,7 @@ class LocalLauncher:
             pump.join(timeout=PUMP_JOIN_S)
             self.output.release(name)
 
-    # --- scaling an asynchronous job -------------------------------------------------------------
+    # --- scaling an asynchronous job (the Scaler decides; these are its Fleet) ---------------------
 
     def scale_workers(self, workers: int) -> None:
         """Scale this running asynchronous job to ``workers`` workers; it happens over the next ticks.
@@ -406,24 +397,15 @@ class LocalLauncher:
             >>> LocalLauncher(config, on_tick=lambda launcher: launcher.scale_workers(4)).run()  # doctest: +SKIP
         """
         self._check_scalable(workers)
-        if workers == self.target_workers:
-            return
-        before, self.target_workers = self.target_workers, workers
-        self.supervisor.scaled(before, workers)
-        self._write_events()
-        self.console.line(f"[launch] scaling from {before} to {workers} worker(s)")
-        self._rescale()
+        self.scaler.scale_to(workers)
 
     def _check_scalable(self, workers: int) -> None:
+        """What this job's settings allow (the scaler checks the count and the chief); reserves the GPUs."""
         if self.config.mode != "async":
             raise ConfigError(f"scaling workers needs an asynchronous job (--async); this one's mode is "
                               f"{self.config.mode or 'the script default'}: synchronous replicas aggregate a fixed "
                               "number of gradients per step, so their count cannot change while it trains")
-        if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_REPLICAS:
-            raise ConfigError(f"workers must be a whole number from 1 to {MAX_REPLICAS}, got {workers!r}")
-        chief = self.supervisor.by_name[self.cluster.chief.short]
-        if self.supervisor.stopping or chief.state not in ("starting", "running", "restarting"):
-            raise ConfigError(f"the job is ending (its chief is {chief.state}): it can no longer be scaled")
+        self.scaler.check(workers)
         towers = (self.config.env.get("TENSORFLEET_TOWERS") or os.environ.get("TENSORFLEET_TOWERS") or "1").strip()
         if workers < self.cluster.num_tasks("worker") and towers not in ("", "1"):
             raise ConfigError(f"workers with towers (TENSORFLEET_TOWERS={towers}) cannot leave a running job yet: "
@@ -432,65 +414,22 @@ class LocalLauncher:
             self._gpus = gpu_assignment(self.config.gpus_per_worker, max(workers, self.cluster.num_tasks("worker")),
                                         self._visible_gpus())
 
-    def _rescale(self) -> None:
-        """One step (or none) towards ``target_workers``; called on every tick of the supervising loop.
+    def start_worker(self, record: TaskRecord) -> None:
+        self._spawn(record)
 
-        Every ps must know the cluster's current count before the next change: a ps told of a scale-down
-        only after a scale-up that reuses the indices would count the new workers as done already."""
-        if self._leaving:
-            if not self._leavers_gone():
-                return
-            self._set_workers(self.cluster.num_tasks("worker") - len(self._leaving))
-            self._leaving.clear()
-            self._terminated.clear()
-            self._fleet_changed()
-        size = self.cluster.num_tasks("worker")
-        if self.target_workers < size and self._unstarted:  # fewer asked for before these even started
-            keep = max(self.target_workers, size - len(self._unstarted))
-            self._unstarted = [i for i in self._unstarted if i < keep]
-            self._set_workers(keep)
-            size = keep
-        if not self._every_ps_knows(size):
-            return
-        if not self._unstarted and self.target_workers > size:
-            self._unstarted = list(range(size, self.target_workers))
-            self._set_workers(self.target_workers)
-            if not self._every_ps_knows(self.target_workers):
-                return
-        if self._unstarted:
-            self._start_added_workers()
-        elif self.target_workers < size:
-            self._ask_to_leave(range(size - 1, self.target_workers - 1, -1))
-
-    def _set_workers(self, count: int) -> None:
-        """The cluster with ``count`` workers: the first ones kept, new ones on new free ports."""
-        jobs = self.cluster.as_dict()
-        workers = jobs["worker"][:count]
-        host = parse_address(workers[0])[0]
-        used = {parse_address(address)[1] for addresses in jobs.values() for address in addresses}
-        while len(workers) < count:
-            for port in free_ports(count - len(workers), host):
-                if port not in used:
-                    used.add(port)
-                    workers.append(f"{host}:{port}")
-        self.cluster = ClusterSpec.from_dict({**jobs, "worker": workers})
-
-    def _every_ps_knows(self, size: int) -> bool:
-        """Tell every ps that does not know it yet that the job has ``size`` workers (Resize); True when all
-        do.  A ps waiting for its restart will start from the current cluster; a finished one ends the job."""
-        unknowing = [r for r in self.supervisor.records if r.role == "ps" and r.state != "restarting"
-                     and self._ps_knows.get(r.name) != size]
-        if not unknowing:
-            return True
-        if time.monotonic() < self._resize_after:
+    def signal_leave(self, name: str) -> bool:
+        process = self.processes.get(name)
+        if process is None or process.poll() is not None:  # once reaped, its pid may be another process's
             return False
-        for record in unknowing:
-            if record.state != "running" or not self._resize(record, size):
-                self._resize_after = time.monotonic() + RESIZE_RETRY_S
-                return False
+        os.kill(process.pid, LEAVE_SIGNAL)  # the task's own process (tower 0), not its group
         return True
 
-    def _resize(self, record: TaskRecord, size: int) -> bool:
+    def signal_group(self, name: str, sig: int) -> None:
+        process = self.processes.get(name)
+        if process is not None:
+            _signal_group(process, sig)
+
+    def resize_ps(self, record: TaskRecord, size: int) -> bool:
         channel = Channel(self.cluster.task_address("ps", record.task.index), task=record.task.name,
                           options=WireOptions(token=self.token))
         try:
@@ -501,57 +440,15 @@ class LocalLauncher:
             return False
         finally:
             channel.close()
-        if reply.get("finished"):
-            return False  # every worker said Done: the job is ending, nothing to start or stop
-        self._ps_knows[record.name] = size
-        return True
+        return not reply.get("finished")  # finished: every worker said Done, the job is ending
 
-    def _start_added_workers(self) -> None:
-        for index in self._unstarted:
-            task = TaskSpec("worker", index)
-            record = TaskRecord(task, self.cluster.task_address("worker", index), task_role(self.cluster, task))
-            self.supervisor.add(record)
-            self._spawn(record)
-        self._unstarted = []
-        self._fleet_changed()
-
-    def _ask_to_leave(self, indices: range) -> None:
-        """Scale down: these workers finish their step, say Done and exit (highest index first)."""
-        now = time.monotonic()
-        for index in indices:
-            name = TaskSpec("worker", index).short
-            self._leaving[name] = now
-            process = self.processes.get(name)
-            if self.supervisor.leave(name) and process is not None and process.poll() is None:
-                self._send_leave(process)
-                self.console.line(f"[launch] {name} asked to leave: it finishes its step, says Done and exits")
-        self._write_events()
-
-    @staticmethod
-    def _send_leave(process: subprocess.Popen) -> None:
-        os.kill(process.pid, LEAVE_SIGNAL)  # the task's own process (tower 0), not its group
-
-    def _leavers_gone(self) -> bool:
-        """True once every worker asked to leave has exited; one that outstays LEAVE_TIMEOUT_S is stopped."""
-        now, gone = time.monotonic(), True
-        for name, asked in self._leaving.items():
-            process = self.processes.get(name)
-            if process is None:
-                continue
-            gone = False
-            if now - asked >= LEAVE_TIMEOUT_S + KILL_GRACE_S:
-                _signal_group(process, signal.SIGKILL)
-            elif now - asked >= LEAVE_TIMEOUT_S and name not in self._terminated:
-                self._terminated.add(name)
-                self.console.line(f"[launch] {name} did not leave within {LEAVE_TIMEOUT_S:g} s (does its loop check "
-                                  "session.should_stop()?); stopping it")
-                _signal_group(process, signal.SIGTERM)
-        return gone
-
-    def _fleet_changed(self) -> None:
+    def fleet_changed(self) -> None:
         """Every view of the fleet follows the cluster: the task list and the monitor's picture."""
         self.tasks = fleet_tasks(self.cluster)
         self.monitor.set_cluster(self.cluster)
+
+    def say(self, line: str) -> None:
+        self.console.line(line)
 
     # --- dashboard and summary ------------------------------------------------------------------
 
