@@ -479,6 +479,7 @@ class ShardState:
     since: int | None = None  # None: the whole state; else a delta since this update
     epoch: str = ""
     pages: int = 1  # a page of a paged snapshot: how many pages it has (the dense state is on page 0)
+    token: str = ""  # a paged snapshot: which taking of it the later pages belong to (asked for by it)
 
     def flatten(self) -> dict[str, torch.Tensor]:
         """One flat name per tensor: ``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``, and per embedding
@@ -617,6 +618,42 @@ class Origin:
         return cls(*value)
 
 
+@dataclass(frozen=True)
+class Cut:
+    """A point of the fleet's push order every shard can find (``VariableStore.fence``): each worker's latest
+    push applied on any shard, (incarnation, seq), and the highest global step of any shard. A push is in the
+    cut when its origin is at or before its worker's entry (async), or when its step is below ``step``
+    (sync: the steps every shard must have aggregated)."""
+
+    applied: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    step: int = 0
+
+    def merge(self, other: "Cut") -> "Cut":
+        """The cut over two sets of shards: the later push of each worker, the higher step."""
+        applied = dict(self.applied)
+        for worker, at in other.applied.items():
+            applied[worker] = max(applied.get(worker, at), at)
+        return Cut(applied, max(self.step, other.step))
+
+    def holds(self, origin: Origin) -> bool:
+        """Whether the push of ``origin`` is at or before the cut."""
+        at = self.applied.get(origin.worker)
+        return at is not None and (origin.incarnation, origin.seq) <= at
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"applied": [[w, inc, seq] for w, (inc, seq) in sorted(self.applied.items())], "step": self.step}
+
+    @classmethod
+    def from_meta(cls, value: Any, method: str) -> "Cut":
+        entries = value.get("applied") if isinstance(value, dict) else None
+        if not isinstance(entries, list) or len(entries) > MAX_REPLICAS or not all(
+                isinstance(e, list) and len(e) == 3 and all(type(x) is int and 0 <= x < 2 ** 63 for x in e)
+                for e in entries):
+            raise InvalidArgumentError(f"{method} 'cut' must be {{applied: [[worker, incarnation, seq], ...], "
+                                       f"step}}, got {value!r:.60}")
+        return cls({w: (inc, seq) for w, inc, seq in entries}, _count(value, "step", method))
+
+
 # --- requests and replies --------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -633,6 +670,7 @@ class InitRequest:
     restore: tuple[int, int] | None = None  # (global_step, applied_updates) of the checkpoint in the tensors
     force: bool = False  # overwrite a live shard: only with ``restore`` (the recovery after a ps was lost)
     tables: tuple[TableSpec, ...] = ()  # embedding tables: every shard holds the rows of its ids
+    cut: Cut | None = None  # a forced restore's: the live shards' fence (``VariableStore.initialize``)
 
     @property
     def mode(self) -> Mode:
@@ -659,6 +697,8 @@ class InitRequest:
             meta["tables"] = [table.to_meta() for table in self.tables]
         if self.restore is not None:
             meta["restore"] = {"global_step": self.restore[0], "applied_updates": self.restore[1]}
+        if self.cut is not None:
+            meta["cut"] = self.cut.to_meta()
         return meta
 
     @classmethod
@@ -676,7 +716,8 @@ class InitRequest:
                    optimizer=OptimizerSpec.from_meta(meta.get("optimizer")),
                    sync=SyncOptions.from_meta(meta["sync"]) if meta.get("sync") is not None else None,
                    average_decay=meta.get("average_decay"), nonfinite=meta.get("nonfinite", "reject"),
-                   restore=restore, force=meta.get("force", False))
+                   restore=restore, force=meta.get("force", False),
+                   cut=Cut.from_meta(meta["cut"], "Init") if meta.get("cut") is not None else None)
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.ps.api import (DoneRequest, InitRequest, LookupRequest, PullRequest, PushRequest, ResizeRequest,
+from tensorfleet.ps.api import (Cut, DoneRequest, InitRequest, LookupRequest, PullRequest, PushRequest, ResizeRequest,
                                 ShardState, StepReply)
-from tensorfleet.ps.store import VariableStore
+from tensorfleet.ps.store import FENCE_HOLD_S, MAX_FENCE_HOLD_S, VariableStore
 from tensorfleet.wire import auth
 from tensorfleet.wire.dataplane import Method, Reply, Request
 from tensorfleet.wire.rpc import Handler, Message
@@ -73,7 +73,7 @@ class PsService:
             restore = ShardState.unflatten(tensors, global_step=global_step, applied_updates=applied_updates)
             tensors = restore.values
         created = self.store.initialize(tensors, init.optimizer, init.sync, init.average_decay, restore,
-                                        force=init.force, nonfinite=init.nonfinite, tables=init.tables)
+                                        force=init.force, nonfinite=init.nonfinite, tables=init.tables, cut=init.cut)
         spec, sync = init.optimizer, init.sync
         if created:
             for table in init.tables:
@@ -136,16 +136,24 @@ class PsService:
         for name, value, low in (("page", page, 0), ("pages", pages, 1)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise InvalidArgumentError(f"Snapshot '{name}' must be an integer >= {low}, got {value!r:.40}")
-        state = self.store.snapshot(since, page, pages, cut=_cut_from_meta(meta.get("cut")))
+        token = meta.get("token", "")
+        if not isinstance(token, str) or len(token) > 64:
+            raise InvalidArgumentError(f"Snapshot 'token' must be the token of page 0's reply, got {token!r:.40}")
+        cut = Cut.from_meta(meta["cut"], "Snapshot") if meta.get("cut") is not None else None
+        state = self.store.snapshot(since, page, pages, cut=cut, token=token)
         return {"global_step": state.global_step, "applied_updates": state.applied_updates, "since": state.since,
-                "epoch": state.epoch, "pages": state.pages}, state.flatten()
+                "epoch": state.epoch, "pages": state.pages, "token": state.token}, state.flatten()
 
     def fence(self, request: Request) -> Reply:
-        """Start a consistent cut (``VariableStore.fence``): hold pushes; answer each worker's latest applied."""
+        """Start a consistent cut (``VariableStore.fence``): hold pushes; answer each worker's latest applied and
+        the shard's step. ``hold_s``: how long at most (a restore's fence lasts while the shards take it)."""
         if request.entries:
             raise InvalidArgumentError("a Fence carries no tensors")
-        applied = self.store.fence()
-        return Reply({"applied": [[w, inc, seq] for w, (inc, seq) in sorted(applied.items())]})
+        hold_s = request.meta.get("hold_s", FENCE_HOLD_S)
+        if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)) or not 0 < hold_s <= MAX_FENCE_HOLD_S:
+            raise InvalidArgumentError(f"Fence 'hold_s' must be a number of seconds in (0, {MAX_FENCE_HOLD_S:g}], "
+                                       f"got {hold_s!r:.40}")
+        return Reply(self.store.fence(float(hold_s)).to_meta())
 
     def snapshot_data(self, request: Request) -> Reply:
         """Snapshot on the data plane: the same request and reply as the gRPC method, the rows at TCP speed
@@ -237,18 +245,3 @@ def nonfinite_names(gradients: dict[str, torch.Tensor], *, body: torch.Tensor | 
     suspects = [name for name, grad in gradients.items()
                 if grad.is_floating_point() and grad.numel() and not math.isfinite(float(grad.sum()))]
     return [name for name in suspects if not bool(torch.isfinite(gradients[name]).all())]
-
-
-def _cut_from_meta(value: Any) -> dict[int, tuple[int, int]] | None:
-    """A Snapshot's ``cut``: a list of [worker, incarnation, seq] (the chief's merge of every shard's Fence)."""
-    if value is None:
-        return None
-    entries = value if isinstance(value, list) and len(value) <= 1 << 16 else None
-    cut: dict[int, tuple[int, int]] = {}
-    for entry in entries if entries is not None else [None]:
-        if not (isinstance(entry, list) and len(entry) == 3
-                and all(type(x) is int and 0 <= x < 2 ** 63 for x in entry)):
-            raise InvalidArgumentError(f"Snapshot 'cut' must be a list of [worker, incarnation, seq], got "
-                                       f"{value!r:.60}")
-        cut[entry[0]] = (entry[1], entry[2])
-    return cut

@@ -21,6 +21,7 @@ import logging
 import secrets
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -30,8 +31,9 @@ import torch
 from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError, StaleIncarnationError
 from tensorfleet.ps.aggregate import Rows, SyncAccumulator
-from tensorfleet.ps.api import (NONFINITE_POLICIES, Mode, OptimizerSpec, Origin, Outcome, PushReply, PushRequest,
-                                ShardState, SyncOptions, TableSpec, TableState, grads_key, ids_key, table_key)
+from tensorfleet.ps.api import (NONFINITE_POLICIES, Cut, Mode, OptimizerSpec, Origin, Outcome, PushReply,
+                                PushRequest, ShardState, SyncOptions, TableSpec, TableState, grads_key, ids_key,
+                                table_key)
 from tensorfleet.ps.apply import Applier, MovingAverage, check_layout
 from tensorfleet.ps.table import EmbeddingShard, unique_ids_error
 
@@ -43,6 +45,8 @@ SNAPSHOT_PAGE_BYTES = 256 << 20  # table rows per page of a Snapshot: replies st
 MAX_IDS_PER_REQUEST = 1 << 24
 MAX_REPLY_ROW_BYTES = 1 << 30  # rows one lookup's reply may carry
 FENCE_HOLD_S = 5.0  # the longest a fence holds pushes (a chief that fenced and went away must not stop training)
+MAX_FENCE_HOLD_S = 300.0  # what a Fence may ask for: a restore's fence lasts while every shard takes a checkpoint
+PAGES_KEPT_S = 600.0  # a paged snapshot's later pages wait this long to be read, at most
 MAX_INCARNATION_AHEAD_S = 3600.0  # a push's incarnation (its process's start, ns) this far past the ps's clock at most
 
 log = logging.getLogger(__name__)
@@ -212,12 +216,22 @@ def _entries(gradients: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dty
 @dataclass
 class _Fence:
     """A cut being taken on this shard (``VariableStore.fence``): pushes are held until ``until`` at most; once
-    the chief sent the cut, those of its pushes go through; ``held``: the pushes waiting now (worker, incarnation,
-    seq)."""
+    the chief sent the cut, those of its pushes go through; ``held``: the pushes waiting now."""
 
     until: float
-    cut: dict[int, tuple[int, int]] | None = None
-    held: set[tuple[int, int, int]] = field(default_factory=set)
+    hold_s: float
+    cut: Cut | None = None
+    held: set[Origin] = field(default_factory=set)
+
+
+@dataclass
+class _KeptPages:
+    """A paged snapshot's pages 1.., taken with page 0 under one hold of the lock (one point of the push order)
+    and kept until read, or until ``until``."""
+
+    token: str
+    pages: dict[int, ShardState]
+    until: float
 
 
 class VariableStore:
@@ -254,6 +268,7 @@ class VariableStore:
         self.nonfinite = "reject"  # NaN/Inf gradients: "reject" the push or "apply" it (set by Init)
         self._origins: dict[int, Origin] = {}  # worker -> its latest push (exactly-once bookkeeping)
         self._fence: _Fence | None = None  # a consistent cut being taken (see ``fence``)
+        self._kept_pages: _KeptPages | None = None  # the later pages of the latest paged snapshot
         self._initial_updates = 0
         self._accepted_pushes = 0
         self._retried_pushes = 0
@@ -262,7 +277,7 @@ class VariableStore:
     def initialize(self, values: Mapping[str, torch.Tensor], spec: OptimizerSpec,
                    sync: SyncOptions | None = None, average_decay: float | None = None,
                    restore: ShardState | None = None, force: bool = False, nonfinite: str = "reject",
-                   tables: Sequence[TableSpec] = ()) -> bool:
+                   tables: Sequence[TableSpec] = (), cut: Cut | None = None) -> bool:
         """Take initial values (copied), the optimizer, the mode and the moving-average decay (None: no averages),
         and the embedding tables (empty; rows are created by their first update); with ``restore``, also the
         optimizer slots, averages, counters and tables' rows of a checkpoint.
@@ -272,6 +287,11 @@ class VariableStore:
         exception: after a ps was lost, the chief rolls *every* shard back to the same
         checkpoint so that they agree again.  ``nonfinite`` is what happens to a push with
         NaN/Inf gradients: "reject" it (counted and logged), or "apply" it.
+
+        ``cut``: a restore's, taken by fencing every live shard first (``fence``): the pushes in it were made
+        on the timeline the restore ends; each is counted as seen (a retry of it is not applied), so a push
+        that reached some shards before their restore and others after is applied on none. The fence holds
+        every later push until its shard is restored: those are applied on every shard.
         """
         if nonfinite not in NONFINITE_POLICIES:
             raise InvalidArgumentError(f"nonfinite={nonfinite!r}: use one of {NONFINITE_POLICIES}", task=self.task)
@@ -307,7 +327,13 @@ class VariableStore:
             self._applied_updates = restore.applied_updates if restore is not None else 0
             self._initial_updates, self._accepted_pushes = self._applied_updates, 0
             self._generation += 1
+            if cut is not None:
+                for worker, (incarnation, seq) in cut.applied.items():
+                    known = self._origins.get(worker)
+                    if known is None or (known.incarnation, known.seq) < (incarnation, seq):
+                        self._origins[worker] = Origin(worker, incarnation, seq)
             self._fence = None  # an initialization or restore ends any cut in progress
+            self._kept_pages = None
             self._cond.notify_all()
             return True
 
@@ -332,59 +358,68 @@ class VariableStore:
 
     # --- consistent cuts ---------------------------------------------------------------------------
 
-    def fence(self, hold_s: float = FENCE_HOLD_S) -> dict[int, tuple[int, int]]:
-        """Start a cut: hold every push from now on (async mode; a sync shard holds nothing, returns {}), for
-        at most ``hold_s``; return the latest push applied of each worker, (incarnation, seq).
+    def fence(self, hold_s: float = FENCE_HOLD_S) -> Cut:
+        """Start a cut: hold every push from now on, for at most ``hold_s``; return this shard's part of the
+        cut: the latest push applied of each worker, (incarnation, seq), and its global step.
 
         A push is split over the shards and its parts arrive at different moments, so the chief fences
-        every shard, takes the latest of each worker over all of them (the cut), and asks each for a
-        snapshot at that cut (``snapshot(cut=...)``): a shard first lets through the held parts of pushes
-        in the cut, waits for those still on their way, copies, and lets the rest go. Every push is then in
-        every shard's copy or in none: the checkpoint is one point of the fleet's push order."""
+        every shard, merges their answers (the cut), and asks each for a snapshot at that cut
+        (``snapshot(cut=...)``): a shard first lets through the held parts of pushes in the cut, waits for
+        those still on their way, copies, and lets the rest go. Async: every push is then in every shard's
+        copy or in none. Sync: the steps below the cut's are aggregated on every shard (with backup workers
+        a shard may be one step behind another), the later ones on none. The checkpoint is one point of
+        the fleet's push order. A restore takes the cut too (``initialize(cut=...)``)."""
         with self._cond:
             self._require_initialized()
-            if self._sync is not None:
-                return {}
-            self._fence = _Fence(until=time.monotonic() + hold_s)
-            return {w: (o.incarnation, o.seq) for w, o in self._origins.items()}
+            self._fence = _Fence(until=time.monotonic() + hold_s, hold_s=hold_s)
+            return Cut({w: (o.incarnation, o.seq) for w, o in self._origins.items()}, self._global_step)
 
-    def _fence_lets(self, origin: Origin | None) -> bool:
+    def _fence_lets(self, push: PushRequest) -> bool:
         fence = self._fence
-        if fence is None or origin is None:  # in-process callers that do not number their pushes: not held
+        if fence is None or (push.origin is None and push.step is None):  # in-process callers: not held
             return True
         if time.monotonic() >= fence.until:
-            log.warning("%s: a cut held pushes for %.1f s without a snapshot (the chief went away?): let go",
-                        self.task, FENCE_HOLD_S)
+            log.warning("%s: a cut held pushes for %.1f s without a snapshot or restore (the chief went away?): "
+                        "let go", self.task, fence.hold_s)
             self._fence = None
             self._cond.notify_all()
             return True
-        cut = fence.cut.get(origin.worker) if fence.cut is not None else None
-        return cut is not None and (origin.incarnation, origin.seq) <= cut
+        if fence.cut is None:
+            return False
+        if push.step is not None:  # sync: the steps below the cut's are in it
+            return push.step < fence.cut.step
+        return fence.cut.holds(push.origin)
 
-    def _wait_for_fence(self, origin: Origin | None) -> None:
-        """Wait (the lock released) while a fence holds ``origin``'s push; say it is held, for the cut's wait."""
-        while not self._fence_lets(origin):
+    def _wait_for_fence(self, push: PushRequest) -> None:
+        """Wait (the lock released) while a fence holds ``push``; say it is held, for the cut's wait."""
+        while not self._fence_lets(push):
             fence = self._fence
-            assert fence is not None and origin is not None
-            fence.held.add((origin.worker, origin.incarnation, origin.seq))
+            assert fence is not None
+            if push.origin is not None:
+                fence.held.add(push.origin)
             try:
                 self._cond.wait(max(fence.until - time.monotonic(), 0.0))
             finally:
-                fence.held.discard((origin.worker, origin.incarnation, origin.seq))
+                fence.held.discard(push.origin)
 
-    def _wait_for_cut(self, cut: Mapping[int, tuple[int, int]]) -> None:
-        """Let the held pushes of the cut through, and wait until every worker's push of the cut was applied
-        here, or this shard holds a later one of that worker (its part of the cut will never come: it was
-        lost with a dead ps). Past the fence's time, go on, saying which workers the cut may tear."""
+    def _wait_for_cut(self, cut: Cut) -> None:
+        """Let the held pushes of the cut through, and wait until every push of the cut was applied here:
+        async, each worker's latest (or this shard holds a later one of that worker: its part of the cut
+        will never come, lost with a dead ps); sync, the steps below the cut's. Past the fence's time, go
+        on, saying what the cut may lack."""
         fence = self._fence
         if fence is None:
             return
-        fence.cut = dict(cut)
+        fence.cut = cut
         self._cond.notify_all()
 
-        def missing() -> list[int]:
-            later = {w: (inc, seq) for w, inc, seq in fence.held}
-            return [w for w, at in cut.items()
+        def missing() -> list[str]:
+            if self._sync is not None:
+                return [f"step {self._global_step}"] if self._global_step < cut.step else []
+            later: dict[int, tuple[int, int]] = {}
+            for origin in fence.held:
+                later[origin.worker] = max(later.get(origin.worker, (0, 0)), (origin.incarnation, origin.seq))
+            return [self.replica_name(w) for w, at in cut.applied.items()
                     if (w not in self._origins or (self._origins[w].incarnation, self._origins[w].seq) < at)
                     and not (w in later and later[w] > at)]
 
@@ -392,11 +427,10 @@ class VariableStore:
             self._cond.wait(max(fence.until - time.monotonic(), 0.0))
         if waiting:
             log.warning("%s: the pushes of %s in this cut did not arrive in %.1f s: this shard's part of the "
-                        "checkpoint may lack them", self.task, ", ".join(self.replica_name(w) for w in waiting),
-                        FENCE_HOLD_S)
+                        "checkpoint may lack them", self.task, ", ".join(waiting), fence.hold_s)
 
     def snapshot(self, since: int | None = None, page: int = 0, pages: int | None = None,
-                 cut: Mapping[int, tuple[int, int]] | None = None) -> ShardState:
+                 cut: Cut | None = None, token: str = "") -> ShardState:
         """A consistent copy of the shard, taken under the lock: whole, or (``since``) a delta holding, of the
         tables, only the rows updated since update ``since`` and the ids evicted since. A delta that cannot be
         told (the evictions that far back were not kept, or ``since`` is ahead of this shard: another
@@ -404,22 +438,47 @@ class VariableStore:
 
         Paged, so that no reply passes the message limit: ``pages`` None lets the shard choose how many
         (``SNAPSHOT_PAGE_BYTES`` of rows each; said in ``pages`` of the reply) and gives page 0; then pages
-        1..pages-1 are asked for. Page 0 holds the dense state; each page the table rows (and evicted ids)
-        whose ids ``page_of`` puts there. Each row is read whole under the lock; pages are taken one by one.
+        1..pages-1 are asked for with the reply's ``token``. Page 0 holds the dense state; each page the
+        table rows (and evicted ids) whose ids ``page_of`` puts there. Every page is copied with page 0,
+        under one hold of the lock (the later ones kept until read, ``PAGES_KEPT_S`` at most): the pages are
+        one point of the push order.
 
-        ``cut``: the cut of a ``fence`` (worker -> its latest push, over every shard): taken at it, and the
-        fence's held pushes let go after the copy.
+        ``cut``: the merged answers of a ``fence`` of every shard: the copy is taken at it, and the fence's
+        held pushes let go after it.
         """
+        if token:
+            return self._kept_page(token, page)
         with self._cond:
             self._require_initialized()
             if cut is not None:
                 self._wait_for_cut(cut)
             try:
-                return self._copy(since, page, pages)
+                first = self._copy(since, page, pages)
+                if pages is None and first.pages > 1:
+                    token = secrets.token_hex(8)
+                    rest = {p: self._copy(first.since, p, first.pages) for p in range(1, first.pages)}
+                    self._kept_pages = _KeptPages(token, rest, time.monotonic() + PAGES_KEPT_S)
+                    first = dataclasses.replace(first, token=token)
+                return first
             finally:
                 if cut is not None and self._fence is not None:
                     self._fence = None
                     self._cond.notify_all()
+
+    def _kept_page(self, token: str, page: int) -> ShardState:
+        """A later page of the paged snapshot ``token`` (each given once; the last one read frees them)."""
+        with self._cond:
+            kept = self._kept_pages
+            if kept is not None and time.monotonic() >= kept.until:
+                kept = self._kept_pages = None
+            if kept is None or kept.token != token or page not in kept.pages:
+                raise InvalidArgumentError(f"Snapshot page {page} of {token!r:.20} is not kept here (read already, "
+                                           f"or not read within {PAGES_KEPT_S:.0f} s, or the shard was restored "
+                                           "since): take the snapshot again", task=self.task)
+            state = kept.pages.pop(page)
+            if not kept.pages:
+                self._kept_pages = None
+            return state
 
     def _copy(self, since: int | None, page: int, pages: int | None) -> ShardState:
         """``snapshot``'s copy, under the lock held by the caller."""
@@ -561,9 +620,9 @@ class VariableStore:
         dense, rows = parts or layout.split(gradients, task=self.task)  # ids checked here, without the lock
         with self._cond:
             while True:  # a fence (a cut being taken) may hold this push; then it waits for the update's turn
-                self._wait_for_fence(push.origin)
+                self._wait_for_fence(push)
                 self._exclusive()  # from here on the lock is never released until the update is done
-                if self._fence_lets(push.origin):
+                if self._fence_lets(push):
                     break  # else a fence came up while this push waited for readers: wait for it first
             self._require_initialized()
             if layout is not self._layout:  # an Init replaced the layout since: check against the new one
@@ -789,6 +848,10 @@ class VariableStore:
             if self._cannot_complete():
                 return Outcome.ABANDONED
             remaining = deadline - time.monotonic()
+            fence = self._fence
+            if remaining <= 0 and fence is not None and fence.until > time.monotonic():
+                self._cond.wait(fence.until - time.monotonic())  # a cut is being taken: no step completes in it
+                continue
             if remaining <= 0:
                 self._on_timeout(step)
                 break

@@ -30,9 +30,9 @@ from tensorfleet.ps.api import (DoneRequest, InitRequest, LookupRequest, Optimiz
                                 PushReply, PushRequest, ShardState, StepReply, SyncOptions, TableSpec, grads_key,
                                 ids_key)
 from tensorfleet.wire.codec import NARROW_DTYPES, TensorEntry
-from tensorfleet.wire.dataplane import DataChannel, Stream
+from tensorfleet.wire.datachannel import DataChannel, Stream
 from tensorfleet.wire.rpc import Channel, WireOptions
-from tensorfleet.worker.snapshots import SnapshotInFlight, start_snapshot
+from tensorfleet.worker.snapshots import SnapshotInFlight, fence_for_restore, start_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ STATUS_ATTEMPT_S = 2.0  # one Status attempt while waiting for a ps; then a fres
 WAIT_SAY_S = 15.0  # while waiting for a ps to answer, say so this often (a silent wait looks like a hang)
 DONE_WAIT_S = 300.0  # how long a finished worker keeps telling a silent ps it is done
 PUSH_ATTEMPTS = 3  # a push whose connection broke is sent again (same sequence number) this many times in all
+RESTORE_FENCE_S = 60.0  # a forced restore fences the live shards for this long at most (each restore ends its fence)
 
 
 class Gathered:
@@ -148,14 +149,19 @@ class PsClient:
         and moving-average decay to every shard; ``force`` overwrites live shards (recovery only);
         ``nonfinite``: what the ps does with NaN/Inf gradients ("reject" or "apply").
 
+        A forced restore is one cut of the fleet: every live shard is fenced first (it holds new pushes and
+        says the latest it applied), and each shard takes the checkpoint with that cut: a push that reached
+        some shards before their restore is applied on none after it, a later one on all.
+
         Returns True if any shard took them, False if all already had values.
         """
         init = InitRequest(optimizer, sync, average_decay, nonfinite, tables=tuple(self.tables.values()))
         if restore is None:
             requests = [(init.to_meta(), part) for part in self._split(values)]
         else:
-            requests = [(replace(init, restore=(state.global_step, state.applied_updates), force=force).to_meta(),
-                         state.flatten()) for state in restore]
+            cut = fence_for_restore(self.data, RESTORE_FENCE_S) if force else None
+            requests = [(replace(init, restore=(state.global_step, state.applied_updates), force=force,
+                                 cut=cut).to_meta(), state.flatten()) for state in restore]
         futures = [ch.call_async("Init", m, t) for ch, (m, t) in zip(self.channels, requests)]
         replies = [f.result()[0] for f in futures]  # wait for every shard, not just the first to say yes
         return any(reply["initialized"] for reply in replies)

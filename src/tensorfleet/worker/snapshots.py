@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from tensorfleet.errors import UnavailableError
-from tensorfleet.ps.api import ShardState
-from tensorfleet.wire.dataplane import DataChannel
+from tensorfleet.errors import NotInitializedError, UnavailableError
+from tensorfleet.ps.api import Cut, ShardState
+from tensorfleet.wire.datachannel import DataChannel
 
 
 def start_snapshot(data: Sequence[DataChannel], wanted: Sequence[int],
@@ -39,12 +39,12 @@ def start_snapshot(data: Sequence[DataChannel], wanted: Sequence[int],
     with ThreadPoolExecutor(max_workers=len(wanted), thread_name_prefix="snapshot") as threads:
         channels = {s: _snapshot_channel(data[s]) for s in wanted}
         try:
-            cut = _fence(channels, threads) if len(wanted) > 1 else None
+            cut = _fence(channels.values(), threads) if len(wanted) > 1 else None
         except BaseException:
             for channel in channels.values():
                 channel.close()
             raise
-        asks = {s: {**({"since": since[s]} if since else {}), **({"cut": cut} if cut is not None else {})}
+        asks = {s: {**({"since": since[s]} if since else {}), **({"cut": cut.to_meta()} if cut is not None else {})}
                 for s in wanted}
         futures = {s: threads.submit(_start_shard_snapshot, channels[s], asks[s]) for s in wanted}
         started = {}
@@ -71,15 +71,31 @@ def _snapshot_channel(training: DataChannel) -> DataChannel:
     return channel
 
 
-def _fence(channels: Mapping[int, DataChannel], threads: ThreadPoolExecutor) -> list[list[int]]:
-    """Fence every shard at once; the cut: each worker's latest push applied on any of them."""
-    answers = [future.result() for future in [threads.submit(channel.call, "Fence", {})
-                                              for channel in channels.values()]]
-    cut: dict[int, tuple[int, int]] = {}
-    for meta, _ in answers:
-        for worker, incarnation, seq in meta.get("applied", []):
-            cut[worker] = max(cut.get(worker, (incarnation, seq)), (incarnation, seq))
-    return [[worker, *at] for worker, at in sorted(cut.items())]
+def _fence(channels: Iterable[DataChannel], threads: ThreadPoolExecutor, ask: Mapping[str, Any] | None = None,
+           *, initialized_only: bool = False) -> Cut:
+    """Fence every shard at once; the cut: each worker's latest push applied on any of them, the highest step.
+    ``initialized_only``: a shard not initialized (a restarted ps, empty) has no part in it."""
+    futures = [threads.submit(channel.call, "Fence", dict(ask or {})) for channel in channels]
+    cut = Cut()
+    for future in futures:
+        try:
+            cut = cut.merge(Cut.from_meta(future.result()[0], "Fence"))
+        except NotInitializedError:
+            if not initialized_only:
+                raise
+    return cut
+
+
+def fence_for_restore(data: Sequence[DataChannel], hold_s: float) -> Cut:
+    """Fence every initialized shard for a restore (``VariableStore.initialize(cut=...)``), each on a data
+    connection of its own; they hold pushes until restored, ``hold_s`` at most."""
+    channels = [_snapshot_channel(channel) for channel in data if channel.address is not None]
+    try:
+        with ThreadPoolExecutor(max_workers=max(len(channels), 1), thread_name_prefix="fence") as threads:
+            return _fence(channels, threads, {"hold_s": hold_s}, initialized_only=True)
+    finally:
+        for channel in channels:
+            channel.close()
 
 
 def _start_shard_snapshot(channel: DataChannel, ask: dict[str, Any]) -> "_ShardSnapshot":
@@ -106,10 +122,9 @@ class _ShardSnapshot:
             try:
                 self._done = True
                 pages = [_shard_state(self.meta, self._body())]
-                for page in range(1, pages[0].pages):
-                    later = {key: value for key, value in self.ask.items() if key != "cut"}  # page 0 took the cut
+                for page in range(1, pages[0].pages):  # copied with page 0, kept by the shard until read
                     pages.append(_shard_state(*self.channel.call(
-                        "Snapshot", {**later, "page": page, "pages": pages[0].pages})))
+                        "Snapshot", {"page": page, "pages": pages[0].pages, "token": self.meta["token"]})))
             finally:
                 self.channel.close()
             self._state = pages[0] if len(pages) == 1 else ShardState.join_pages(pages)
