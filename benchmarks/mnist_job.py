@@ -41,7 +41,7 @@ STEPS = 10_000
 
 
 def run_job() -> dict[str, float]:
-    done = subprocess.run([sys.executable, "-m", "tensorfleet.launch.cli", "launch", "--ps", "1", "--workers", "2",
+    done = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "launch", "--ps", "1", "--workers", "2",
                            str(ROOT / "examples" / "mnist_mlp.py")], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     if done.returncode:

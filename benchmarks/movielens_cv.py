@@ -26,7 +26,7 @@ RESULT = re.compile(r"fold (\d) test RMSE: ([0-9.]+)")
 
 def run_fold(fold: int, *, ps: int, workers: int, mode: str, script_args: list[str]) -> tuple[float, float]:
     """(the chief's test RMSE, wall seconds) of one fold's launch."""
-    command = [sys.executable, "-m", "tensorfleet.launch.cli", "launch", "--ps", str(ps), "--workers", str(workers),
+    command = [sys.executable, "-m", "tensorfleet.cli", "launch", "--ps", str(ps), "--workers", str(workers),
                f"--{mode}", str(REPO / "examples" / "movielens.py"), "--", "--fold", str(fold),
                *script_args]
     start = time.perf_counter()

@@ -250,7 +250,7 @@ def tower_parameters(dim: int) -> int:
 def ours(n: int, a: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="sparse-bench-") as tmp:
         results = Path(tmp)
-        command = [sys.executable, "-m", "tensorfleet.launch.cli", "launch", "--ps", "2", "--workers", "2",
+        command = [sys.executable, "-m", "tensorfleet.cli", "launch", "--ps", "2", "--workers", "2",
                    "--restart", "never", "--logdir", str(results / "logs"), "--progress-every", "3600",
                    "--sync" if a.sync else "--async", str(HERE / "sparse_job.py"), "--",
                    "--table_size", str(n), "--dim", str(a.dim), "--batch_size", str(a.batch_size),

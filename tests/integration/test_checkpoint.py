@@ -10,7 +10,7 @@ from torch import nn
 from tensorfleet.cluster.placement import GreedyByBytes, RowPartitioner
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import DataError, InvalidArgumentError
-from tensorfleet.launch.cli import main as cli
+from tensorfleet.cli import main as cli
 from tensorfleet.ps.api import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.testing.models import seeded_mlp

@@ -25,7 +25,7 @@ from tensorfleet.testing.service import running_service
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
 PACED = Path(__file__).resolve().parent / "paced_job.py"
-TENSORFLEET = [sys.executable, "-m", "tensorfleet.service.cli"]  # the `tensorfleet` entry point
+TENSORFLEET = [sys.executable, "-m", "tensorfleet.cli"]  # the `tensorfleet` entry point
 
 
 def into_a_closed_pipe(argv: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -50,7 +50,7 @@ def test_attached_dashboard_shows_a_fleet_started_elsewhere(tmp_path):
         with pytest.raises(UnauthenticatedError, match="refuses calls without the job's token"):
             stranger.call("Status", timeout=30, wait_for_ready=True)  # without the token, nothing to see
         stranger.close()
-        board = subprocess.Popen([sys.executable, "-m", "tensorfleet.launch.cli", "dashboard", "--cluster",
+        board = subprocess.Popen([sys.executable, "-m", "tensorfleet.cli", "dashboard", "--cluster",
                                   json.dumps(cluster), "--name", "attached"], cwd=REPO, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, env=env)
         url = re.search(r"(http://127\.0\.0\.1:\d+/)", board.stdout.readline()).group(1)
@@ -85,7 +85,7 @@ def test_a_dashboard_without_the_jobs_token_says_so_on_the_console_and_the_page(
         addresses = started_addresses(job, 2)
         cluster = {"ps": [addresses["ps:0"]], "worker": [addresses["worker:0"]]}
         tokenless = {k: v for k, v in os.environ.items() if k not in (auth.TOKEN_ENV, auth.TOKEN_FILE_ENV)}
-        board = subprocess.Popen([sys.executable, "-m", "tensorfleet.launch.cli", "dashboard", "--cluster",
+        board = subprocess.Popen([sys.executable, "-m", "tensorfleet.cli", "dashboard", "--cluster",
                                   json.dumps(cluster)], cwd=REPO, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=tokenless)
         url = re.search(r"(http://127\.0\.0\.1:\d+/)", board.stdout.readline()).group(1)

@@ -89,7 +89,7 @@ def test_jobs_submit_and_the_form_say_the_same(served, tmp_path):
     job_file = tmp_path / "job.yaml"
     job_file.write_text("script: paced_job.py\nenv: {PYTHONSTARTUP: /tmp/evil.py}\n")
     token = service.service.accounts.new_api_token("bob")
-    done = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", "jobs", "submit", str(job_file),
+    done = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "jobs", "submit", str(job_file),
                            "--url", service.url, "--token", token], capture_output=True, text=True, timeout=60,
                           env={**os.environ})
     assert done.returncode != 0 and "PYTHONSTARTUP may not be set" in done.stderr, done.stderr

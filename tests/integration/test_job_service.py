@@ -242,7 +242,7 @@ def test_the_jobs_command_submits_lists_follows_and_stops(home, workspace, tmp_p
                         f"mode: async\n")
     with running_service(home, workspace) as service:
         def tensorfleet(*argv: str) -> str:
-            done = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", *argv, "--url", service.url,
+            done = subprocess.run([sys.executable, "-m", "tensorfleet.cli", *argv, "--url", service.url,
                                    "--token", service.token], capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, done.stderr
             return done.stdout
@@ -265,7 +265,7 @@ def test_the_jobs_command_submits_lists_follows_and_stops(home, workspace, tmp_p
         for job_id in (slow, slow + 1):
             tensorfleet("jobs", "stop", str(job_id))
             wait_state(service, job_id, {"stopped", "failed"}, 60)
-        bad = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", "jobs", "ls", "--url", service.url,
+        bad = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "jobs", "ls", "--url", service.url,
                               "--token", "wrong"], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and "sign in first" in bad.stderr
 
@@ -299,7 +299,7 @@ def test_a_running_async_job_is_scaled_up_and_down_from_the_api(home):
                                 if t["state"] == "removed"] == ["worker:1", "worker:2"], 30, "removed workers")
         assert removed
         assert "training begins" in api.call("GET", f"/api/jobs/{job_id}/logs/worker:2")["text"]
-        printed = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", "jobs", "logs", str(job_id),
+        printed = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "jobs", "logs", str(job_id),
                                   "worker:2", "--url", service.url, "--token", service.token],
                                  capture_output=True, text=True, timeout=60)
         assert printed.returncode == 0 and "training begins" in printed.stdout, printed.stderr
@@ -349,7 +349,7 @@ def test_a_job_file_is_taken_by_one_rule_from_the_cli_and_the_api(home, workspac
     job_file.write_text(README_JOB_FILE)
     with running_service(home, workspace) as service:
         api = service.client()
-        done = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", "jobs", "submit", str(job_file),
+        done = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "jobs", "submit", str(job_file),
                                "--url", service.url, "--token", service.token], cwd=tmp_path / "elsewhere",
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
@@ -370,7 +370,7 @@ def test_a_job_file_is_taken_by_one_rule_from_the_cli_and_the_api(home, workspac
             assert [e["text"].splitlines()[0] for e in events if e["kind"] == "ignored"] == [
                 "dashboard is not used by the service: the job's page shows the job's dashboard"]
             api.call("POST", f"/api/jobs/{job_id}/stop", {})
-        missing = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", "jobs", "submit",
+        missing = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "jobs", "submit",
                                   str(tmp_path / "nothing.yaml"), "--url", service.url, "--token", service.token],
                                  capture_output=True, text=True, timeout=60)
         assert missing.returncode == 2 and "cannot be read: No such file or directory" in missing.stderr

@@ -80,7 +80,7 @@ def test_wrong_flags_exit_2_with_a_clear_message():
 
 
 def test_sigterm_to_launcher_tears_down_every_task():
-    command = [sys.executable, "-m", "tensorfleet.launch.cli", "launch", "--ps", "1", "--workers", "2",
+    command = [sys.executable, "-m", "tensorfleet.cli", "launch", "--ps", "1", "--workers", "2",
                str(EXAMPLE), "--", "--train_steps", "1000000", "--train_limit", "1000"]
     launcher = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []

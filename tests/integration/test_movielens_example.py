@@ -15,7 +15,7 @@ pytestmark = pytest.mark.cluster
 
 
 def test_fetch_then_a_short_movielens_job_trains_and_reports_its_test_rmse():
-    fetched = subprocess.run([sys.executable, "-m", "tensorfleet.launch.cli", "data", "fetch", "movielens"],
+    fetched = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "data", "fetch", "movielens"],
                              capture_output=True, text=True, timeout=600)
     assert fetched.returncode == 0, fetched.stdout + fetched.stderr
     assert "MovieLens-100K: 100000 ratings, verified" in fetched.stdout

@@ -20,7 +20,7 @@ SHORT = ["--history", "0.05", "--history_epochs", "1", "--max_events", "1920", "
 
 
 def test_an_online_replay_trains_in_time_order_and_serving_follows_its_deltas(tmp_path):
-    fetched = subprocess.run([sys.executable, "-m", "tensorfleet.launch.cli", "data", "fetch", "movielens"],
+    fetched = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "data", "fetch", "movielens"],
                              capture_output=True, text=True, timeout=600)
     assert fetched.returncode == 0, fetched.stdout + fetched.stderr
     checkpoints, report = tmp_path / "ckpt", tmp_path / "report.json"

@@ -47,7 +47,7 @@ def flags(tokens: list[str]) -> list[str]:
 
 
 def tensorfleet(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tensorfleet.cli", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorfleet.service.cli import Client
+from tensorfleet.cli.service import Client
 from tensorfleet.service.local import is_runner
 from tensorfleet.testing.fleet import poll
 from tensorfleet.testing.service import stop_runners
@@ -28,7 +28,7 @@ def serve(home: Path | str, workspace: Path | str, *flags: str, password: str | 
     env = {k: v for k, v in os.environ.items() if k != "TENSORFLEET_ADMIN_PASSWORD"}
     if password is not None:
         env["TENSORFLEET_ADMIN_PASSWORD"] = password
-    return subprocess.Popen([sys.executable, "-m", "tensorfleet.service.cli", "serve", "--home", str(home),
+    return subprocess.Popen([sys.executable, "-m", "tensorfleet.cli", "serve", "--home", str(home),
                              "--workspace", str(workspace), "--port", "0", *flags], env=env, cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
 
@@ -98,7 +98,7 @@ def test_the_first_start_without_a_password_prints_one_and_a_public_host_needs_t
         output, _ = first.communicate(timeout=30)
     assert "created the user 'admin' with the password" in output
 
-    refused = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", "serve", "--home", str(home),
+    refused = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "serve", "--home", str(home),
                               "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2
     assert "would send passwords and tokens in clear" in refused.stderr and "--tls-cert" in refused.stderr
@@ -117,7 +117,7 @@ def test_a_relative_home_and_workspace_are_where_serve_was_started(tmp_path):
                     "the job to finish", interval_s=0.2)
         assert done["state"] == "succeeded", done["reason"]
         assert done["logdir"] == str(home / "jobs" / str(job["id"]))
-        listed = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", "users", "ls", "--home", "home"],
+        listed = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "users", "ls", "--home", "home"],
                                 cwd=tmp_path, capture_output=True, text=True, timeout=60)
         assert listed.returncode == 0 and listed.stdout.split() == ["admin", "admin"]
     finally:
@@ -132,7 +132,7 @@ def test_a_taken_port_fails_before_the_home_and_the_admin_are_made(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if k != "TENSORFLEET_ADMIN_PASSWORD"}
-        refused = subprocess.run([sys.executable, "-m", "tensorfleet.service.cli", "serve", "--home",
+        refused = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "serve", "--home",
                                   str(tmp_path / "new-home"), "--workspace", str(tmp_path), "--port", str(port)],
                                  env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2, refused.stdout + refused.stderr

@@ -125,7 +125,7 @@ def test_serve_model_with_no_reload_keeps_its_first_checkpoint(tmp_path):
 def test_serve_model_refuses_a_script_without_the_serving_functions(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('training only')\n")
-    done = subprocess.run([sys.executable, "-m", "tensorfleet.launch.cli", "serve-model", str(tmp_path), "--model",
+    done = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "serve-model", str(tmp_path), "--model",
                            str(script), "--port", "0"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 2, done.stderr
     assert "serving_model(argv) -> nn.Module and predict(module, inputs)" in done.stderr

@@ -127,7 +127,7 @@ def test_sync_flag_reaches_every_task_through_the_environment(launches):
 
 
 def test_dry_run_prints_tasks_ports_and_environment_and_starts_nothing(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "tensorfleet.launch.cli", "launch", "--dry-run", "--ps", "2",
+    done = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "launch", "--dry-run", "--ps", "2",
                            "--workers", "3", "--sync", "--port", "23000", "--logdir", str(tmp_path / "logs"),
                            str(PACED), "--", "--last_step", "5"], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
@@ -149,7 +149,7 @@ def test_a_dashboard_port_in_use_is_one_line_exit_2_and_nothing_starts(tmp_path)
     import socket
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "tensorfleet.launch.cli", "launch", "--dashboard", str(port),
+        done = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "launch", "--dashboard", str(port),
                                "--logdir", str(tmp_path / "logs"), str(PACED)], cwd=REPO, capture_output=True,
                               text=True, timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr

@@ -13,7 +13,7 @@ from torch import nn
 from tensorfleet.cluster.placement import RowPartitioner, VariableInfo, place
 from tensorfleet.errors import DataError
 from tensorfleet.launch import ckpt
-from tensorfleet.launch.cli import main as cli
+from tensorfleet.cli import main as cli
 from tensorfleet.ps.api import OptimizerSpec
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.train.checkpoint import Checkpointer, load

@@ -4,7 +4,7 @@ import shlex
 
 import pytest
 
-from tensorfleet.launch.cli import main
+from tensorfleet.cli import main
 
 
 def test_missing_script_is_exit_2_with_one_line(capsys):

@@ -12,7 +12,7 @@ import yaml
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, from_tf_config
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch import k8s
-from tensorfleet.launch.cli import main
+from tensorfleet.cli import main
 from tensorfleet.launch.k8s import K8sJob, render_manifests, render_secret, render_tfjob, to_yaml
 from tensorfleet.wire import auth
 
@@ -484,7 +484,7 @@ def test_repr_does_not_show_the_token():
 def test_a_named_token_secret_keeps_every_secret_out_of_the_output(tmp_path, capsys):
     """Issue 18 item 7: by default the printed manifests hold the token (and say so on stderr); with
     --token-secret they reference the user's own Secret and hold none."""
-    from tensorfleet.launch import cli
+    from tensorfleet import cli
     out = tmp_path / "fleet.yaml"
     assert cli.main(["k8s", "render", "--ps", "1", "--workers", "1", "--image", "img:1", "--token-secret",
                      "my-token", "-o", str(out), "train.py"]) == 0

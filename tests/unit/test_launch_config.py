@@ -87,7 +87,7 @@ def test_bad_environment_and_missing_job_file_are_config_errors(script):
 
 
 def test_cli_with_a_bad_job_file_exits_2_and_starts_nothing(script, capsys):
-    from tensorfleet.launch.cli import main
+    from tensorfleet.cli import main
     Path("job.yaml").write_text("script: train.py\nlogdir: logs\nworkers: -1\n")
     assert main(["launch", "job.yaml"]) == 2
     err = capsys.readouterr().err

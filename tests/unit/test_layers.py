@@ -42,7 +42,7 @@ PACKAGE = SRC / "tensorfleet"
 #   layer         may import
 #   -----------   -------------------------------------------------------------
 ALL_LAYERS = frozenset({"errors", "cluster", "data", "wire", "ps.api", "ps", "worker", "train", "parallel",
-                        "web", "dashboard", "serving", "launch", "service", "testing", "tensorfleet"})
+                        "web", "dashboard", "serving", "launch", "service", "cli", "testing", "tensorfleet"})
 ALLOWED: dict[str, frozenset[str]] = {
     "errors":      frozenset(),
     "cluster":     frozenset({"errors", "cluster"}),
@@ -57,10 +57,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "dashboard":   frozenset({"errors", "web", "dashboard"}),
     "serving":     frozenset({"errors", "cluster", "wire", "ps.api", "ps", "worker", "train", "web",
                               "serving"}),  # of ps: the IdMap (a serving table's ids)
-    "launch":      ALL_LAYERS - {"testing", "service"},
+    "launch":      ALL_LAYERS - {"testing", "service", "cli"},
     "service":     frozenset({"errors", "cluster", "wire", "web", "dashboard", "launch", "service"}),  # job service
+    "cli":         ALL_LAYERS - {"testing"},  # the `tensorfleet` program: every command, launch's and service's
     "testing":     ALL_LAYERS,
-    "tensorfleet": ALL_LAYERS - {"testing"},
+    "tensorfleet": ALL_LAYERS - {"testing", "cli"},
 }
 assert set(ALLOWED) == ALL_LAYERS
 

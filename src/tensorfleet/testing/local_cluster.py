@@ -62,7 +62,7 @@ class JobResult:
 def run_launcher(script: str | Path, script_args: Sequence[str] = (), *, num_ps: int = 1, num_workers: int = 2,
                  launch_flags: Sequence[str] = (), timeout_s: float = 240.0) -> JobResult:
     """Run ``tensorfleet launch`` in a subprocess and return its exit code and output."""
-    command = [sys.executable, "-m", "tensorfleet.launch.cli", "launch", "--ps", str(num_ps),
+    command = [sys.executable, "-m", "tensorfleet.cli", "launch", "--ps", str(num_ps),
                "--workers", str(num_workers), *launch_flags, str(script), "--", *script_args]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     return JobResult(done.returncode, done.stdout + done.stderr)
@@ -78,7 +78,7 @@ class LauncherProcess:
     def __init__(self, logdir: Path, launch_flags: Sequence[str], script: str | Path,
                  script_args: Sequence[str] = (), *, env: dict[str, str] | None = None) -> None:
         self.logdir = Path(logdir)
-        command = [sys.executable, "-m", "tensorfleet.launch.cli", "launch", "--logdir", str(self.logdir),
+        command = [sys.executable, "-m", "tensorfleet.cli", "launch", "--logdir", str(self.logdir),
                    *launch_flags, str(script), "--", *script_args]
         self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, env=env)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from tensorfleet.service.cli import Client
+from tensorfleet.cli.service import Client
 from tensorfleet.service.local import is_runner, process_state
 from tensorfleet.service.server import Service, absolute
 from tensorfleet.service.store import ACTIVE, JobStore

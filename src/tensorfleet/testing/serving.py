@@ -23,7 +23,7 @@ def serve_model(directory: str | Path, script: str | Path, flags: Sequence[str] 
     (the process, its base URL ``http://127.0.0.1:PORT``) once it serves; kill it on the way out.
 
     Its output is kept in ``process.output`` (a list of lines, filled by a thread)."""
-    command = [sys.executable, "-m", "tensorfleet.launch.cli", "serve-model", str(directory), "--model", str(script),
+    command = [sys.executable, "-m", "tensorfleet.cli", "serve-model", str(directory), "--model", str(script),
                "--port", "0", *flags] + (["--", *script_args] if script_args else [])
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})

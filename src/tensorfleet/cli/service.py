@@ -9,9 +9,6 @@
     tensorfleet jobs scale JOB WORKERS
     tensorfleet users add|passwd|token|ls [NAME]
 
-This is the program's entry point (``tensorfleet``): it adds these commands to those of
-``tensorfleet.launch.cli``, which cannot import the service (layers point down).
-
 ``serve`` keeps everything in its home folder (``--home``, default ``~/.tensorfleet``): the database
 (jobs, users, tokens), one folder per job, ``service.json`` (the URL, for the CLI) and ``cli-token``
 (an API token of the admin, readable by the owner only). The first start creates the user ``admin``
@@ -35,11 +32,11 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tensorfleet.cluster.spec import is_loopback_host
 from tensorfleet.errors import ConfigError, TensorfleetError
-from tensorfleet.launch import cli as launch_cli
+from tensorfleet.cli.parsing import Command, CommandLine, port_number, positive_int
 
 DEFAULT_PORT = 8470
 SERVICE_FILE = "service.json"
@@ -65,12 +62,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
                     "'admin'. Running jobs survive a restart of the service.")
     serve.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1); another "
                        "address needs --tls-cert/--tls-key, or --insecure-http to send passwords in clear")
-    serve.add_argument("--port", type=launch_cli._port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    serve.add_argument("--port", type=port_number, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     serve.add_argument("--home", default=None, help="the service's folder: database, job folders (default "
                        "$TENSORFLEET_HOME or ~/.tensorfleet)")
     serve.add_argument("--workspace", default=".", help="the folder whose scripts users may run (default: the "
                        "current directory)")
-    serve.add_argument("--slots", type=launch_cli._positive, default=None,
+    serve.add_argument("--slots", type=positive_int, default=None,
                        help="tasks of local jobs that may run at once (default: the usable cores)")
     serve.add_argument("--k8s-image", dest="k8s_image", default=None,
                        help="enable the Kubernetes backend: the image holding the workspace")
@@ -113,7 +110,7 @@ def _add_jobs(commands: argparse._SubParsersAction) -> None:
         actions.add_parser(verb, help=text).add_argument("job", type=int, metavar="JOB")
     scale = actions.add_parser("scale", help="set a running async job's worker count")
     scale.add_argument("job", type=int, metavar="JOB")
-    scale.add_argument("workers", type=launch_cli._positive, metavar="WORKERS")
+    scale.add_argument("workers", type=positive_int, metavar="WORKERS")
     for parser in actions.choices.values():
         _add_client_flags(parser)
 
@@ -155,7 +152,7 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
-def serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace, line: CommandLine) -> int:
     from tensorfleet.service.server import Service, absolute  # the web stack loads only for this command
     if not is_loopback_host(args.host) and not args.tls_cert and not args.insecure_http:
         raise ConfigError(f"--host {args.host} would send passwords and tokens in clear over the network: give "
@@ -216,7 +213,7 @@ def _read_password() -> str:
     return sys.stdin.readline().rstrip("\n")
 
 
-def users(args: argparse.Namespace) -> int:
+def run_users(args: argparse.Namespace, line: CommandLine) -> int:
     accounts = _accounts(args)
     if args.users_command == "add":
         accounts.add_user(args.name, _read_password(), admin=args.admin)
@@ -289,7 +286,7 @@ def _job_line(job: dict[str, Any]) -> str:
             f"{job['owner']:<10}  {job['backend']}")
 
 
-def jobs(args: argparse.Namespace) -> int:
+def run_jobs(args: argparse.Namespace, line: CommandLine) -> int:
     client = Client.from_args(args)
     verb = args.jobs_command
     if verb == "submit":
@@ -344,14 +341,8 @@ def _logs(client: Client, job_id: int, task: str, follow: bool) -> int:
         time.sleep(FOLLOW_POLL_S)
 
 
-COMMANDS: dict[str, launch_cli.Command] = {"serve": (_add_serve, serve), "jobs": (_add_jobs, jobs),
-                                           "users": (_add_users, users)}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``tensorfleet``: the launcher's commands and the service's."""
-    return launch_cli.main(argv, COMMANDS)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+COMMANDS: dict[str, Command] = {
+    "serve": Command(_add_serve, run_serve),
+    "jobs": Command(_add_jobs, run_jobs),
+    "users": Command(_add_users, run_users),
+}
