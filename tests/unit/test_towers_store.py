@@ -11,11 +11,11 @@ import torch.distributed as dist
 
 import tensorfleet as tfl
 from tensorfleet.errors import TensorfleetError
-from tensorfleet.parallel import towers as towers_module
-from tensorfleet.parallel.towers import _arrived, _await_arrivals, _open_store, _rendezvous_file, _sockets_on_loopback
+from tensorfleet.parallel import spawn as spawn_module
+from tensorfleet.parallel.spawn import arrived, await_arrivals, open_store, rendezvous_file, sockets_on_loopback
 
 SOCKET_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-LOOPBACK = towers_module._LOOPBACK_INTERFACE  # "lo" on Linux
+LOOPBACK = spawn_module._LOOPBACK_INTERFACE  # "lo" on Linux
 
 
 @pytest.fixture
@@ -43,27 +43,27 @@ def train(towers, steps):  # module-level: run_towers checks that it could be se
 
 
 def test_the_rendezvous_is_a_file_only_its_user_can_reach_removed_at_the_end(tmp_dir):
-    with _rendezvous_file() as path:
+    with rendezvous_file() as path:
         directory = os.path.dirname(path)
         assert os.path.dirname(directory) == str(tmp_dir)
         assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        tower_0, tower_1 = (_open_store(path, datetime.timedelta(seconds=5)) for _ in range(2))
-        tower_1.set(_arrived(1), "123")  # as a spawned tower announces itself
-        assert tower_0.check([_arrived(1)]) and tower_0.get(_arrived(1)) == b"123"
+        tower_0, tower_1 = (open_store(path, datetime.timedelta(seconds=5)) for _ in range(2))
+        tower_1.set(arrived(1), "123")  # as a spawned tower announces itself
+        assert tower_0.check([arrived(1)]) and tower_0.get(arrived(1)) == b"123"
     assert list(tmp_dir.iterdir()) == []
-    with pytest.raises(RuntimeError, match="boom"), _rendezvous_file():
+    with pytest.raises(RuntimeError, match="boom"), rendezvous_file():
         raise RuntimeError("boom")
     assert list(tmp_dir.iterdir()) == []
 
 
 def test_arrivals_are_read_from_the_store_and_a_dead_tower_fails_the_wait_at_once(tmp_dir):
-    with _rendezvous_file() as path:
-        store = _open_store(path, datetime.timedelta(seconds=60))
-        store.set(_arrived(1), "1")
-        _await_arrivals(store, [ExitedTower(1, 0)], timeout_s=60)  # arrived: returns
+    with rendezvous_file() as path:
+        store = open_store(path, datetime.timedelta(seconds=60))
+        store.set(arrived(1), "1")
+        await_arrivals(store, [ExitedTower(1, 0)], timeout_s=60)  # arrived: returns
         with pytest.raises(TensorfleetError, match="towers could not start: tower-2 exited with code 3"):
-            _await_arrivals(store, [ExitedTower(1, 0), ExitedTower(2, 3)], timeout_s=60)
+            await_arrivals(store, [ExitedTower(1, 0), ExitedTower(2, 3)], timeout_s=60)
 
 
 def test_a_tower_dead_before_the_rendezvous_fails_run_towers_and_leaves_nothing_behind(tmp_dir, monkeypatch):
@@ -71,12 +71,12 @@ def test_a_tower_dead_before_the_rendezvous_fails_run_towers_and_leaves_nothing_
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     seen = {}
 
-    def spawn(fn, args, plan):
+    def start(tower, plan):
         seen["directory"] = os.path.dirname(plan.store_path)
         seen["environment"] = {name: os.environ.get(name) for name in SOCKET_VARIABLES}
         return [ExitedTower(1, 3)]
 
-    monkeypatch.setattr(towers_module, "_spawn", spawn)
+    monkeypatch.setattr(spawn_module, "start", start)
     with pytest.raises(TensorfleetError, match="towers could not start: tower-1 exited with code 3"):
         tfl.run_towers(train, 5, options=tfl.TowerOptions(num_towers=2, device_type="cpu", timeout_s=60))
     assert os.path.dirname(seen["directory"]) == str(tmp_dir) and not os.path.exists(seen["directory"])
@@ -88,7 +88,7 @@ def test_a_tower_dead_before_the_rendezvous_fails_run_towers_and_leaves_nothing_
 def test_sockets_on_loopback_restores_the_previous_settings(monkeypatch):
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    with pytest.raises(RuntimeError), _sockets_on_loopback():
+    with pytest.raises(RuntimeError), sockets_on_loopback():
         assert [os.environ[name] for name in SOCKET_VARIABLES] == [LOOPBACK] * 2
         raise RuntimeError
     assert "GLOO_SOCKET_IFNAME" not in os.environ and os.environ["NCCL_SOCKET_IFNAME"] == "ib0"

@@ -5,14 +5,11 @@ batch, the towers' gradients averaged, one update) in PyTorch's terms:
 
 1. ``run_towers(fn, *args, options=TowerOptions(num_towers=K))`` is called by the
    process that already runs the task; it becomes **tower 0** (its Status RPC, its
-   logs and its exit code stay the task's). It opens a rendezvous (torch's ``FileStore``
-   on a file in a new directory of mode 0700, which only this user can reach, removed
-   when the towers end) and starts towers 1..K-1 with multiprocessing's *spawn*
+   logs and its exit code stay the task's). It opens a rendezvous (a file only this
+   user can reach, no port) and starts towers 1..K-1 with multiprocessing's *spawn*
    context: fresh interpreters that import ``fn`` by name, so ``fn`` must be a
-   module-level function (a script's own functions are fine). The rendezvous opens no
-   port; gloo's and NCCL's own sockets are bound to the loopback interface
-   (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, set for the towers' lifetime), so
-   the towers listen on nothing but 127.0.0.1.
+   module-level function (a script's own functions are fine). How the towers start,
+   meet and end is ``spawn.py``'s.
 2. Every tower joins one process group: **NCCL** when the towers are GPUs (tower k on
    ``cuda:k`` of the GPUs this process sees), **gloo** when they are CPU processes
    (CPU towers share the machine's cores; they exist so that the whole path runs,
@@ -24,33 +21,19 @@ batch, the towers' gradients averaged, one update) in PyTorch's terms:
    backward; measured 1.15-1.2x faster than one all-reduce after backward on the
    MNIST CNN). Each tower then applies the same update (a local optimizer), or tower 0
    pushes the average to the ps (``TowerReplica``).
-4. Nothing outlives tower 0: a spawned tower dies with it (a parent-death signal on
-   Linux, and a watchdog on the parent's pid everywhere). Tower 0 waits for the others
-   at the end, kills any that do not finish, and raises if one failed. (A tower 0 killed
-   by a signal leaves its rendezvous directory, ``tensorfleet-towers-*`` in the temporary
-   directory, behind: mode 0700, a few hundred bytes.)
+4. Nothing outlives tower 0: a spawned tower dies with it. Tower 0 waits for the others
+   at the end, kills any that do not finish, and raises if one failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import datetime
+import functools
 import logging
-import multiprocessing
 import os
-import pickle
-import shutil
-import signal
-import sys
-import tempfile
-import threading
-import time
-import traceback
-from dataclasses import dataclass, field
-from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -58,18 +41,12 @@ from torch import nn
 
 from tensorfleet.cluster.device import device, device_name
 from tensorfleet.errors import InvalidArgumentError, TensorfleetError
+from tensorfleet.parallel import spawn
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DEVICE_TYPES = ("auto", "cpu", "gpu")
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # as run_task's
-_PR_SET_PDEATHSIG = 1
-_LOOPBACK_INTERFACE = "lo0" if sys.platform == "darwin" else "lo"
-# Where gloo and NCCL bind their sockets: towers live on one machine, so the loopback interface suffices
-# (by default gloo binds to the address the hostname resolves to, NCCL to the first non-loopback interface).
-_SOCKET_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-_STORE_FILE = "rendezvous"
 
 
 @dataclass(frozen=True)
@@ -122,22 +99,6 @@ class TowerOptions:
             log.warning("%d tower(s) asked for, fewer GPUs here: every tower runs on the CPU (gloo)", self.num_towers)
             return [torch.device("cpu")] * self.num_towers
         return placed
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What a spawned tower needs to join the others (pickled to it)."""
-
-    options: TowerOptions
-    devices: tuple[torch.device, ...]
-    store_path: str  # the FileStore's file, in a directory only this user can reach
-    parent_pid: int
-    threads: int
-    log_level: int = field(default=logging.INFO)
-
-    @property
-    def backend(self) -> str:
-        return "nccl" if self.devices[0].type == "cuda" else "gloo"
 
 
 class Towers:
@@ -261,23 +222,6 @@ class Towers:
         if self.num_towers > 1:
             dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
-    # --- lifecycle ------------------------------------------------------------------------------
-
-    @classmethod
-    def _join(cls, plan: _Plan, index: int, store: dist.Store | None = None) -> "Towers":
-        timeout = datetime.timedelta(seconds=plan.options.timeout_s)
-        if store is None:
-            store = _open_store(plan.store_path, timeout)
-            store.set(_arrived(index), str(os.getpid()))  # tower 0 waits for this before forming the group
-        if plan.devices[index].type == "cuda":
-            torch.cuda.set_device(plan.devices[index])
-        dist.init_process_group(plan.backend, store=store, rank=index, world_size=len(plan.devices), timeout=timeout)
-        return cls(plan.options, index, plan.devices, plan.backend)
-
-    def _close(self) -> None:
-        if self.backend is not None and dist.is_initialized():
-            dist.destroy_process_group()
-
 
 def _by_dtype(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -316,197 +260,36 @@ def run_towers(fn: Callable[..., T], *args: Any, options: TowerOptions) -> T:
     if options.num_towers == 1:
         towers = Towers(options, 0, devices, None)
         return fn(towers, *args)
-    _check_sendable(fn, args)
-    with _rendezvous_file() as store_path, _sockets_on_loopback():
-        store = _open_store(store_path, datetime.timedelta(seconds=options.timeout_s))
-        plan = _Plan(options, devices, store_path, os.getpid(), torch.get_num_threads(), logging.getLogger().level)
-        processes = _spawn(fn, args, plan)
+    spawn.check_sendable(fn, args)
+    with spawn.rendezvous_file() as store_path, spawn.sockets_on_loopback():
+        store = spawn.open_store(store_path, datetime.timedelta(seconds=options.timeout_s))
+        plan = spawn.Plan(devices, store_path, os.getpid(), torch.get_num_threads(), options.timeout_s,
+                          logging.getLogger().level)
+        processes = spawn.start(functools.partial(_tower, fn, args, options, devices, plan.backend), plan)
         try:
-            _await_arrivals(store, processes, options.timeout_s)
-            towers = Towers._join(plan, 0, store)
+            spawn.await_arrivals(store, processes, options.timeout_s)
+            spawn.join_group(plan, 0, store)
+            towers = Towers(options, 0, devices, plan.backend)
             try:
                 result = fn(towers, *args)
             except Exception as exc:
                 # A tower that died first is the cause, and tower 0's collective error only the symptom; an
                 # error of tower 0's own (a TensorfleetError: the ps, the data, the loss) is the cause itself.
-                failed = "" if isinstance(exc, TensorfleetError) else _failed(processes, within_s=2.0)
-                _kill(processes, grace_s=2.0)  # those that learnt of it exit; the rest wait on a dead collective
+                failed = "" if isinstance(exc, TensorfleetError) else spawn.failed(processes, within_s=2.0)
+                spawn.kill(processes, grace_s=2.0)  # those that learnt of it exit; the rest wait on a dead collective
                 if failed:
                     raise TensorfleetError(f"{failed}; then tower 0 stopped with {type(exc).__name__}: "
                                            f"{str(exc)[:300]}") from exc
                 raise
             finally:
-                towers._close()
-            _wait_for(processes, options.timeout_s)
+                spawn.leave_group()
+            spawn.wait_for(processes, options.timeout_s)
             return result
         finally:
-            _kill(processes)  # before the rendezvous file goes: no tower is left to recreate it
+            spawn.kill(processes)  # before the rendezvous file goes: no tower is left to recreate it
 
 
-@contextlib.contextmanager
-def _rendezvous_file() -> Iterator[str]:
-    """The path of the towers' FileStore, in a new directory of mode 0700 (only this user can open it),
-    removed with everything in it when the towers end, however they end (short of a signal that kills
-    this process).
-
-    A file, not a port: a TCPStore's server listens on every interface and authenticates nobody, so anyone
-    who reached it could read or write the rendezvous (the process group's addresses) or block it.
-    """
-    directory = tempfile.mkdtemp(prefix="tensorfleet-towers-")  # mode 0700, a name nobody else holds
-    try:
-        path = os.path.join(directory, _STORE_FILE)
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # the store's file: ours, 0600
-        yield path
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def _open_store(path: str, timeout: datetime.timedelta) -> dist.Store:
-    # world_size -1: the store never deletes its file itself (tower 0 removes the directory at the end)
-    store = dist.FileStore(path, -1)
-    store.set_timeout(timeout)  # the rendezvous of the process group waits on the store this long
-    return store
-
-
-@contextlib.contextmanager
-def _sockets_on_loopback() -> Iterator[None]:
-    """Gloo and NCCL bind their sockets to the loopback interface while the towers run (in tower 0, and in
-    the towers it spawns, which inherit the environment); the previous settings come back afterwards.
-
-    The towers share one machine, so they need no other interface; a setting of the task's own for these
-    variables (meant for a process group across machines) is overridden for the towers.
-    """
-    saved = {name: os.environ.get(name) for name in _SOCKET_INTERFACE_VARIABLES}
-    os.environ.update(dict.fromkeys(_SOCKET_INTERFACE_VARIABLES, _LOOPBACK_INTERFACE))
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _check_sendable(fn: Callable[..., Any], args: tuple) -> None:
-    """Fail before anything starts if a spawned tower could not receive ``fn`` and ``args``."""
-    try:
-        ForkingPickler.dumps((fn, args))
-    except (pickle.PicklingError, AttributeError, TypeError) as exc:
-        raise InvalidArgumentError(f"run_towers cannot send {getattr(fn, '__qualname__', fn)!r} and its arguments "
-                                   f"to a new process ({exc}): use a module-level function and picklable "
-                                   "arguments") from None
-
-
-def _spawn(fn: Callable[..., Any], args: tuple, plan: _Plan) -> list[multiprocessing.process.BaseProcess]:
-    context = multiprocessing.get_context("spawn")
-    processes = []
-    try:
-        for index in range(1, len(plan.devices)):
-            process = context.Process(target=_tower_main, args=(fn, args, plan, index), name=f"tower-{index}")
-            process.start()
-            processes.append(process)
-    except BaseException:
-        _kill(processes)
-        raise
-    log.info("towers: %d on %s (%s); tower 0 is this process (pid %d), spawned: %s", len(plan.devices),
-             ", ".join(str(d) for d in plan.devices), plan.backend, os.getpid(),
-             ", ".join(f"{p.name} (pid {p.pid})" for p in processes))
-    return processes
-
-
-def _arrived(index: int) -> str:
-    return f"tensorfleet/tower/{index}/arrived"
-
-
-def _await_arrivals(store: dist.Store, processes: Sequence[multiprocessing.process.BaseProcess],
-                    timeout_s: float) -> None:
-    """Wait until every spawned tower reached the rendezvous; a tower that died on the way fails at once."""
-    keys = [_arrived(index) for index in range(1, len(processes) + 1)]
-    deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
-        failed = _failed(processes)
-        if failed:
-            raise TensorfleetError(f"towers could not start: {failed}")
-        if time.monotonic() > deadline:
-            missing = [p.name for p, key in zip(processes, keys) if not store.check([key])]
-            raise TensorfleetError(f"towers could not start: {', '.join(missing)} did not reach the rendezvous "
-                                   f"within {timeout_s:g} s")
-        time.sleep(0.05)
-
-
-def _wait_for(processes: Sequence[multiprocessing.process.BaseProcess], timeout_s: float) -> None:
-    """Wait for the spawned towers to finish; raise naming any that failed or hung."""
-    deadline = time.monotonic() + timeout_s
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    hung = [p.name for p in processes if p.exitcode is None]
-    failed = _failed(processes)
-    if hung or failed:
-        reasons = ([f"{', '.join(hung)} still running after {timeout_s:g} s"] if hung else []) + [failed] * bool(failed)
-        raise TensorfleetError("towers did not finish cleanly: " + "; ".join(reasons))
-
-
-def _failed(processes: Sequence[multiprocessing.process.BaseProcess], *, within_s: float = 0.0) -> str:
-    """The spawned towers that exited with an error, as a sentence ('' if none).
-
-    ``within_s``: wait that long for one to show up (a dying tower closes its connections, which fails
-    tower 0's collective, a moment before its exit code can be read).
-    """
-    deadline = time.monotonic() + within_s
-    while True:
-        failed = [f"{p.name} exited with code {p.exitcode}" for p in processes if p.exitcode not in (None, 0)]
-        if failed:
-            return f"{', '.join(failed)} (its traceback, if any, is in this task's output)"
-        if time.monotonic() >= deadline:
-            return ""
-        time.sleep(0.05)
-
-
-def _kill(processes: Sequence[multiprocessing.process.BaseProcess], *, grace_s: float = 0.0) -> None:
-    """Stop whatever is still running after ``grace_s`` (a failed tower 0 may leave others in a collective)."""
-    deadline = time.monotonic() + grace_s
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    for process in processes:
-        process.join(5.0)
-        if process.is_alive():
-            process.kill()
-            process.join(5.0)
-
-
-def _tower_main(fn: Callable[..., Any], args: tuple, plan: _Plan, index: int) -> None:
-    """The entry of a spawned tower: die with tower 0, join the group, run ``fn``."""
-    _die_with_parent(plan.parent_pid)
-    os.environ.update(dict.fromkeys(_SOCKET_INTERFACE_VARIABLES, _LOOPBACK_INTERFACE))  # as tower 0's, explicitly
-    logging.basicConfig(level=plan.log_level, format=_LOG_FORMAT)
-    torch.set_num_threads(plan.threads)
-    towers = Towers._join(plan, index)
-    try:
-        fn(towers, *args)
-    except BaseException:
-        # Say why, then leave at once with code 1: a normal interpreter exit with the process group's
-        # threads still running aborts in C++ (SIGABRT), which would hide the cause. Our connections
-        # close as we go, so tower 0's collective fails and it names this tower.
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    towers._close()
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Exit when tower 0 does: a parent-death signal (Linux) and a watchdog thread (everywhere)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # it died before the signal was armed
-        os._exit(1)
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="tower-watchdog", daemon=True).start()
+def _tower(fn: Callable[..., Any], args: tuple, options: TowerOptions, devices: Sequence[torch.device],
+           backend: str, index: int) -> None:
+    """A spawned tower, in the group already: ``fn`` on its own ``Towers``."""
+    fn(Towers(options, index, devices, backend), *args)
