@@ -39,7 +39,7 @@ from torch import nn
 
 import tensorfleet as tfl
 from tensorfleet.data.synthetic_ctr import CtrSpec, batch as ctr_batch, mix64
-from tensorfleet.ps.api import OptimizerSpec
+from tensorfleet.protocol.specs import OptimizerSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from click_through import HIDDEN, Batch, CtrModel, as_batch, evaluate, fleet_model  # noqa: E402 - the example's model

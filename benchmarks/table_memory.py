@@ -24,7 +24,7 @@ TARGET = 1.5
 
 def measure(rows: int, dim: int, rule: str, batch: int = 4096) -> dict[str, float]:
     """One table filled to ``rows`` rows in this (fresh) process."""
-    from tensorfleet.ps.api import OptimizerSpec, TableSpec
+    from tensorfleet.protocol.specs import OptimizerSpec, TableSpec
     from tensorfleet.ps.table import EmbeddingShard
 
     rng = np.random.default_rng(0)

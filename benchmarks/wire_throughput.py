@@ -51,7 +51,7 @@ import torch
 
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.launch.local import local_cluster
-from tensorfleet.ps.api import OptimizerSpec
+from tensorfleet.protocol.specs import OptimizerSpec
 from tensorfleet.wire.datachannel import DataChannel
 from tensorfleet.wire.dataplane import Reply
 from tensorfleet.wire.dataserver import DataServer

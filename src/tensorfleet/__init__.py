@@ -22,7 +22,7 @@ _EXPORTS: dict[str, str] = {
     "run_task": "tensorfleet.launch.task",
     **dict.fromkeys(("TowerOptions", "TowerReplica", "Towers", "run_towers"), "tensorfleet.parallel"),
     **dict.fromkeys(("ExponentialDecay", "OptimizerSpec", "SyncOptions", "RowInitializer", "TableSpec"),
-                    "tensorfleet.ps.api"),
+                    "tensorfleet.protocol.specs"),
     "Server": "tensorfleet.ps.server",
     **dict.fromkeys(("Checkpointer", "load_into_module", "load_tables"), "tensorfleet.train.checkpoint"),
     **dict.fromkeys(("CheckpointSaverHook", "Hook", "LoggingHook", "NanLossHook", "StepResult", "StopAtStepHook"),
@@ -61,7 +61,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from tensorfleet.errors import TensorfleetError
     from tensorfleet.launch.task import run_task
     from tensorfleet.parallel import TowerOptions, TowerReplica, Towers, run_towers
-    from tensorfleet.ps.api import ExponentialDecay, OptimizerSpec, RowInitializer, SyncOptions, TableSpec
+    from tensorfleet.protocol.specs import ExponentialDecay, OptimizerSpec, RowInitializer, SyncOptions, TableSpec
     from tensorfleet.ps.server import Server
     from tensorfleet.train.checkpoint import Checkpointer, load_into_module, load_tables
     from tensorfleet.train.hooks import (CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult,

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from tensorfleet.errors import DataError
-from tensorfleet.ps.api import OptimizerSpec, RowInitializer, ShardState, TableSpec, TableState
+from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer, TableSpec
+from tensorfleet.protocol.state import ShardState, TableState
 from tensorfleet.train.checkpoint import save
 from tensorfleet.worker.embedding import EmbeddingTable
 

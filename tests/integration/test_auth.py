@@ -10,7 +10,7 @@ from torch import nn
 import tensorfleet as tfl
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import ConfigError, UnauthenticatedError
-from tensorfleet.ps.api import OptimizerSpec
+from tensorfleet.protocol.specs import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire import auth, frame
 from tensorfleet.wire.datachannel import DataChannel

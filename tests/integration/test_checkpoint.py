@@ -11,7 +11,7 @@ from tensorfleet.cluster.placement import GreedyByBytes, RowPartitioner
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import DataError, InvalidArgumentError
 from tensorfleet.cli import main as cli
-from tensorfleet.ps.api import OptimizerSpec
+from tensorfleet.protocol.specs import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.testing.models import seeded_mlp
 from tensorfleet.train.checkpoint import Checkpointer, list_checkpoints, load, load_into_module

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from tensorfleet.ps.api import OptimizerSpec
+from tensorfleet.protocol.specs import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.worker.client import PsClient
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
-from tensorfleet.ps.api import OptimizerSpec
+from tensorfleet.protocol.specs import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire.datachannel import DataChannel
 from tensorfleet.wire.dataplane import Reply, read_tensors

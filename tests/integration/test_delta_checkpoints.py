@@ -10,7 +10,7 @@ import torch
 
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import DataError, InvalidArgumentError, UnavailableError
-from tensorfleet.ps.api import OptimizerSpec, RowInitializer
+from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.train.checkpoint import Checkpointer, chain, gather, load, load_file, split
 from tensorfleet.train.manifest import read_manifest

@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.errors import InvalidArgumentError, TensorfleetError
 from tensorfleet.ps import store as ps_store
-from tensorfleet.ps.api import (OptimizerSpec, Origin, PushRequest, RowInitializer, SyncOptions, TableSpec, grads_key,
-                                ids_key)
+from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer, SyncOptions, TableSpec
+from tensorfleet.protocol.messages import Origin, PushRequest, grads_key, ids_key
 from tensorfleet.ps.server import Server
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire import frame

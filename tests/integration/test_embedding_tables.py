@@ -18,7 +18,7 @@ from torch import nn
 from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.ps.api import OptimizerSpec, RowInitializer
+from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.testing.models import run_workers, seeded_mlp
 from tensorfleet.train.checkpoint import Checkpointer, load_into_module, load_tables

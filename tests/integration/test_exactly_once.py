@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tensorfleet.errors import StaleIncarnationError
-from tensorfleet.ps.api import OptimizerSpec, SyncOptions
+from tensorfleet.protocol.specs import OptimizerSpec, SyncOptions
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.worker.client import PsClient
 
@@ -188,7 +188,7 @@ def test_an_origin_from_the_future_or_of_no_replica_is_refused_and_cannot_lock_a
     """Issue 18 item 7: a push claiming [0, 2**62, 0] used to become worker 0's newest incarnation, and every
     later push of the real worker 0 was refused as stale."""
     from tensorfleet.errors import InvalidArgumentError
-    from tensorfleet.ps.api import Origin, PushRequest
+    from tensorfleet.protocol.messages import Origin, PushRequest
     from tensorfleet.ps.store import VariableStore
 
     store = VariableStore(task="ps:0", replica_names=["worker:0", "worker:1"])

@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tensorfleet.errors import InvalidArgumentError, TensorfleetError, UnavailableError
-from tensorfleet.ps.api import OPTIMIZER_NAMES, OptimizerSpec
+from tensorfleet.protocol.specs import OPTIMIZER_NAMES, OptimizerSpec
 from tensorfleet.ps.server import Server
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire import codec, frame, rpc

@@ -6,7 +6,7 @@ from torch import nn
 
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import InvalidArgumentError, UnavailableError
-from tensorfleet.ps.api import OptimizerSpec
+from tensorfleet.protocol.specs import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.worker.embedding import EmbeddingTable
 from tensorfleet.worker.replica import Replica

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tensorfleet.errors import UnavailableError
-from tensorfleet.ps.api import OptimizerSpec, SyncOptions
+from tensorfleet.protocol.specs import OptimizerSpec, SyncOptions
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire.rpc import Channel
 from tensorfleet.worker.client import PsClient

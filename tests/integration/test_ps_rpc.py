@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError, WireError
-from tensorfleet.ps.api import OptimizerSpec, SyncOptions
+from tensorfleet.protocol.specs import OptimizerSpec, SyncOptions
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire import frame
 from tensorfleet.wire.codec import TensorEntry

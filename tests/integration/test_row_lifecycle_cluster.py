@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tensorfleet.cluster.spec import TaskSpec
-from tensorfleet.ps.api import OptimizerSpec, RowInitializer
+from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.testing.models import run_workers
 from tensorfleet.worker.embedding import EmbeddingTable

@@ -13,7 +13,7 @@ from torch import nn
 from tensorfleet.cluster.environment import LOGDIR_ENV
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import InvalidArgumentError, NanLossError
-from tensorfleet.ps.api import ExponentialDecay, OptimizerSpec
+from tensorfleet.protocol.specs import ExponentialDecay, OptimizerSpec
 from tensorfleet.ps.server import Server
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.testing.models import seeded_mlp

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tensorfleet.ps.api import OptimizerSpec
+from tensorfleet.protocol.specs import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire import frame
 from tensorfleet.wire.rpc import SHARED_MEMORY_ENV, WireOptions

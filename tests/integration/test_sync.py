@@ -14,7 +14,7 @@ from torch import nn
 from tensorfleet.cluster.placement import GreedyByBytes, RoundRobin, RowPartitioner
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError
-from tensorfleet.ps.api import OptimizerSpec, SyncOptions
+from tensorfleet.protocol.specs import OptimizerSpec, SyncOptions
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.testing.models import run_workers, seeded_mlp, sgd_on_union_batches
 from tensorfleet.worker.replica import Replica

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tensorfleet.errors import ConfigError, DeadlineExceededError, UnavailableError
-from tensorfleet.ps.api import OptimizerSpec
+from tensorfleet.protocol.specs import OptimizerSpec
 from tensorfleet.testing.certificates import make_certificates
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.testing.sockets import Relay, closed_within

@@ -13,7 +13,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from tensorfleet.cluster.spec import ClusterSpec
-from tensorfleet.ps.api import Mode, OptimizerSpec, Outcome, ShardState, SyncOptions
+from tensorfleet.protocol.specs import Mode, OptimizerSpec, SyncOptions
+from tensorfleet.protocol.state import ShardState
+from tensorfleet.protocol.messages import Outcome
 from tensorfleet.worker import replica as replica_module
 from tensorfleet.worker.client import Pulled, Pushed
 from tensorfleet.worker.status import TaskStatus

@@ -7,7 +7,8 @@ import torch
 
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError
 from tensorfleet.ps.aggregate import SyncAccumulator
-from tensorfleet.ps.api import OptimizerSpec, Outcome, SyncOptions
+from tensorfleet.protocol.specs import OptimizerSpec, SyncOptions
+from tensorfleet.protocol.messages import Outcome
 from tensorfleet.ps.store import VariableStore
 
 NAMES = ["/job:worker/task:0", "/job:worker/task:1", "/job:worker/task:2"]

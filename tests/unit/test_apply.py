@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from tensorfleet.errors import InvalidArgumentError, NotInitializedError
-from tensorfleet.ps.api import ExponentialDecay, OptimizerSpec
+from tensorfleet.protocol.specs import ExponentialDecay, OptimizerSpec
 from tensorfleet.ps.store import VariableStore
 
 SPECS = [
@@ -155,7 +155,7 @@ def test_spec_meta_round_trip():
 
 
 def test_exponential_decay_matches_torch_scheduler_per_global_step():
-    from tensorfleet.ps.api import ExponentialDecay
+    from tensorfleet.protocol.specs import ExponentialDecay
     local = model()
     spec = OptimizerSpec.sgd(lr=0.1, momentum=0.9).with_schedule(ExponentialDecay(decay_steps=1, decay_rate=0.9))
     store = VariableStore(task="t")
@@ -175,7 +175,7 @@ def test_exponential_decay_matches_torch_scheduler_per_global_step():
 
 
 def test_staircase_and_schedule_meta_round_trip():
-    from tensorfleet.ps.api import ExponentialDecay
+    from tensorfleet.protocol.specs import ExponentialDecay
     decay = ExponentialDecay(decay_steps=10, decay_rate=0.5, staircase=True)
     assert [decay.factor(s) for s in (0, 9, 10, 25)] == [1.0, 1.0, 0.5, 0.25]
     spec = OptimizerSpec.sgd(lr=0.1).with_schedule(decay)

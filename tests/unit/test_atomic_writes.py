@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tensorfleet.errors import ConfigError
-from tensorfleet.ps.api import ShardState
+from tensorfleet.protocol.state import ShardState
 from tensorfleet.train import checkpoint
 from tensorfleet.train.atomic import write_atomically
 from tensorfleet.train.manifest import MANIFEST, checkpoint_name

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tensorfleet.errors import DataError
-from tensorfleet.ps.api import ShardState
+from tensorfleet.protocol.state import ShardState
 from tensorfleet.train.checkpoint import Checkpointer, latest_checkpoint, list_checkpoints, load, save
 
 INFO = {"mode": "async"}

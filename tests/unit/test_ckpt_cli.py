@@ -14,7 +14,7 @@ from tensorfleet.cluster.placement import RowPartitioner, VariableInfo, place
 from tensorfleet.errors import DataError
 from tensorfleet.launch import ckpt
 from tensorfleet.cli import main as cli
-from tensorfleet.ps.api import OptimizerSpec
+from tensorfleet.protocol.specs import OptimizerSpec
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.train.checkpoint import Checkpointer, load
 

@@ -13,8 +13,8 @@ import torch
 
 from tensorfleet.errors import InvalidArgumentError, NotInitializedError
 from tensorfleet.ps import store as store_module
-from tensorfleet.ps.api import (DoneRequest, InitRequest, Mode, OptimizerSpec, Origin, Outcome, PullRequest,
-                                PushReply, PushRequest, SyncOptions)
+from tensorfleet.protocol.specs import Mode, OptimizerSpec, SyncOptions
+from tensorfleet.protocol.messages import DoneRequest, InitRequest, Origin, Outcome, PullRequest, PushReply, PushRequest
 from tensorfleet.ps.service import PsService
 from tensorfleet.ps.store import VariableStore
 
@@ -135,5 +135,5 @@ def test_nothing_is_admitted_before_the_chief_initializes():
 
 
 def _state(values):
-    from tensorfleet.ps.api import ShardState
+    from tensorfleet.protocol.state import ShardState
     return ShardState(values, {}, None, 0, 0)

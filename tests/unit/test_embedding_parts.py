@@ -10,7 +10,8 @@ from torch import nn
 
 from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.ps.api import OptimizerSpec, RowInitializer, ShardState, TableSpec, TableState
+from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer, TableSpec
+from tensorfleet.protocol.state import ShardState, TableState
 from tensorfleet.ps.idmap import IdMap
 from tensorfleet.ps.table import EmbeddingShard, unique_ids_error
 from tensorfleet.worker.embedding import EmbeddingTable, tables_of

@@ -35,27 +35,26 @@ PACKAGE = SRC / "tensorfleet"
 #
 # A module's layer is its subpackage (tensorfleet.worker.client -> "worker"), except:
 #   "errors"      tensorfleet.errors
-#   "ps.api"      tensorfleet.ps.api alone: the worker <-> ps contract
-#   "ps"          every other tensorfleet.ps module (ps/__init__.py and ps/__main__.py included)
+#   "protocol"    tensorfleet.protocol: the worker <-> ps contract (specs, messages, shard state)
 #   "tensorfleet" tensorfleet/__init__.py, the lazy public API
 #
 #   layer         may import
 #   -----------   -------------------------------------------------------------
-ALL_LAYERS = frozenset({"errors", "cluster", "data", "wire", "ps.api", "ps", "worker", "train", "parallel",
+ALL_LAYERS = frozenset({"errors", "cluster", "data", "wire", "protocol", "ps", "worker", "train", "parallel",
                         "web", "dashboard", "serving", "launch", "service", "cli", "testing", "tensorfleet"})
 ALLOWED: dict[str, frozenset[str]] = {
     "errors":      frozenset(),
     "cluster":     frozenset({"errors", "cluster"}),
     "data":        frozenset({"errors", "data"}),
     "wire":        frozenset({"errors", "cluster", "wire"}),
-    "ps.api":      frozenset({"errors", "cluster", "wire", "ps.api"}),
-    "ps":          frozenset({"errors", "cluster", "wire", "ps.api", "ps"}),
-    "worker":      frozenset({"errors", "cluster", "wire", "ps.api", "worker"}),             # of ps: ps.api only
-    "train":       frozenset({"errors", "cluster", "wire", "ps.api", "worker", "train"}),    # of ps: ps.api only
-    "parallel":    frozenset({"errors", "cluster", "wire", "ps.api", "worker", "train", "parallel"}),  # ps.api only
+    "protocol":    frozenset({"errors", "cluster", "wire", "protocol"}),
+    "ps":          frozenset({"errors", "cluster", "wire", "protocol", "ps"}),
+    "worker":      frozenset({"errors", "cluster", "wire", "protocol", "worker"}),  # of the ps: the protocol only
+    "train":       frozenset({"errors", "cluster", "wire", "protocol", "worker", "train"}),
+    "parallel":    frozenset({"errors", "cluster", "wire", "protocol", "worker", "train", "parallel"}),
     "web":         frozenset({"errors", "web"}),  # the HTTP toolkit the web apps share
     "dashboard":   frozenset({"errors", "web", "dashboard"}),
-    "serving":     frozenset({"errors", "cluster", "wire", "ps.api", "ps", "worker", "train", "web",
+    "serving":     frozenset({"errors", "cluster", "wire", "protocol", "ps", "worker", "train", "web",
                               "serving"}),  # of ps: the IdMap (a serving table's ids)
     "launch":      ALL_LAYERS - {"testing", "service", "cli"},
     "service":     frozenset({"errors", "cluster", "wire", "web", "dashboard", "launch", "service"}),  # job service
@@ -72,16 +71,12 @@ def layer_of(module: str) -> str:
     assert parts[0] == "tensorfleet", module
     if len(parts) == 1:
         return "tensorfleet"
-    if parts[1] == "ps" and parts[2:3] == ["api"]:
-        return "ps.api"
     return parts[1]
 
 
 def rule_text(layer: str, target_layer: str) -> str:
     """Why ``layer`` may not import ``target_layer``, in words."""
     allowed = ALLOWED[layer]
-    if target_layer == "ps" and "ps.api" in allowed and layer != "ps.api":
-        return f"{layer} may import from ps only tensorfleet.ps.api"
     shown = ", ".join(sorted(allowed)) or "nothing of tensorfleet"
     return f"{layer} may not import {target_layer} ({layer} may import: {shown})"
 
@@ -91,7 +86,7 @@ def rule_text(layer: str, target_layer: str) -> str:
 
 
 def module_name(path: Path) -> str:
-    """src/tensorfleet/ps/api.py -> tensorfleet.ps.api; src/tensorfleet/ps/__init__.py -> tensorfleet.ps."""
+    """src/tensorfleet/ps/store.py -> tensorfleet.ps.store; src/tensorfleet/ps/__init__.py -> tensorfleet.ps."""
     parts = list(path.relative_to(SRC).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -302,7 +297,7 @@ def test_every_layer_has_a_module():
 # ----- the checker itself, on synthetic sources
 
 _KNOWN = {"tensorfleet", "tensorfleet.errors", "tensorfleet.wire", "tensorfleet.wire.rpc", "tensorfleet.ps",
-          "tensorfleet.ps.api", "tensorfleet.ps.store", "tensorfleet.worker", "tensorfleet.worker.client",
+          "tensorfleet.protocol", "tensorfleet.protocol.messages", "tensorfleet.ps.store", "tensorfleet.worker", "tensorfleet.worker.client",
           "tensorfleet.worker.status", "tensorfleet.testing", "tensorfleet.testing.fleet"}
 
 
@@ -316,13 +311,13 @@ def test_checker_passes_allowed_imports():
         import torch
         from tensorfleet.errors import TensorfleetError
         import tensorfleet.wire.rpc
-        from tensorfleet.ps.api import PullRequest
-        from tensorfleet.ps import api
+        from tensorfleet.protocol.messages import PullRequest
+        from tensorfleet.protocol import messages
         from . import status
         from .status import TaskStatus
         from ..wire import rpc
         """, "tensorfleet.worker.client") == []
-    assert _check("from tensorfleet.ps import store\nfrom . import api\n", "tensorfleet.ps.service") == []
+    assert _check("from tensorfleet.ps import store\nfrom ..protocol import messages\n", "tensorfleet.ps.service") == []
     assert _check("from . import client\n", "tensorfleet.worker", is_package=True) == []
 
 
@@ -338,9 +333,10 @@ def test_checker_reports_forbidden_imports_with_their_line():
             import tensorfleet.testing.fleet
         """, "tensorfleet.worker.client")
     assert violations == [
-        "x.py:4 imports tensorfleet.ps.store: worker may import from ps only tensorfleet.ps.api",
+        "x.py:4 imports tensorfleet.ps.store: worker may not import ps "
+        "(worker may import: cluster, errors, protocol, wire, worker)",
         "x.py:8 imports tensorfleet.testing.fleet: worker may not import testing "
-        "(worker may import: cluster, errors, ps.api, wire, worker)",
+        "(worker may import: cluster, errors, protocol, wire, worker)",
     ]
 
 
@@ -348,14 +344,15 @@ def test_checker_resolves_relative_and_package_imports():
     # from the ps package itself: `..worker` is tensorfleet.worker, `from ..ps import store` a module
     assert _check("from ..worker import status\n", "tensorfleet.ps.server") == [
         "x.py:1 imports tensorfleet.worker.status: ps may not import worker (ps may import: cluster, errors, "
-        "ps, ps.api, wire)"]
-    # a name from ps/__init__.py is the ps package, not the contract
+        "protocol, ps, wire)"]
+    # a name from ps/__init__.py is the ps package
     assert _check("from tensorfleet.ps import Server\n", "tensorfleet.worker.client") == [
-        "x.py:1 imports tensorfleet.ps: worker may import from ps only tensorfleet.ps.api"]
-    # the contract may not reach into the rest of ps; errors may import nothing of tensorfleet
-    assert _check("from . import store\n", "tensorfleet.ps.api") == [
-        "x.py:1 imports tensorfleet.ps.store: ps.api may not import ps (ps.api may import: cluster, errors, "
-        "ps.api, wire)"]
+        "x.py:1 imports tensorfleet.ps: worker may not import ps (worker may import: cluster, errors, protocol, wire, "
+        "worker)"]
+    # the contract may not reach into the ps; errors may import nothing of tensorfleet
+    assert _check("from ..ps import store\n", "tensorfleet.protocol.messages") == [
+        "x.py:1 imports tensorfleet.ps.store: protocol may not import ps (protocol may import: cluster, errors, "
+        "protocol, wire)"]
     assert _check("import tensorfleet\n", "tensorfleet.errors") == [
         "x.py:1 imports tensorfleet: errors may not import tensorfleet (errors may import: nothing of tensorfleet)"]
     # a layer nobody wrote a rule for is reported, not passed

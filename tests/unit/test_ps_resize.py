@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.ps.api import MAX_REPLICAS, DoneRequest, OptimizerSpec, Origin, PushRequest, ResizeRequest, SyncOptions
+from tensorfleet.protocol.specs import OptimizerSpec, SyncOptions
+from tensorfleet.protocol.messages import DoneRequest, MAX_REPLICAS, Origin, PushRequest, ResizeRequest
 from tensorfleet.ps.service import PsService
 from tensorfleet.ps.store import VariableStore
 

@@ -14,7 +14,8 @@ from fake_ps import FakePsClient, install
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.parallel.towers import Towers
-from tensorfleet.ps.api import Mode, Outcome
+from tensorfleet.protocol.specs import Mode
+from tensorfleet.protocol.messages import Outcome
 from tensorfleet.worker.replica import Replica
 
 LR = 0.1

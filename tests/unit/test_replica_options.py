@@ -17,7 +17,7 @@ import tensorfleet as tfl
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.parallel.towers import Towers
-from tensorfleet.ps.api import Mode
+from tensorfleet.protocol.specs import Mode
 from tensorfleet.worker.options import ReplicaOptions
 from tensorfleet.worker.protocol import TrainingReplica
 

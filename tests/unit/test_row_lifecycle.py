@@ -10,7 +10,8 @@ import torch
 
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.ps.admission import Admission
-from tensorfleet.ps.api import Origin, OptimizerSpec, RowInitializer, TableSpec, grads_key, ids_key
+from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer, TableSpec
+from tensorfleet.protocol.messages import Origin, grads_key, ids_key
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.ps.table import LAST_UPDATE, EmbeddingShard
 

@@ -18,7 +18,7 @@ from tensorfleet.service.forms import (check_choices, clone_name, form_from_sett
 from tensorfleet.service.jobs import Capacity, JobService, PermissionDeniedError, split_settings
 from tensorfleet.service.local import LocalBackend
 from tensorfleet.service.store import JobRecord, JobState, JobStore
-from tensorfleet.service.web import reason_parts
+from tensorfleet.service.responses import reason_parts
 
 
 class Clock:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tensorfleet.errors import DataError, InvalidArgumentError
-from tensorfleet.ps.api import RowInitializer, ShardState, TableState
+from tensorfleet.protocol.specs import RowInitializer
+from tensorfleet.protocol.state import ShardState, TableState
 from tensorfleet.serving.model import ServedModel
 from tensorfleet.serving.reload import Reloader
 from tensorfleet.serving.server import load_script

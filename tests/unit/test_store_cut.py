@@ -12,8 +12,8 @@ import torch
 
 import tensorfleet.ps.store as store_module
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.ps.api import (Cut, OptimizerSpec, Origin, Outcome, PushRequest, RowInitializer, SyncOptions,
-                                TableSpec, grads_key, ids_key)
+from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer, SyncOptions, TableSpec
+from tensorfleet.protocol.messages import Cut, Origin, Outcome, PushRequest, grads_key, ids_key
 from tensorfleet.ps.store import VariableStore
 
 SGD = OptimizerSpec.sgd(lr=1.0)

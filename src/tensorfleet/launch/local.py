@@ -45,7 +45,7 @@ from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks, progress_line,
 from tensorfleet.launch.output import TaskOutput
 from tensorfleet.launch.scaling import RESIZE_RETRY_S, Scaler
 from tensorfleet.launch.supervisor import Decision, Supervisor, TaskRecord, describe_exit
-from tensorfleet.ps.api import ResizeRequest
+from tensorfleet.protocol.messages import ResizeRequest
 from tensorfleet.wire import auth
 from tensorfleet.wire.rpc import BUSY_POLL_ENV, Channel, WireOptions
 from tensorfleet.worker.leave import LEAVE_SIGNAL

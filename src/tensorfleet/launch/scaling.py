@@ -33,7 +33,7 @@ from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, parse_address
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch.monitor import task_role
 from tensorfleet.launch.supervisor import Supervisor, TaskRecord
-from tensorfleet.ps.api import MAX_REPLICAS
+from tensorfleet.protocol.messages import MAX_REPLICAS
 
 LEAVE_TIMEOUT_S = 60.0  # a worker asked to leave (scale-down) that is still there after this is stopped
 RESIZE_RETRY_S = 1.0  # after a Resize that failed (a ps restarting), the next try

@@ -46,7 +46,8 @@ from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import (DeadlineExceededError, InvalidArgumentError, NotInitializedError, TensorfleetError,
                                 UnavailableError)
 from tensorfleet.parallel.towers import Towers
-from tensorfleet.ps.api import Mode, OptimizerSpec, ShardState, SyncOptions
+from tensorfleet.protocol.specs import Mode, OptimizerSpec, SyncOptions
+from tensorfleet.protocol.state import ShardState
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import PsClient
 from tensorfleet.worker.embedding import tables_of

@@ -41,7 +41,8 @@ import torch
 Rows = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (unique ids, one row gradient per id)
 
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.ps.api import Outcome, SyncOptions
+from tensorfleet.protocol.specs import SyncOptions
+from tensorfleet.protocol.messages import Outcome
 
 class SyncAccumulator:
     """Averages the gradients of the current step until enough have arrived. Not thread-safe: the store locks.

@@ -8,7 +8,7 @@ one pass over each tensor, 3-4x faster than the default loop for Adam, equal to
 a local ``torch.optim`` with ``fused=True`` to the bit and to the default one up
 to float rounding (~1e-7 relative).
 
-An ``OptimizerSpec`` (``tensorfleet.ps.api``) is the pickle-free, JSON description of the
+An ``OptimizerSpec`` (``tensorfleet.protocol.specs``) is the pickle-free, JSON description of the
 optimizer that the chief sends to the ps at initialization; this module builds it.
 """
 
@@ -21,7 +21,7 @@ from torch.optim.adam import adam as functional_adam
 from torch.optim.sgd import sgd as functional_sgd
 
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.ps.api import OPTIMIZER_NAMES, OptimizerSpec
+from tensorfleet.protocol.specs import OPTIMIZER_NAMES, OptimizerSpec
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,

@@ -1,4 +1,4 @@
-"""The ps's RPC adapter: wire messages in, typed requests (``tensorfleet.ps.api``) to the store, replies out.
+"""The ps's RPC adapter: wire messages in, typed requests (``tensorfleet.protocol``) to the store, replies out.
 
 Init, Snapshot, Status and Done are gRPC methods (the control plane); Pull and Push
 travel on the data plane (``tensorfleet.wire.dataplane``), whose port Status tells.
@@ -32,8 +32,9 @@ from typing import Any
 import torch
 
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.ps.api import (Cut, DoneRequest, InitRequest, LookupRequest, PullRequest, PushRequest, ResizeRequest,
-                                ShardState, StepReply)
+from tensorfleet.protocol.state import ShardState
+from tensorfleet.protocol.messages import (Cut, DoneRequest, InitRequest, LookupRequest, PullRequest, PushRequest,
+                                           ResizeRequest, StepReply)
 from tensorfleet.ps.store import FENCE_HOLD_S, MAX_FENCE_HOLD_S, VariableStore
 from tensorfleet.wire import auth
 from tensorfleet.wire.dataplane import Method, Reply, Request

@@ -31,9 +31,9 @@ import torch
 from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError, StaleIncarnationError
 from tensorfleet.ps.aggregate import Rows, SyncAccumulator
-from tensorfleet.ps.api import (NONFINITE_POLICIES, Cut, Mode, OptimizerSpec, Origin, Outcome, PushReply,
-                                PushRequest, ShardState, SyncOptions, TableSpec, TableState, grads_key, ids_key,
-                                table_key)
+from tensorfleet.protocol.specs import Mode, NONFINITE_POLICIES, OptimizerSpec, SyncOptions, TableSpec
+from tensorfleet.protocol.state import ShardState, TableState
+from tensorfleet.protocol.messages import Cut, Origin, Outcome, PushReply, PushRequest, grads_key, ids_key, table_key
 from tensorfleet.ps.apply import Applier, MovingAverage, check_layout
 from tensorfleet.ps.table import EmbeddingShard, unique_ids_error
 

@@ -44,7 +44,8 @@ import torch
 
 from tensorfleet.cluster.idhash import as_uint64, mix64
 from tensorfleet.ps.admission import Admission
-from tensorfleet.ps.api import TableSpec, TableState
+from tensorfleet.protocol.specs import TableSpec
+from tensorfleet.protocol.state import TableState
 from tensorfleet.ps.idmap import IdMap
 from tensorfleet.ps.rows import GrowingRows
 

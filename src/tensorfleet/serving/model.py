@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from tensorfleet.errors import DataError, InvalidArgumentError
-from tensorfleet.ps.api import ShardState, TableSpec
+from tensorfleet.protocol.specs import TableSpec
+from tensorfleet.protocol.state import ShardState
 from tensorfleet.serving.tables import ServingTable
 from tensorfleet.train.checkpoint import Checkpoint, check_dense, load_file
 from tensorfleet.worker.embedding import tables_of

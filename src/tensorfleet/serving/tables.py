@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tensorfleet.ps.api import RowInitializer, TableState
+from tensorfleet.protocol.specs import RowInitializer
+from tensorfleet.protocol.state import TableState
 from tensorfleet.ps.idmap import IdMap
 
 _MIN_ROWS = 1024

@@ -55,7 +55,7 @@ from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.cluster.placement import Part, Placement
 from tensorfleet.errors import (DataError, DeadlineExceededError, InvalidArgumentError, NotInitializedError,
                                 UnavailableError)
-from tensorfleet.ps.api import ShardState, TableState
+from tensorfleet.protocol.state import ShardState, TableState
 from tensorfleet.train.atomic import write_atomically
 from tensorfleet.train.manifest import (FORMAT, MANIFEST, checkpoint_name, foreign_names, is_checkpoint_name,
                                         latest_checkpoint, parse_header, read_header, read_manifest)

@@ -26,9 +26,10 @@ import torch
 from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.cluster.spec import ClusterSpec, parse_address
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
-from tensorfleet.ps.api import (DoneRequest, InitRequest, LookupRequest, OptimizerSpec, Origin, Outcome, PullRequest,
-                                PushReply, PushRequest, ShardState, StepReply, SyncOptions, TableSpec, grads_key,
-                                ids_key)
+from tensorfleet.protocol.specs import OptimizerSpec, SyncOptions, TableSpec
+from tensorfleet.protocol.state import ShardState
+from tensorfleet.protocol.messages import (DoneRequest, InitRequest, LookupRequest, Origin, Outcome, PullRequest,
+                                           PushReply, PushRequest, StepReply, grads_key, ids_key)
 from tensorfleet.wire.codec import NARROW_DTYPES, TensorEntry
 from tensorfleet.wire.datachannel import DataChannel, Stream
 from tensorfleet.wire.rpc import Channel, WireOptions

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.ps.api import OptimizerSpec, RowInitializer, TableSpec, TableState
+from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer, TableSpec
+from tensorfleet.protocol.state import TableState
 
 POOLINGS = ("sum", "mean", "max")
 Lookup = Callable[[torch.Tensor], torch.Tensor]

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from tensorfleet.cluster.placement import STRATEGIES, RowPartitioner
-from tensorfleet.ps.api import NONFINITE_POLICIES, SyncOptions
+from tensorfleet.protocol.specs import NONFINITE_POLICIES, SyncOptions
 from tensorfleet.wire.codec import DTYPE_NAMES, NARROW_DTYPES
 from tensorfleet.worker.options import ReplicaOptions
 

@@ -14,7 +14,7 @@ import torch
 
 from tensorfleet.cluster.placement import PlacementStrategy, RoundRobin, RowPartitioner
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.ps.api import Mode, SyncOptions
+from tensorfleet.protocol.specs import Mode, SyncOptions
 
 if TYPE_CHECKING:
     from tensorfleet.wire.rpc import WireOptions  # only a type here: flags.py stays free of gRPC

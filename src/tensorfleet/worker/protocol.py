@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
     from tensorfleet.cluster.placement import Placement
     from tensorfleet.cluster.spec import TaskSpec
-    from tensorfleet.ps.api import Mode, OptimizerSpec, ShardState, SyncOptions
+    from tensorfleet.protocol.specs import Mode, OptimizerSpec, SyncOptions
+    from tensorfleet.protocol.state import ShardState
     from tensorfleet.worker.client import PsClient
 
 

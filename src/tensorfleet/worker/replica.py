@@ -51,7 +51,8 @@ from torch import nn
 from tensorfleet.cluster.placement import PlacementStrategy, RowPartitioner, VariableInfo, place
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.ps.api import Mode, OptimizerSpec, ShardState, SyncOptions
+from tensorfleet.protocol.specs import Mode, OptimizerSpec, SyncOptions
+from tensorfleet.protocol.state import ShardState
 from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import Gathered, PsClient, Pulled, Pushed, PushStreams

@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from tensorfleet.errors import NotInitializedError, UnavailableError
-from tensorfleet.ps.api import Cut, ShardState
+from tensorfleet.protocol.state import ShardState
+from tensorfleet.protocol.messages import Cut
 from tensorfleet.wire.datachannel import DataChannel
 
 

@@ -1,0 +1,330 @@
+"""One typed request per method and the typed replies: each builds its ``meta`` with ``to_meta`` and is parsed
+back with ``from_meta``, which checks every field (``tensorfleet.protocol.meta``). A table's part of a push
+travels as (ids, grads) under ``ids_key(table)`` / ``grads_key(table)``; a push's ``Origin`` makes it exactly
+once; a ``Cut`` is one point of the fleet's push order (consistent checkpoints and restores)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Mapping
+
+import torch
+
+from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.protocol.meta import count_field, flag_field, wire_dtype_field, wire_dtype_meta
+from tensorfleet.protocol.specs import NONFINITE_POLICIES, Mode, OptimizerSpec, SyncOptions, TableSpec
+
+
+class Outcome(StrEnum):
+    """What a shard did with a push (``PushReply.outcome``)."""
+
+    APPLIED = "applied"      # async: applied
+    ACCEPTED = "accepted"    # sync: counted toward its step, which another push completed
+    COMPLETE = "complete"    # sync: this push completed its step, which was applied
+    RETRIED = "retried"      # the same push again (its reply was lost): its first copy counted, this one not
+    STALE = "stale"          # sync: tagged with an older step: dropped
+    DUPLICATE = "duplicate"  # sync: this replica already gave a gradient for this step: dropped
+    ABANDONED = "abandoned"  # sync: the step can no longer complete (the other replicas finished)
+    REJECTED = "rejected"    # NaN/Inf gradients: nothing applied
+
+    @property
+    def dropped(self) -> bool:
+        """The gradients did not count."""
+        return self in (Outcome.STALE, Outcome.DUPLICATE, Outcome.ABANDONED, Outcome.REJECTED)
+
+
+TABLE_KEY_PREFIX = "@"  # never in a dense variable's name (module attribute paths): a table's part of a message
+
+
+def ids_key(table: str) -> str:
+    """The wire name of a table's ids in a Push (unique int64, 1-D)."""
+    return f"{TABLE_KEY_PREFIX}ids/{table}"
+
+
+def grads_key(table: str) -> str:
+    """The wire name of a table's row gradients in a Push (one row per id, same order)."""
+    return f"{TABLE_KEY_PREFIX}grads/{table}"
+
+
+def table_key(name: str) -> tuple[str, str] | None:
+    """("ids" | "grads", table) for a table's part of a push, None for a dense variable."""
+    if not name.startswith(TABLE_KEY_PREFIX):
+        return None
+    kind, _, table = name[1:].partition("/")
+    return (kind, table) if kind in ("ids", "grads") and table else ("?", name)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Who sent a push: the worker (replica id), the incarnation of its process, and the push's sequence
+    number on this shard.  A later incarnation replaces an earlier one; a sequence number seen before
+    is a retry."""
+
+    worker: int
+    incarnation: int
+    seq: int
+
+
+    def to_meta(self) -> list[int]:
+        return [self.worker, self.incarnation, self.seq]
+
+    @classmethod
+    def from_meta(cls, value: Any) -> "Origin":
+        if (not isinstance(value, list) or len(value) != 3
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value)):
+            raise InvalidArgumentError(f"Push 'origin' must be [worker, incarnation, seq] (non-negative integers), "
+                                       f"got {value!r:.80}")
+        return cls(*value)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A point of the fleet's push order every shard can find (``VariableStore.fence``): each worker's latest
+    push applied on any shard, (incarnation, seq), and the highest global step of any shard. A push is in the
+    cut when its origin is at or before its worker's entry (async), or when its step is below ``step``
+    (sync: the steps every shard must have aggregated)."""
+
+    applied: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    step: int = 0
+
+    def merge(self, other: "Cut") -> "Cut":
+        """The cut over two sets of shards: the later push of each worker, the higher step."""
+        applied = dict(self.applied)
+        for worker, at in other.applied.items():
+            applied[worker] = max(applied.get(worker, at), at)
+        return Cut(applied, max(self.step, other.step))
+
+    def holds(self, origin: Origin) -> bool:
+        """Whether the push of ``origin`` is at or before the cut."""
+        at = self.applied.get(origin.worker)
+        return at is not None and (origin.incarnation, origin.seq) <= at
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"applied": [[w, inc, seq] for w, (inc, seq) in sorted(self.applied.items())], "step": self.step}
+
+    @classmethod
+    def from_meta(cls, value: Any, method: str) -> "Cut":
+        entries = value.get("applied") if isinstance(value, dict) else None
+        if not isinstance(entries, list) or len(entries) > MAX_REPLICAS or not all(
+                isinstance(e, list) and len(e) == 3 and all(type(x) is int and 0 <= x < 2 ** 63 for x in e)
+                for e in entries):
+            raise InvalidArgumentError(f"{method} 'cut' must be {{applied: [[worker, incarnation, seq], ...], "
+                                       f"step}}, got {value!r:.60}")
+        return cls({w: (inc, seq) for w, inc, seq in entries}, count_field(value, "step", method))
+
+
+@dataclass(frozen=True)
+class InitRequest:
+    """Init: the chief's initial values (or, with ``restore``, a checkpoint's shard state) and the job's specs.
+
+    Tensors: the shard's values, or with ``restore`` the flattened ``ShardState``.
+    """
+
+    optimizer: OptimizerSpec
+    sync: SyncOptions | None = None  # None: async
+    average_decay: float | None = None  # None: no moving averages
+    nonfinite: str = "reject"
+    restore: tuple[int, int] | None = None  # (global_step, applied_updates) of the checkpoint in the tensors
+    force: bool = False  # overwrite a live shard: only with ``restore`` (the recovery after a ps was lost)
+    tables: tuple[TableSpec, ...] = ()  # embedding tables: every shard holds the rows of its ids
+    cut: Cut | None = None  # a forced restore's: the live shards' fence (``VariableStore.initialize``)
+
+    @property
+    def mode(self) -> Mode:
+        return Mode.ASYNC if self.sync is None else Mode.SYNC
+
+    def __post_init__(self) -> None:
+        decay = self.average_decay
+        if decay is not None and (isinstance(decay, bool) or not isinstance(decay, (int, float))):
+            raise InvalidArgumentError(f"Init 'average_decay' must be a number, got {decay!r:.50}")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise InvalidArgumentError(f"Init 'nonfinite' must be one of {NONFINITE_POLICIES}, "
+                                       f"got {self.nonfinite!r:.50}")
+        if not isinstance(self.force, bool) or (self.force and self.restore is None):
+            raise InvalidArgumentError("Init 'force' must be a bool and needs 'restore': only a checkpoint "
+                                       "may overwrite a live shard")
+        names = [table.name for table in self.tables]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(f"Init 'tables': two tables share a name in {names}")
+
+    def to_meta(self) -> dict[str, Any]:
+        meta = {"optimizer": self.optimizer.to_meta(), "sync": self.sync.to_meta() if self.sync else None,
+                "average_decay": self.average_decay, "force": self.force, "nonfinite": self.nonfinite}
+        if self.tables:
+            meta["tables"] = [table.to_meta() for table in self.tables]
+        if self.restore is not None:
+            meta["restore"] = {"global_step": self.restore[0], "applied_updates": self.restore[1]}
+        if self.cut is not None:
+            meta["cut"] = self.cut.to_meta()
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "InitRequest":
+        restore = meta.get("restore")
+        if restore is not None:
+            if not isinstance(restore, dict):
+                raise InvalidArgumentError(f"Init 'restore' must be an object {{global_step, applied_updates}}, "
+                                           f"got {restore!r:.50}")
+            restore = (count_field(restore, "global_step", "Init"), count_field(restore, "applied_updates", "Init"))
+        tables = meta.get("tables", [])
+        if not isinstance(tables, list):
+            raise InvalidArgumentError(f"Init 'tables' must be a list of table specs, got {tables!r:.50}")
+        return cls(tables=tuple(TableSpec.from_meta(table) for table in tables),
+                   optimizer=OptimizerSpec.from_meta(meta.get("optimizer")),
+                   sync=SyncOptions.from_meta(meta["sync"]) if meta.get("sync") is not None else None,
+                   average_decay=meta.get("average_decay"), nonfinite=meta.get("nonfinite", "reject"),
+                   restore=restore, force=meta.get("force", False),
+                   cut=Cut.from_meta(meta["cut"], "Init") if meta.get("cut") is not None else None)
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """Pull: the shard's values (or moving averages); the reply is a ``StepReply`` with every variable."""
+
+    averages: bool = False
+    wire_dtype: torch.dtype | None = None  # floating-point values travel narrowed to this (the ps stays fp32)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"averages": self.averages, **wire_dtype_meta(self.wire_dtype)}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "PullRequest":
+        return cls(averages=flag_field(meta, "averages", "Pull"), wire_dtype=wire_dtype_field(meta))
+
+
+@dataclass(frozen=True)
+class LookupRequest:
+    """Lookup: rows of embedding tables by id. Tensors: per table, its unique ids (int64, 1-D) under the
+    table's name; the reply (a ``StepReply``) holds the rows under the same names, in the same order.
+
+    A lookup creates nothing: an id the shard has never updated is answered with its initial row.
+    """
+
+    wire_dtype: torch.dtype | None = None  # rows travel narrowed to this
+
+    def to_meta(self) -> dict[str, Any]:
+        return wire_dtype_meta(self.wire_dtype)
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "LookupRequest":
+        return cls(wire_dtype=wire_dtype_field(meta))
+
+
+@dataclass(frozen=True)
+class PushRequest:
+    """Push: gradients for the shard's variables (the tensors), applied once.
+
+    Embedding tables' gradients travel as (``ids_key(t)``, ``grads_key(t)``) pairs of tensors: unique ids
+    of this shard and one row gradient per id (summed over the batch's occurrences).
+
+    Async: each push is applied on arrival; ``advance_step`` on exactly one shard's part (ps 0's)
+    counts the global step.  Sync (``step`` given): the gradients of the replicas for ``step`` (the
+    step of the values they were computed from) are averaged and applied once; the call returns
+    when the step is aggregated.  ``with_values``: the reply carries the values after the update (the
+    next pull, in the same round trip).  ``origin`` numbers the push for exactly-once delivery.
+    """
+
+    origin: Origin | None = None
+    with_values: bool = False
+    wire_dtype: torch.dtype | None = None
+    advance_step: bool = False  # async only
+    replica: int | None = None  # sync only: the replica id
+    step: int | None = None  # sync only: the step of the values the gradients were computed from
+
+    @property
+    def mode(self) -> Mode:
+        return Mode.ASYNC if self.step is None else Mode.SYNC
+
+    def to_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"values": self.with_values, **wire_dtype_meta(self.wire_dtype)}
+        if self.origin is not None:
+            meta["origin"] = self.origin.to_meta()
+        if self.step is None:
+            meta["advance_step"] = self.advance_step
+        else:
+            meta["replica"], meta["step"] = self.replica, self.step
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "PushRequest":
+        common = dict(with_values=flag_field(meta, "values", "Push"), wire_dtype=wire_dtype_field(meta),
+                      origin=Origin.from_meta(meta["origin"]) if meta.get("origin") is not None else None)
+        if "step" in meta:
+            return cls(replica=count_field(meta, "replica", "Push"), step=count_field(meta, "step", "Push"), **common)
+        return cls(advance_step=flag_field(meta, "advance_step", "Push"), **common)
+
+
+@dataclass(frozen=True)
+class StepReply:
+    """Pull's reply: the shard's step (with the values as tensors)."""
+
+    step: int
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "StepReply":
+        return cls(count_field(meta, "step", "Pull reply"))
+
+
+@dataclass(frozen=True)
+class PushReply:
+    """Push's reply: the shard's step after the push (of its values, when they come along) and the outcome."""
+
+    step: int
+    outcome: Outcome
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"step": self.step, "outcome": self.outcome.value}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "PushReply":
+        try:
+            outcome = Outcome(meta.get("outcome"))
+        except ValueError:
+            raise InvalidArgumentError(f"Push reply 'outcome' {meta.get('outcome')!r:.30} is not one of "
+                                       f"{[o.value for o in Outcome]}") from None
+        return cls(count_field(meta, "step", "Push reply"), outcome)
+
+
+@dataclass(frozen=True)
+class DoneRequest:
+    """Done: this replica has finished; a ps exits once every replica has."""
+
+    replica: int
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"replica": self.replica}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "DoneRequest":
+        return cls(count_field(meta, "replica", "Done"))
+
+
+MAX_REPLICAS = 65536  # what a Resize may ask for: far beyond any fleet, small enough to count in a set
+
+
+@dataclass(frozen=True)
+class ResizeRequest:
+    """Resize: the job's training replicas are now ``0 .. replicas-1`` (an asynchronous job scaled up or down).
+
+    Sent by the launcher, not by workers: before it starts new workers (so that their pushes and their
+    Done are accepted and the ps waits for them), and once removed workers have exited (so that a
+    replica id that comes back later is a new worker, not one that already said Done).
+    """
+
+    replicas: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) \
+                or not 1 <= self.replicas <= MAX_REPLICAS:
+            raise InvalidArgumentError(f"Resize 'replicas' must be an integer from 1 to {MAX_REPLICAS}, "
+                                       f"got {self.replicas!r:.50}")
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"replicas": self.replicas}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "ResizeRequest":
+        return cls(meta.get("replicas"))
