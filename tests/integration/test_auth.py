@@ -55,7 +55,7 @@ def test_grpc_calls_without_the_right_token_are_refused_and_counted(guarded, tok
     ("wrong", "did not prove it is /job:ps/task:0 of this job")])  # ours: the task failed our check first
 def test_data_connections_without_the_right_token_are_refused_closed_and_change_nothing(guarded, token, refusal):
     _, server, client = guarded
-    port = client.wait_for_shards(10)[0]["data_port"]
+    port = client.wait_for_shards(10)[0].data_port
     channel = DataChannel(task="/job:ps/task:0", options=WireOptions(token=token))
     channel.set_address("127.0.0.1", port)
     try:

@@ -69,7 +69,7 @@ def shard():
 
 def _client_through_proxy(cluster, sync=None):
     client = PsClient(cluster, {"w": 0})
-    port = client.wait_for_shards(10)[0]["data_port"]
+    port = client.wait_for_shards(10)[0].data_port
     client.initialize(VALUES, OptimizerSpec.sgd(lr=1.0), sync=sync)
     proxy = ReplyDropper(port)
     client.data[0].set_address("127.0.0.1", proxy.port)

@@ -31,7 +31,7 @@ def test_a_pull_whose_reply_is_never_read_does_not_hold_up_the_updates(monkeypat
     with ps_servers(num_ps=1, num_workers=1, options=options) as (cluster, servers):
         client = PsClient(cluster, {"big": 0}, options=options)
         try:
-            port = client.wait_for_shards(10)[0]["data_port"]
+            port = client.wait_for_shards(10)[0].data_port
             client.initialize(VALUES, OptimizerSpec.sgd(lr=0.1))
             stalled = socket.create_connection(("127.0.0.1", port), timeout=10)
             stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

@@ -15,7 +15,7 @@ import torch
 from tensorfleet.cluster.spec import ClusterSpec
 from tensorfleet.protocol.specs import Mode, OptimizerSpec, SyncOptions
 from tensorfleet.protocol.state import ShardState
-from tensorfleet.protocol.messages import Outcome
+from tensorfleet.protocol.messages import Outcome, PsStatus
 from tensorfleet.worker import replica as replica_module
 from tensorfleet.worker.client import Pulled, Pushed
 from tensorfleet.worker.status import TaskStatus
@@ -84,15 +84,16 @@ class FakePsClient:
 
     # --- lifecycle -------------------------------------------------------------------------------
 
-    def _status(self) -> dict[str, Any]:
-        return {"initialized": bool(self.values), "mode": self.mode.value,
-                "sync": self.sync.to_meta() if self.sync else None, "global_step": self.shard_steps[0]}
+    def _status(self) -> PsStatus:
+        return PsStatus.from_meta({"initialized": bool(self.values), "mode": self.mode.value,
+                                   "sync": self.sync.to_meta() if self.sync else None,
+                                   "global_step": self.shard_steps[0]})
 
-    def wait_for_shards(self, timeout_s: float) -> list[dict[str, Any]]:
+    def wait_for_shards(self, timeout_s: float) -> list[PsStatus]:
         self.calls.append(("wait_for_shards", {"timeout_s": timeout_s}))
         return [self._status() for _ in range(self.num_shards)]
 
-    def wait_initialized(self, timeout_s: float, poll_s: float = 0.2) -> dict[str, Any]:
+    def wait_initialized(self, timeout_s: float, poll_s: float = 0.2) -> PsStatus:
         self.calls.append(("wait_initialized", {"timeout_s": timeout_s}))
         assert self.values, "nobody initialized the fake ps"
         return self._status()

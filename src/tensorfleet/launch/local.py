@@ -45,7 +45,7 @@ from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks, progress_line,
 from tensorfleet.launch.output import TaskOutput
 from tensorfleet.launch.scaling import RESIZE_RETRY_S, Scaler
 from tensorfleet.launch.supervisor import Decision, Supervisor, TaskRecord, describe_exit
-from tensorfleet.protocol.messages import ResizeRequest
+from tensorfleet.protocol.messages import ResizeReply, ResizeRequest
 from tensorfleet.wire import auth
 from tensorfleet.wire.rpc import BUSY_POLL_ENV, Channel, WireOptions
 from tensorfleet.worker.leave import LEAVE_SIGNAL
@@ -440,7 +440,7 @@ class LocalLauncher:
             return False
         finally:
             channel.close()
-        return not reply.get("finished")  # finished: every worker said Done, the job is ending
+        return not ResizeReply.from_meta(reply).finished  # finished: every worker said Done, the job is ending
 
     def fleet_changed(self) -> None:
         """Every view of the fleet follows the cluster: the task list and the monitor's picture."""

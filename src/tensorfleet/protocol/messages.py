@@ -4,6 +4,7 @@ travels as (ids, grads) under ``ids_key(table)`` / ``grads_key(table)``; a push'
 once; a ``Cut`` is one point of the fleet's push order (consistent checkpoints and restores)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Mapping
@@ -13,6 +14,7 @@ import torch
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.protocol.meta import count_field, flag_field, wire_dtype_field, wire_dtype_meta
 from tensorfleet.protocol.specs import NONFINITE_POLICIES, Mode, OptimizerSpec, SyncOptions, TableSpec
+from tensorfleet.protocol.state import ShardState
 
 
 class Outcome(StrEnum):
@@ -328,3 +330,213 @@ class ResizeRequest:
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "ResizeRequest":
         return cls(meta.get("replicas"))
+
+
+@dataclass(frozen=True)
+class InitReply:
+    """Init's reply: whether this shard took the values (False: it already had trained ones, kept)."""
+
+    initialized: bool
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"initialized": self.initialized}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "InitReply":
+        return cls(flag_field(meta, "initialized", "Init reply"))
+
+
+FENCE_HOLD_S = 5.0  # the longest a checkpoint's fence holds pushes (a chief that went away must not stop training)
+MAX_FENCE_HOLD_S = 300.0  # what a Fence may ask for: a restore's fence lasts while every shard takes a checkpoint
+
+
+@dataclass(frozen=True)
+class FenceRequest:
+    """Fence: start a cut on this shard (hold new pushes, ``hold_s`` at most); the reply is its part of the
+    ``Cut``. The chief fences every shard and merges the answers (``Cut.merge``)."""
+
+    hold_s: float = FENCE_HOLD_S
+
+    def __post_init__(self) -> None:
+        hold_s = self.hold_s
+        if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)) or not 0 < hold_s <= MAX_FENCE_HOLD_S:
+            raise InvalidArgumentError(f"Fence 'hold_s' must be a number of seconds in (0, {MAX_FENCE_HOLD_S:g}], "
+                                       f"got {hold_s!r:.40}")
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"hold_s": self.hold_s}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "FenceRequest":
+        return cls(meta.get("hold_s", FENCE_HOLD_S))
+
+
+MAX_TOKEN_CHARS = 64
+
+
+@dataclass(frozen=True)
+class SnapshotRequest:
+    """Snapshot: the shard's state, whole or (``since``: an update number) a delta of its tables, at ``cut``
+    when the chief fenced the shards. A large one comes in pages: page 0 is taken with the others, which are
+    then asked for one by one with page 0's ``token``."""
+
+    since: int | None = None
+    page: int = 0
+    pages: int | None = None
+    cut: Cut | None = None
+    token: str = ""
+
+    def to_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"page": self.page}
+        if self.since is not None:
+            meta["since"] = self.since
+        if self.pages is not None:
+            meta["pages"] = self.pages
+        if self.cut is not None:
+            meta["cut"] = self.cut.to_meta()
+        if self.token:
+            meta["token"] = self.token
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "SnapshotRequest":
+        since, pages, token = meta.get("since"), meta.get("pages"), meta.get("token", "")
+        if since is not None and (isinstance(since, bool) or not isinstance(since, int) or since < 0):
+            raise InvalidArgumentError(f"Snapshot 'since' must be an update number (an integer >= 0) or null, "
+                                       f"got {since!r:.40}")
+        if pages is not None and count_field(meta, "pages", "Snapshot") < 1:
+            raise InvalidArgumentError(f"Snapshot 'pages' must be an integer >= 1, got {pages!r:.40}")
+        if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS:
+            raise InvalidArgumentError(f"Snapshot 'token' must be the token of page 0's reply, got {token!r:.40}")
+        return cls(since, count_field({"page": meta.get("page", 0)}, "page", "Snapshot"), pages,
+                   Cut.from_meta(meta["cut"], "Snapshot") if meta.get("cut") is not None else None, token)
+
+
+@dataclass(frozen=True)
+class SnapshotReply:
+    """Snapshot's reply head; its tensors are the page's ``ShardState`` flattened (``state``)."""
+
+    global_step: int
+    applied_updates: int
+    since: int | None = None  # None: the whole state (a delta asked for may come back whole)
+    epoch: str = ""
+    pages: int = 1
+    token: str = ""
+
+    @classmethod
+    def of(cls, state: ShardState) -> "SnapshotReply":
+        return cls(state.global_step, state.applied_updates, state.since, state.epoch, state.pages, state.token)
+
+    def state(self, tensors: Mapping[str, torch.Tensor]) -> ShardState:
+        """The page's state, from the reply's tensors."""
+        state = ShardState.unflatten(tensors, global_step=self.global_step, applied_updates=self.applied_updates,
+                                     since=self.since, epoch=self.epoch)
+        return dataclasses.replace(state, pages=self.pages, token=self.token)
+
+    def to_meta(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "SnapshotReply":
+        epoch, token = meta.get("epoch", ""), meta.get("token", "")
+        if not isinstance(epoch, str) or not isinstance(token, str):
+            raise InvalidArgumentError(f"Snapshot reply 'epoch' and 'token' must be strings, got {epoch!r:.30}, "
+                                       f"{token!r:.30}")
+        return cls(count_field(meta, "global_step", "Snapshot reply"),
+                   count_field(meta, "applied_updates", "Snapshot reply"),
+                   count_field(meta, "since", "Snapshot reply") if meta.get("since") is not None else None,
+                   epoch, count_field({"pages": meta.get("pages", 1)}, "pages", "Snapshot reply"), token)
+
+
+@dataclass(frozen=True)
+class DoneReply:
+    """Done's reply: how many of the job's replicas have said Done."""
+
+    workers_done: int
+    num_workers: int
+
+    def to_meta(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "DoneReply":
+        return cls(count_field(meta, "workers_done", "Done reply"), count_field(meta, "num_workers", "Done reply"))
+
+
+@dataclass(frozen=True)
+class ResizeReply:
+    """Resize's reply: the membership now, and whether the ps had already finished (then nothing changed)."""
+
+    num_workers: int
+    workers_done: int
+    finished: bool
+
+    def to_meta(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "ResizeReply":
+        return cls(count_field(meta, "num_workers", "Resize reply"), count_field(meta, "workers_done", "Resize reply"),
+                   flag_field(meta, "finished", "Resize reply"))
+
+
+@dataclass(frozen=True)
+class PsStatus:
+    """Status of a ps: what workers wait on (``initialized``, ``data_port``, the job's ``mode`` and ``sync``),
+    and what the launcher's monitor and the dashboards show (steps, counters, tables, membership).
+
+    The counters (``rows_created``, ``evicted``, ``admitted`` of a table, the push counts) count from the
+    shard's last initialization or restore: a restore starts them again."""
+
+    initialized: bool = False
+    mode: str | None = None  # "async", "sync"; None before Init
+    global_step: int = 0
+    applied_updates: int = 0
+    dropped_stale: int = 0
+    dropped_duplicate: int = 0
+    num_variables: int = 0
+    num_bytes: int = 0
+    initial_updates: int = 0  # applied_updates at the last initialization (a restored checkpoint's count)
+    accepted_pushes: int = 0  # pushes taken for the first time since then (applied, or offered to a sync step)
+    retried_pushes: int = 0  # pushes received again after a lost reply: recognized, not applied twice
+    rejected_nonfinite: int = 0  # pushes refused for NaN/Inf gradients
+    tables: dict[str, dict[str, float]] = field(default_factory=dict)  # per table: rows, rows_created, bytes, ...
+    task: str = ""
+    role: str = "ps"
+    pid: int = 0
+    uptime_s: float = 0.0
+    state: str = "running"  # "running", or "done" once every worker said Done
+    done_replicas: list[int] = field(default_factory=list)  # the replica ids that said Done
+    workers_done: int = 0
+    num_workers: int = 0
+    sync: SyncOptions | None = None  # the job's (the chief's), once initialized in sync mode
+    data_port: int = 0  # where Pull, Push, Lookup, Fence and Snapshot travel
+    auth_refused: int = 0  # calls refused for a missing or wrong token
+
+    def to_meta(self) -> dict[str, Any]:
+        meta = dataclasses.asdict(self)
+        meta["sync"] = self.sync.to_meta() if self.sync is not None else None
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "PsStatus":
+        if not isinstance(meta, Mapping) or meta.get("role", "ps") != "ps":
+            raise InvalidArgumentError(f"Status: not a ps's status: {meta!r:.80}")
+        counts = {f.name: count_field(meta, f.name, "Status") for f in dataclasses.fields(cls)
+                  if f.type == "int" and f.name in meta}
+        mode, sync, tables = meta.get("mode"), meta.get("sync"), meta.get("tables", {})
+        if mode not in (None, *(m.value for m in Mode)):
+            raise InvalidArgumentError(f"Status 'mode' must be one of {[m.value for m in Mode]} or null, got "
+                                       f"{mode!r:.30}")
+        if not isinstance(tables, dict) or not all(isinstance(v, dict) for v in tables.values()):
+            raise InvalidArgumentError(f"Status 'tables' must map a table to its counters, got {tables!r:.60}")
+        done = meta.get("done_replicas", [])
+        if not isinstance(done, list) or not all(type(r) is int for r in done):
+            raise InvalidArgumentError(f"Status 'done_replicas' must be a list of replica ids, got {done!r:.60}")
+        uptime = meta.get("uptime_s", 0.0)
+        if isinstance(uptime, bool) or not isinstance(uptime, (int, float)):
+            raise InvalidArgumentError(f"Status 'uptime_s' must be a number, got {uptime!r:.30}")
+        return cls(**{**counts, "initialized": flag_field(meta, "initialized", "Status"), "mode": mode,
+                      "tables": tables, "task": str(meta.get("task", "")), "state": str(meta.get("state", "running")),
+                      "done_replicas": done, "uptime_s": float(uptime),
+                      "sync": SyncOptions.from_meta(sync) if sync is not None else None})

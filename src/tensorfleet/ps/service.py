@@ -1,13 +1,9 @@
 """The ps's RPC adapter: wire messages in, typed requests (``tensorfleet.protocol``) to the store, replies out.
 
-Init, Snapshot, Status and Done are gRPC methods (the control plane); Pull and Push
-travel on the data plane (``tensorfleet.wire.dataplane``), whose port Status tells.
-What each request and reply holds is the contract's (``ps/api.py``); Status, read by
-the launcher and dashboards rather than by workers, answers a dict: ``initialized``,
-``mode``, ``sync``, the step and counters, ``data_port``, ``task``, ``role`` ("ps"),
-``pid``, ``uptime_s``, ``auth_refused``, ``state`` ("running", or "done" once every
-worker said Done), ``done_replicas`` (the replica ids that said Done), ``workers_done``
-and ``num_workers``.
+Init, Snapshot, Status, Done and Resize are gRPC methods (the control plane); Pull, Push,
+Lookup, Fence and Snapshot travel on the data plane (``tensorfleet.wire.dataplane``), whose port Status tells.
+What each request and reply holds is the contract's (``tensorfleet.protocol.messages``):
+this module only decodes requests, hands them to the store and encodes its answers.
 
 Membership: the job's replicas are ``0 .. num_workers-1``, from the cluster at start
 (``TF_CONFIG``) and then from the launcher's Resize, as it scales an asynchronous job:
@@ -33,9 +29,10 @@ import torch
 
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.protocol.state import ShardState
-from tensorfleet.protocol.messages import (Cut, DoneRequest, InitRequest, LookupRequest, PullRequest, PushRequest,
-                                           ResizeRequest, StepReply)
-from tensorfleet.ps.store import FENCE_HOLD_S, MAX_FENCE_HOLD_S, VariableStore
+from tensorfleet.protocol.messages import (DoneReply, DoneRequest, FenceRequest, InitReply, InitRequest, LookupRequest,
+                                           PsStatus, PullRequest, PushRequest, ResizeReply, ResizeRequest,
+                                           SnapshotReply, SnapshotRequest, StepReply)
+from tensorfleet.ps.store import VariableStore
 from tensorfleet.wire import auth
 from tensorfleet.wire.dataplane import Method, Reply, Request
 from tensorfleet.wire.rpc import Handler, Message
@@ -87,7 +84,7 @@ class PsService:
                      spec.name, dict(spec.options), f"sync {sync.to_meta()}" if sync else "async")
         else:
             log.info("%s: already initialized; kept the current values (not overwritten)", self.store.task)
-        return {"initialized": created}, {}
+        return InitReply(created).to_meta(), {}
 
     def pull(self, request: Request) -> Reply:
         if request.entries:
@@ -129,32 +126,16 @@ class PsService:
 
     def snapshot(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         """The shard's state, whole or (``since``: an update number) a delta; the reply says which it is."""
-        since = meta.get("since")
-        if since is not None and (isinstance(since, bool) or not isinstance(since, int) or since < 0):
-            raise InvalidArgumentError(f"Snapshot 'since' must be an update number (an integer >= 0) or null, "
-                                       f"got {since!r:.40}")
-        page, pages = meta.get("page", 0), meta.get("pages")
-        for name, value, low in (("page", page, 0), ("pages", pages, 1)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-                raise InvalidArgumentError(f"Snapshot '{name}' must be an integer >= {low}, got {value!r:.40}")
-        token = meta.get("token", "")
-        if not isinstance(token, str) or len(token) > 64:
-            raise InvalidArgumentError(f"Snapshot 'token' must be the token of page 0's reply, got {token!r:.40}")
-        cut = Cut.from_meta(meta["cut"], "Snapshot") if meta.get("cut") is not None else None
-        state = self.store.snapshot(since, page, pages, cut=cut, token=token)
-        return {"global_step": state.global_step, "applied_updates": state.applied_updates, "since": state.since,
-                "epoch": state.epoch, "pages": state.pages, "token": state.token}, state.flatten()
+        ask = SnapshotRequest.from_meta(meta)
+        state = self.store.snapshot(ask.since, ask.page, ask.pages, cut=ask.cut, token=ask.token)
+        return SnapshotReply.of(state).to_meta(), state.flatten()
 
     def fence(self, request: Request) -> Reply:
         """Start a consistent cut (``VariableStore.fence``): hold pushes; answer each worker's latest applied and
         the shard's step. ``hold_s``: how long at most (a restore's fence lasts while the shards take it)."""
         if request.entries:
             raise InvalidArgumentError("a Fence carries no tensors")
-        hold_s = request.meta.get("hold_s", FENCE_HOLD_S)
-        if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)) or not 0 < hold_s <= MAX_FENCE_HOLD_S:
-            raise InvalidArgumentError(f"Fence 'hold_s' must be a number of seconds in (0, {MAX_FENCE_HOLD_S:g}], "
-                                       f"got {hold_s!r:.40}")
-        return Reply(self.store.fence(float(hold_s)).to_meta())
+        return Reply(self.store.fence(FenceRequest.from_meta(request.meta).hold_s).to_meta())
 
     def snapshot_data(self, request: Request) -> Reply:
         """Snapshot on the data plane: the same request and reply as the gRPC method, the rows at TCP speed
@@ -165,16 +146,14 @@ class PsService:
         return Reply(meta, tensors)
 
     def status(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
-        reply = dataclasses.asdict(self.store.status())
-        sync = self.store.sync_options
         with self._done_lock:
             done = sorted(self._done_replicas)
-        reply.update(task=self.store.task, role="ps", pid=os.getpid(), uptime_s=time.time() - self._started_unix,
-                     state="done" if self.finished.is_set() else "running", done_replicas=done,
-                     workers_done=len(done), num_workers=self.num_workers,
-                     sync=sync.to_meta() if sync else None, data_port=self.data_port,
-                     auth_refused=self.gate.refused)
-        return reply, {}
+        status = PsStatus(**dataclasses.asdict(self.store.status()), task=self.store.task, pid=os.getpid(),
+                          uptime_s=time.time() - self._started_unix,
+                          state="done" if self.finished.is_set() else "running", done_replicas=done,
+                          workers_done=len(done), num_workers=self.num_workers, sync=self.store.sync_options,
+                          data_port=self.data_port, auth_refused=self.gate.refused)
+        return status.to_meta(), {}
 
     def done(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         replica = DoneRequest.from_meta(meta).replica
@@ -187,7 +166,7 @@ class PsService:
                          len(self._done_replicas) + 1, self.num_workers)
             self._done_replicas.add(replica)
             self._finish_if_all_done()
-            return {"workers_done": len(self._done_replicas), "num_workers": self.num_workers}, {}
+            return DoneReply(len(self._done_replicas), self.num_workers).to_meta(), {}
 
     def resize(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         """The launcher scaled the job: its replicas are now ``0 .. replicas-1`` (see the module docstring).
@@ -209,8 +188,7 @@ class PsService:
                 self.store.set_replicas(count)
                 self._done_replicas = {r for r in self._done_replicas if r < count}
                 self._finish_if_all_done()
-            return {"num_workers": self.num_workers, "workers_done": len(self._done_replicas),
-                    "finished": self.finished.is_set()}, {}
+            return ResizeReply(self.num_workers, len(self._done_replicas), self.finished.is_set()).to_meta(), {}
 
     def _finish_if_all_done(self) -> None:
         """Under ``_done_lock``: every replica of the membership said Done (none said it twice: a set; none

@@ -33,7 +33,8 @@ from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotI
 from tensorfleet.ps.aggregate import Rows, SyncAccumulator
 from tensorfleet.protocol.specs import Mode, NONFINITE_POLICIES, OptimizerSpec, SyncOptions, TableSpec
 from tensorfleet.protocol.state import ShardState, TableState
-from tensorfleet.protocol.messages import Cut, Origin, Outcome, PushReply, PushRequest, grads_key, ids_key, table_key
+from tensorfleet.protocol.messages import (FENCE_HOLD_S, Cut, Origin, Outcome, PushReply, PushRequest, grads_key,
+                                          ids_key, table_key)
 from tensorfleet.ps.apply import Applier, MovingAverage, check_layout
 from tensorfleet.ps.table import EmbeddingShard, unique_ids_error
 
@@ -44,8 +45,6 @@ SNAPSHOT_PAGE_BYTES = 256 << 20  # table rows per page of a Snapshot: replies st
 # Rows of one table in one request at most: a bound on what one message can make a shard allocate or send.
 MAX_IDS_PER_REQUEST = 1 << 24
 MAX_REPLY_ROW_BYTES = 1 << 30  # rows one lookup's reply may carry
-FENCE_HOLD_S = 5.0  # the longest a fence holds pushes (a chief that fenced and went away must not stop training)
-MAX_FENCE_HOLD_S = 300.0  # what a Fence may ask for: a restore's fence lasts while every shard takes a checkpoint
 PAGES_KEPT_S = 600.0  # a paged snapshot's later pages wait this long to be read, at most
 MAX_INCARNATION_AHEAD_S = 3600.0  # a push's incarnation (its process's start, ns) this far past the ps's clock at most
 

@@ -48,6 +48,7 @@ import torch
 
 from tensorfleet.cluster.environment import LOGDIR_ENV
 from tensorfleet.errors import DeadlineExceededError, NanLossError, NotInitializedError, UnavailableError
+from tensorfleet.protocol.messages import PsStatus
 from tensorfleet.train.checkpoint import Checkpointer, latest_checkpoint, load, split
 from tensorfleet.train.hooks import CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult
 from tensorfleet.worker.leave import install_leave_handler, leave_requested
@@ -185,7 +186,7 @@ class TrainingSession:
         Raises:
             UnavailableError, NotInitializedError: ps 0 is down or restarting.
         """
-        return self.replica.client.channels[0].call("Status")[0]["dropped_stale"]
+        return PsStatus.from_meta(self.replica.client.channels[0].call("Status")[0]).dropped_stale
 
     def should_stop(self) -> bool:
         """True once a hook requested a stop, or the launcher asked this worker to leave the job."""

@@ -28,8 +28,9 @@ from tensorfleet.cluster.spec import ClusterSpec, parse_address
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
 from tensorfleet.protocol.specs import OptimizerSpec, SyncOptions, TableSpec
 from tensorfleet.protocol.state import ShardState
-from tensorfleet.protocol.messages import (DoneRequest, InitRequest, LookupRequest, Origin, Outcome, PullRequest,
-                                           PushReply, PushRequest, StepReply, grads_key, ids_key)
+from tensorfleet.protocol.messages import (DoneRequest, InitReply, InitRequest, LookupRequest, Origin, Outcome,
+                                           PsStatus, PullRequest, PushReply, PushRequest, StepReply, grads_key,
+                                           ids_key)
 from tensorfleet.wire.codec import NARROW_DTYPES, TensorEntry
 from tensorfleet.wire.datachannel import DataChannel, Stream
 from tensorfleet.wire.rpc import Channel, WireOptions
@@ -110,16 +111,16 @@ class PsClient:
 
     # --- lifecycle -------------------------------------------------------------------------------
 
-    def wait_for_shards(self, timeout_s: float) -> list[dict[str, Any]]:
+    def wait_for_shards(self, timeout_s: float) -> list[PsStatus]:
         """Wait until every shard answers Status (it may still be starting); return their statuses."""
         deadline = time.monotonic() + timeout_s
         statuses = [self._status_when_up(channel, deadline, timeout_s) for channel in self.channels]
         for data, host, status in zip(self.data, self._hosts, statuses):
-            data.set_address(host, status["data_port"])  # a restarted ps listens on a new data port
+            data.set_address(host, status.data_port)  # a restarted ps listens on a new data port
         return statuses
 
     @staticmethod
-    def _status_when_up(channel: Channel, deadline: float, timeout_s: float) -> dict[str, Any]:
+    def _status_when_up(channel: Channel, deadline: float, timeout_s: float) -> PsStatus:
         """Status, asked in short attempts: a call can ride a connection to a ps that just died (UNAVAILABLE
         at once) or wait on one that never recovers, so each failed attempt starts a fresh connection.
         Every ``WAIT_SAY_S`` the wait is logged: what it waits for, how long so far, and until when."""
@@ -128,7 +129,7 @@ class PsClient:
         while True:
             attempt_s = min(max(deadline - time.monotonic(), 0.1), STATUS_ATTEMPT_S)
             try:
-                return channel.call("Status", timeout=attempt_s, wait_for_ready=True)[0]
+                return PsStatus.from_meta(channel.call("Status", timeout=attempt_s, wait_for_ready=True)[0])
             except (DeadlineExceededError, UnavailableError):
                 now = time.monotonic()
                 if now >= deadline:
@@ -165,9 +166,9 @@ class PsClient:
                                  cut=cut).to_meta(), state.flatten()) for state in restore]
         futures = [ch.call_async("Init", m, t) for ch, (m, t) in zip(self.channels, requests)]
         replies = [f.result()[0] for f in futures]  # wait for every shard, not just the first to say yes
-        return any(reply["initialized"] for reply in replies)
+        return any(InitReply.from_meta(reply).initialized for reply in replies)
 
-    def wait_initialized(self, timeout_s: float, poll_s: float = 0.2) -> dict[str, Any]:
+    def wait_initialized(self, timeout_s: float, poll_s: float = 0.2) -> PsStatus:
         """Poll until every shard is initialized by the chief; return ps 0's status (mode, sync, step).
 
         Raises:
@@ -177,7 +178,7 @@ class PsClient:
         next_log = time.monotonic() + 10.0
         while True:
             statuses = self.wait_for_shards(max(deadline - time.monotonic(), 0.1))
-            waiting = [ch.task for ch, st in zip(self.channels, statuses) if not st["initialized"]]
+            waiting = [ch.task for ch, st in zip(self.channels, statuses) if not st.initialized]
             if not waiting:
                 return statuses[0]
             if time.monotonic() >= deadline:
@@ -190,7 +191,7 @@ class PsClient:
 
     def global_step(self) -> int:
         """The global step as ps 0 counts it now (one Status call; nothing is pulled)."""
-        return self.channels[0].call("Status")[0]["global_step"]
+        return PsStatus.from_meta(self.channels[0].call("Status")[0]).global_step
 
     @overload
     def snapshot(self, *, since: Sequence[int | None] | None = None) -> list[ShardState]: ...

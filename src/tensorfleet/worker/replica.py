@@ -197,12 +197,12 @@ class Replica:
         if self.is_chief:
             self._initialize(restore)
         status = self.client.wait_initialized(self.init_timeout_s)
-        if status["mode"] != self.mode.value:
+        if status.mode != self.mode.value:
             raise InvalidArgumentError(f"{self.task.name} was started in {self.mode} mode, but the job runs in "
-                                       f"{status['mode']} mode (the chief chose it): start every task with the "
+                                       f"{status.mode} mode (the chief chose it): start every task with the "
                                        "same --sync/--async choice")
-        if status["sync"] is not None:
-            self.sync = SyncOptions.from_meta(status["sync"])  # the job's options win
+        if status.sync is not None:
+            self.sync = status.sync  # the job's options win
         self.pull()
         self._started = True
         self.status.begin(self.task, is_chief=self.is_chief)
@@ -230,7 +230,7 @@ class Replica:
         log.warning("%s: lost contact with the ps; waiting up to %.0f s for every ps to answer",
                     self.task.name, timeout_s)
         statuses = self.client.wait_for_shards(timeout_s)
-        empty = [i for i, status in enumerate(statuses) if not status["initialized"]]
+        empty = [i for i, status in enumerate(statuses) if not status.initialized]
         if self.is_chief and empty:
             if restore is None:
                 log.warning("%s (chief): no checkpoint to restore; re-initializing every shard from the values "

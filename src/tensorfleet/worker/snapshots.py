@@ -7,15 +7,14 @@ from any thread: the background checkpoint writer's), page by page where a shard
 
 from __future__ import annotations
 
-import dataclasses
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from tensorfleet.errors import NotInitializedError, UnavailableError
 from tensorfleet.protocol.state import ShardState
-from tensorfleet.protocol.messages import Cut
+from tensorfleet.protocol.messages import Cut, FenceRequest, SnapshotReply, SnapshotRequest
 from tensorfleet.wire.datachannel import DataChannel
 
 
@@ -45,8 +44,7 @@ def start_snapshot(data: Sequence[DataChannel], wanted: Sequence[int],
             for channel in channels.values():
                 channel.close()
             raise
-        asks = {s: {**({"since": since[s]} if since else {}), **({"cut": cut.to_meta()} if cut is not None else {})}
-                for s in wanted}
+        asks = {s: SnapshotRequest(since=since[s] if since else None, cut=cut) for s in wanted}
         futures = {s: threads.submit(_start_shard_snapshot, channels[s], asks[s]) for s in wanted}
         started = {}
         try:
@@ -72,11 +70,11 @@ def _snapshot_channel(training: DataChannel) -> DataChannel:
     return channel
 
 
-def _fence(channels: Iterable[DataChannel], threads: ThreadPoolExecutor, ask: Mapping[str, Any] | None = None,
+def _fence(channels: Iterable[DataChannel], threads: ThreadPoolExecutor, ask: FenceRequest = FenceRequest(),
            *, initialized_only: bool = False) -> Cut:
     """Fence every shard at once; the cut: each worker's latest push applied on any of them, the highest step.
     ``initialized_only``: a shard not initialized (a restarted ps, empty) has no part in it."""
-    futures = [threads.submit(channel.call, "Fence", dict(ask or {})) for channel in channels]
+    futures = [threads.submit(channel.call, "Fence", ask.to_meta()) for channel in channels]
     cut = Cut()
     for future in futures:
         try:
@@ -93,15 +91,15 @@ def fence_for_restore(data: Sequence[DataChannel], hold_s: float) -> Cut:
     channels = [_snapshot_channel(channel) for channel in data if channel.address is not None]
     try:
         with ThreadPoolExecutor(max_workers=max(len(channels), 1), thread_name_prefix="fence") as threads:
-            return _fence(channels, threads, {"hold_s": hold_s}, initialized_only=True)
+            return _fence(channels, threads, FenceRequest(hold_s), initialized_only=True)
     finally:
         for channel in channels:
             channel.close()
 
 
-def _start_shard_snapshot(channel: DataChannel, ask: dict[str, Any]) -> "_ShardSnapshot":
+def _start_shard_snapshot(channel: DataChannel, ask: SnapshotRequest) -> "_ShardSnapshot":
     try:
-        meta, body = channel.call_in_two("Snapshot", ask)
+        meta, body = channel.call_in_two("Snapshot", ask.to_meta())
     except BaseException:
         channel.close()
         raise
@@ -111,9 +109,9 @@ def _start_shard_snapshot(channel: DataChannel, ask: dict[str, Any]) -> "_ShardS
 class _ShardSnapshot:
     """One shard's snapshot whose state is taken: its first page's head has arrived, its rows may follow."""
 
-    def __init__(self, channel: DataChannel, ask: dict[str, Any], meta: dict[str, Any],
+    def __init__(self, channel: DataChannel, ask: SnapshotRequest, meta: dict[str, Any],
                  body: Callable[..., dict[str, torch.Tensor]]) -> None:
-        self.channel, self.ask, self.meta, self._body = channel, ask, meta, body
+        self.channel, self.ask, self.head, self._body = channel, ask, SnapshotReply.from_meta(meta), body
         self._state: ShardState | None = None
         self._done = False  # its body was read or dropped
 
@@ -122,10 +120,11 @@ class _ShardSnapshot:
         if self._state is None:
             try:
                 self._done = True
-                pages = [_shard_state(self.meta, self._body())]
-                for page in range(1, pages[0].pages):  # copied with page 0, kept by the shard until read
-                    pages.append(_shard_state(*self.channel.call(
-                        "Snapshot", {"page": page, "pages": pages[0].pages, "token": self.meta["token"]})))
+                pages = [self.head.state(self._body())]
+                for page in range(1, self.head.pages):  # copied with page 0, kept by the shard until read
+                    ask = SnapshotRequest(page=page, pages=self.head.pages, token=self.head.token)
+                    meta, tensors = self.channel.call("Snapshot", ask.to_meta())
+                    pages.append(SnapshotReply.from_meta(meta).state(tensors))
             finally:
                 self.channel.close()
             self._state = pages[0] if len(pages) == 1 else ShardState.join_pages(pages)
@@ -148,7 +147,7 @@ class SnapshotInFlight:
 
     def __init__(self, shards: dict[int, _ShardSnapshot]) -> None:
         self._shards = shards
-        self.heads = {shard: _shard_state(pending.meta, {}) for shard, pending in shards.items()}
+        self.heads = {shard: pending.head.state({}) for shard, pending in shards.items()}
 
     def discard(self) -> None:
         """Drop every shard's snapshot: the rows not read yet are not read, the connections closed."""
@@ -161,10 +160,3 @@ class SnapshotInFlight:
         with ThreadPoolExecutor(max_workers=len(self._shards), thread_name_prefix="snapshot") as threads:
             futures = {shard: threads.submit(pending.read) for shard, pending in self._shards.items()}
             return {shard: future.result() for shard, future in futures.items()}
-
-
-def _shard_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> ShardState:
-    """A Snapshot reply (one page of it) as a ShardState."""
-    state = ShardState.unflatten(tensors, global_step=meta["global_step"], applied_updates=meta["applied_updates"],
-                                 since=meta.get("since"), epoch=meta.get("epoch", ""))
-    return dataclasses.replace(state, pages=meta.get("pages", 1))
