@@ -15,7 +15,8 @@ import torch
 from tensorfleet.cluster.spec import ClusterSpec
 from tensorfleet.protocol.specs import Mode, OptimizerSpec, SyncOptions
 from tensorfleet.protocol.state import ShardState
-from tensorfleet.protocol.messages import Outcome, PsStatus
+from tensorfleet.protocol.messages import Outcome
+from tensorfleet.protocol.status import PsStatus
 from tensorfleet.worker import replica as replica_module
 from tensorfleet.worker.client import Pulled, Pushed
 from tensorfleet.worker.status import TaskStatus

@@ -30,8 +30,9 @@ import torch
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.protocol.state import ShardState
 from tensorfleet.protocol.messages import (DoneReply, DoneRequest, FenceRequest, InitReply, InitRequest, LookupRequest,
-                                           PsStatus, PullRequest, PushRequest, ResizeReply, ResizeRequest,
-                                           SnapshotReply, SnapshotRequest, StepReply)
+                                           PullRequest, PushRequest, ResizeReply, ResizeRequest, SnapshotReply,
+                                           SnapshotRequest, StepReply)
+from tensorfleet.protocol.status import PsStatus
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.wire import auth
 from tensorfleet.wire.dataplane import Method, Reply, Request

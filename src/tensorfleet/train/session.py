@@ -48,7 +48,7 @@ import torch
 
 from tensorfleet.cluster.environment import LOGDIR_ENV
 from tensorfleet.errors import DeadlineExceededError, NanLossError, NotInitializedError, UnavailableError
-from tensorfleet.protocol.messages import PsStatus
+from tensorfleet.protocol.status import PsStatus
 from tensorfleet.train.checkpoint import Checkpointer, latest_checkpoint, load, split
 from tensorfleet.train.hooks import CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult
 from tensorfleet.worker.leave import install_leave_handler, leave_requested

@@ -29,8 +29,8 @@ from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, Unav
 from tensorfleet.protocol.specs import OptimizerSpec, SyncOptions, TableSpec
 from tensorfleet.protocol.state import ShardState
 from tensorfleet.protocol.messages import (DoneRequest, InitReply, InitRequest, LookupRequest, Origin, Outcome,
-                                           PsStatus, PullRequest, PushReply, PushRequest, StepReply, grads_key,
-                                           ids_key)
+                                           PullRequest, PushReply, PushRequest, StepReply, grads_key, ids_key)
+from tensorfleet.protocol.status import PsStatus
 from tensorfleet.wire.codec import NARROW_DTYPES, TensorEntry
 from tensorfleet.wire.datachannel import DataChannel, Stream
 from tensorfleet.wire.rpc import Channel, WireOptions
