@@ -215,13 +215,16 @@ def test_a_job_without_tables_has_none_of_their_figures(monitor, clock):
 # --- junk in Status answers (issue 18, item 7): a task's answer is data from the network --------------------
 
 JUNK = ["abc", [1], {"a": 1}, float("nan"), float("inf"), 10 ** 400, True]
-# every field the monitor reads from a Status answer, and what the picture shows for it
-COUNTS = ["global_step", "local_step", "examples", "target_step", "dropped_stale", "unique_ids", "pid"]
+# the counts of a ps's and of a worker's Status that the picture shows
+PS_COUNTS = ["global_step", "applied_updates", "dropped_stale", "pid"]
+WORKER_COUNTS = ["global_step", "local_step", "examples", "target_step", "unique_ids", "pid"]
 
 
 def junk_answer(junk) -> dict:
-    """A Status answer with ``junk`` in every field (the monitor reads all but role, which the cluster says)."""
-    answer = {field: junk for field in [*COUNTS, "loss", "state", "mode", "done_replicas", "tables", "role"]}
+    """A Status answer with ``junk`` in every field the picture shows of a ps or a worker, and in role (which
+    the cluster says, not the answer)."""
+    answer = {field: junk for field in [*PS_COUNTS, *WORKER_COUNTS, "loss", "state", "mode", "done_replicas",
+                                        "tables", "role"]}
     answer["done_replicas"] = [junk] if isinstance(junk, list) else junk  # [1] would be a good list
     return answer
 
@@ -247,11 +250,13 @@ def test_junk_in_every_status_field_is_shown_as_none_and_never_raises(monitor, c
     render_metrics(picture)  # the dashboard's /metrics
     json.dumps(picture, allow_nan=False)  # the dashboard's /api/status
 
-    # One warning per task and field, not one per poll: 5 polls of 3 tasks with junk in ~12 fields each.
+    # One warning per task and field, not one per poll: 5 polls of 3 tasks with junk in ~8 fields each.
     warned = [(r.task_name, r.field) for r in caplog.records if hasattr(r, "field")]
     assert len(warned) == len(set(warned)) and len(warned) >= 3 * 8, warned
     assert {name for name, _ in warned} == {"ps:0", "worker:0", "worker:1"}
-    assert {field for name, field in warned if name == "worker:0"} >= {*COUNTS, "loss"}
+    assert {field for name, field in warned if name == "worker:0"} >= {*WORKER_COUNTS, "loss", "role"}
+    assert {field for name, field in warned if name == "ps:0"} >= {*PS_COUNTS, "mode", "done_replicas", "tables",
+                                                                   "role"}
 
 
 def test_junk_in_one_task_leaves_the_others_figures(monitor, clock):

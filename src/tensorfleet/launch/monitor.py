@@ -23,11 +23,12 @@ at step 0 would otherwise make the first estimates far too slow.  A counter that
 down (a restarted task) restarts its rate: a ps's rows created are counted from the
 sample that saw it drop.
 
-A task's Status answer is data from the network: each field the monitor reads must have
-its type and range (a count is a whole number from 0 to 2**63-1, a loss a finite number,
-a state a short string, ``tables`` an object of objects of counts), or it is taken as
-absent (None) for that task; a task that answers junk is still running.  The first bad
-value of each field from each task is logged as a warning, later ones are not.
+A task's Status answer is data from the network: it is read leniently into the protocol's
+``PsStatus`` or ``WorkerStatus`` (by the task's role in the cluster, not what it says), where
+each field must have its type and range (a count is a whole number from 0 to 2**63-1, a loss
+a finite number, a state a short string, ``tables`` an object of objects of counts), or it is
+taken as absent (None) for that task; a task that answers junk is still running.  The first
+bad value of each field from each task is logged as a warning, later ones are not.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass
@@ -45,6 +45,7 @@ from typing import Any, Callable
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import TensorfleetError, UnauthenticatedError
 from tensorfleet.launch.supervisor import Supervisor
+from tensorfleet.protocol.status import PsStatus, WorkerStatus
 from tensorfleet.wire.rpc import Channel, WireOptions
 from tensorfleet.worker.status import final_status_path
 
@@ -54,16 +55,13 @@ RATE_WINDOW_S = 5.0  # rates are averaged over this much history
 MIN_RATE_SPAN_S = 2.0  # no rate, nor ETA, from less training than this
 _NO_RATES: dict[str, Any] = {"steps": None, "examples": None, "per_task": {}, "rows": {}}
 HISTORY_POINTS = 1800  # half an hour at one poll a second
-MAX_COUNT = 2 ** 63 - 1  # a count larger than this (or negative, or not whole) is junk
-MAX_TEXT = 64  # a state longer than this is junk
-MODES = ("sync", "async")
 
 
 @dataclass
 class _Seen:
     """The last Status a task answered, and when (monotonic)."""
 
-    status: dict[str, Any] | None = None
+    status: PsStatus | WorkerStatus | None = None
     at: float | None = None
     ever: bool = False
     final: bool = False  # the status is the one the task left as it exited
@@ -198,67 +196,28 @@ class FleetMonitor:
             self._told_refused = True
             self.on_refused(sorted(refused), next(iter(refused.values())))
 
-    def update(self, answers: dict[str, dict[str, Any]], *, asked: float) -> None:
-        """Take one round of Status answers (task name -> reply), asked at ``asked``, into the picture.
+    def update(self, answers: dict[str, Any], *, asked: float) -> None:
+        """Take one round of Status answers (task name -> its reply's meta), asked at ``asked``, into the picture.
 
         ``poll``'s second half, public so that a picture can also be built from answers given by hand.
         """
         now = time.monotonic()
         with self._lock:
-            answers = {name: self._clean(name, status) for name, status in answers.items()
-                       if name in self._seen}  # not a task scaled away while it was asked
-            for name, status in answers.items():
+            statuses = {name: self._read(name, meta) for name, meta in answers.items()
+                        if name in self._seen}  # not a task scaled away while it was asked
+            for name, status in statuses.items():
                 seen = self._seen[name]
                 seen.status, seen.at, seen.ever, seen.refused = status, now, True, None
                 if self.supervisor is not None:
                     self.supervisor.answered(name, since=asked)
-            self._record(now, answers)
+            self._record(now, statuses)
 
     # --- what a task answered, checked ----------------------------------------------------------
 
-    def _clean(self, name: str, status: Any) -> dict[str, Any]:
-        """The fields of ``status`` the monitor reads, each of its type and range; junk left out (and logged once)."""
-        if not isinstance(status, dict):
-            self._junk(name, "status", status, "an object")
-            return {}
-        clean: dict[str, Any] = {}
-        for field, (convert, expected) in _FIELDS.items():
-            value = status.get(field)
-            if value is None:
-                continue  # absent, or not known yet (no loss before the first step): not junk
-            checked = convert(value)
-            if checked is None:
-                self._junk(name, field, value, expected)
-            else:
-                clean[field] = checked
-        done = status.get("done_replicas")
-        if done is not None:
-            indices = [i for i in done if type(i) is int and 0 <= i <= MAX_COUNT] if isinstance(done, list) else []
-            if not isinstance(done, list) or len(indices) != len(done):
-                self._junk(name, "done_replicas", done, "a list of worker indices")
-            clean["done_replicas"] = indices
-        if status.get("tables") is not None:
-            clean["tables"] = self._clean_tables(name, status["tables"])
-        return clean
-
-    def _clean_tables(self, name: str, tables: Any) -> dict[str, dict[str, int | None]]:
-        """A ps's ``tables`` (table name -> its figures): a table whose figures are not an object is left out,
-        a figure that is not a count is None."""
-        expected = "an object of tables, each an object of counts"
-        if not isinstance(tables, dict):
-            self._junk(name, "tables", tables, expected)
-            return {}
-        clean = {}
-        for table, fields in tables.items():
-            if not isinstance(fields, dict):
-                self._junk(name, "tables", {table: fields}, expected)
-                continue
-            figures = {key: _count(fields.get(key)) for key in _TABLE_FIELDS}
-            bad = {key: fields[key] for key, value in figures.items() if value is None and fields.get(key) is not None}
-            if bad:
-                self._junk(name, "tables", {table: bad}, expected)
-            clean[str(table)] = figures
-        return clean
+    def _read(self, name: str, meta: Any) -> PsStatus | WorkerStatus:
+        """``name``'s answer, typed by its role in the cluster: junk fields are None (and logged once)."""
+        kind = PsStatus if name in self._ps else WorkerStatus
+        return kind.read(meta, lambda field, value, expected: self._junk(name, field, value, expected))
 
     def _junk(self, name: str, field: str, value: Any, expected: str) -> None:
         """Log a bad value in ``name``'s Status once per (task, field): a task answers every second."""
@@ -271,8 +230,9 @@ class FleetMonitor:
                     "not logged)", name, field, shown, expected, field, name,
                     extra={"task_name": name, "field": field})
 
-    def _final_statuses(self) -> dict[str, dict[str, Any]]:
-        """The last Status of tasks that finished since the last poll, from the files they leave."""
+    def _final_statuses(self) -> dict[str, Any]:
+        """The last Status of tasks that finished since the last poll, from the files they leave (read as an
+        answer is: ``update`` checks it)."""
         if self.supervisor is None or self.final_status_dir is None:
             return {}
         finals = {}
@@ -289,8 +249,9 @@ class FleetMonitor:
 
     # --- the picture --------------------------------------------------------------------------
 
-    def _ps_status(self) -> dict[str, Any] | None:
-        return self._seen["ps:0"].status if "ps:0" in self._seen else None
+    def _ps_status(self) -> PsStatus | None:
+        status = self._seen["ps:0"].status if "ps:0" in self._seen else None
+        return status if isinstance(status, PsStatus) else None
 
     def _global_step(self) -> int:
         """The job's global step: ps:0's, which owns it.
@@ -299,20 +260,20 @@ class FleetMonitor:
         shards' steps are their own counters (a sync shard's aggregations, never advanced in async), not it.
         """
         owners = [s for name, s in self._seen.items() if name == "ps:0" or name not in self._ps]
-        return max((s.status.get("global_step") or 0 for s in owners if s.status), default=0)
+        return max((s.status.global_step or 0 for s in owners if s.status), default=0)
 
     def _examples(self) -> dict[str, int]:
         """Each worker's examples so far (a worker that did not say, or said junk, has no rate)."""
-        return {name: s.status["examples"] for name, s in self._seen.items()
-                if s.status is not None and name not in self._ps and s.status.get("examples") is not None}
+        return {name: s.status.examples for name, s in self._seen.items()
+                if isinstance(s.status, WorkerStatus) and s.status.examples is not None}
 
     def _rows_created(self) -> dict[tuple[str, str], int]:
         """Each ps shard's rows created (since it started) per table, by (task name, table name)."""
-        return {(name, table): fields["rows_created"] for name, s in self._seen.items()
-                if s.status is not None and name in self._ps
-                for table, fields in s.status.get("tables", {}).items() if fields["rows_created"] is not None}
+        return {(name, table): created for name, s in self._seen.items() if isinstance(s.status, PsStatus)
+                for table, fields in (s.status.tables or {}).items()
+                if (created := fields.get("rows_created")) is not None}
 
-    def _record(self, now: float, answers: dict[str, dict[str, Any]]) -> None:
+    def _record(self, now: float, answers: dict[str, PsStatus | WorkerStatus]) -> None:
         """A history point from this round's answers; none once the job is over (they would only repeat)."""
         if self.supervisor is None and self.job_state == "running":
             if all(state == "done" for state in self._task_states(now).values()):
@@ -325,7 +286,7 @@ class FleetMonitor:
         while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
             self._samples.popleft()
         rates = self._rates()
-        losses = [s["loss"] for name, s in answers.items() if s.get("loss") is not None and name not in self._ps]
+        losses = [s.loss for s in answers.values() if isinstance(s, WorkerStatus) and s.loss is not None]
         self._history.append({"t": round(now - self.started, 2), "global_step": step,
                               "loss": sum(losses) / len(losses) if losses else None,
                               "examples_per_sec": rates["examples"], "steps_per_sec": rates["steps"]})
@@ -370,8 +331,8 @@ class FleetMonitor:
     def _reported_done(self) -> set[str]:
         """The workers some ps heard say Done: done, even though they no longer answer."""
         replicas = self.cluster.replicas
-        return {replicas[i].short for name, s in self._seen.items() if s.status and name in self._ps
-                for i in s.status.get("done_replicas") or () if 0 <= i < len(replicas)}
+        return {replicas[i].short for s in self._seen.values() if isinstance(s.status, PsStatus)
+                for i in s.status.done_replicas or () if 0 <= i < len(replicas)}
 
     def _task_states(self, now: float) -> dict[str, str]:
         """Every task's state: the supervisor's, or else what its (and the ps's) Status answers say."""
@@ -379,9 +340,10 @@ class FleetMonitor:
             return {t.short: self.supervisor.by_name[t.short].state for t in self.tasks}
         reported_done, states = self._reported_done(), {}
         for name, seen in self._seen.items():
-            if (seen.status or {}).get("state") == "done" or name in reported_done:
+            said = seen.status.state if seen.status is not None else None
+            if said == "done" or name in reported_done:
                 states[name] = "done"
-            elif (seen.status or {}).get("state") == "failed":  # training raised; it is on its way out
+            elif said == "failed":  # training raised; it is on its way out
                 states[name] = "failed"
             elif seen.at is not None and now - seen.at <= 3 * self.interval_s + 1.0:
                 states[name] = "running"
@@ -399,28 +361,31 @@ class FleetMonitor:
         with self._lock:
             rates = self._rates()
             step = self._global_step()
-            statuses = {name: seen.status or {} for name, seen in self._seen.items()}
+            statuses = {name: seen.status or (PsStatus if name in self._ps else WorkerStatus).unknown()
+                         for name, seen in self._seen.items()}
             states = self._task_states(now)
-            ps0 = self._ps_status() or {}
-            mode = self.mode or ps0.get("mode")
+            ps0 = self._ps_status()
+            mode = self.mode or (ps0.mode if ps0 is not None else None)
             tasks = []
             for task in self.tasks:
                 name, seen = task.short, self._seen[task.short]
                 status = statuses[name]
                 record = self.supervisor.by_name[name] if self.supervisor is not None else None
                 is_ps = task.job_name == "ps"
-                tables = status.get("tables", {}) if is_ps else {}
+                if isinstance(status, PsStatus):  # a ps's own counter is the updates it applied
+                    own_step, loss, unique_ids, tables = status.applied_updates, None, None, status.tables or {}
+                else:  # a worker's: the steps it pushed (with embedding tables, the unique ids of its last push)
+                    own_step, loss, unique_ids, tables = status.local_step, status.loss, status.unique_ids, {}
                 tasks.append({
                     "name": name, "role": task_role(self.cluster, task),
                     "address": self.cluster.task_address(task.job_name, task.index),
                     "state": states[name],
-                    "pid": record.pid if record is not None else status.get("pid"),
+                    "pid": record.pid if record is not None else status.pid,
                     "restarts": record.restarts if record is not None else 0,
-                    # a ps's own counter is the updates it applied; only ps:0 (or a sync shard) counts steps
-                    "step": status.get("applied_updates" if is_ps else "local_step"),
-                    "global_step": (status.get("global_step") if not is_ps or name == "ps:0" or mode == "sync"
-                                    else None),
-                    "loss": None if is_ps else status.get("loss"),
+                    "step": own_step,
+                    # only ps:0 (or a sync shard) counts steps
+                    "global_step": status.global_step if not is_ps or name == "ps:0" or mode == "sync" else None,
+                    "loss": loss,
                     "examples_per_sec": None if is_ps else rates["per_task"].get(name),
                     "heartbeat_age_s": None if seen.at is None else round(now - seen.at, 2),
                     "exit_code": record.exit_code if record is not None else None,
@@ -429,16 +394,15 @@ class FleetMonitor:
                                        "rows_per_sec": rates["rows"].get((name, table)),
                                        **{key: fields.get(key) for key in _LIFECYCLE_FIELDS}}
                                for table, fields in tables.items()} or None,
-                    "unique_ids": None if is_ps else status.get("unique_ids"),
+                    "unique_ids": unique_ids,
                     "problem": seen.refused,
                 })
-            targets = [s["target_step"] for s in statuses.values() if s.get("target_step")]
+            targets = [s.target_step for s in statuses.values() if isinstance(s, WorkerStatus) and s.target_step]
             target = max(targets) if targets else None
             steps_per_sec = rates["steps"]
             eta = ((target - step) / steps_per_sec if target is not None and steps_per_sec and step < target
                    else None)
-            dropped = max((s.get("dropped_stale") or 0 for name, s in statuses.items() if name in self._ps),
-                          default=0)
+            dropped = max((s.dropped_stale or 0 for s in statuses.values() if isinstance(s, PsStatus)), default=0)
             _add_traffic_shares(tasks)
             table_rows = [fields["rows"] for t in tasks for fields in (t["tables"] or {}).values()
                           if fields["rows"] is not None]
@@ -479,46 +443,7 @@ def _add_traffic_shares(tasks: list[dict[str, Any]]) -> None:
             fields["traffic_share"] = traffic[(task["name"], table)] / total if total else None
 
 
-def _count(value: Any) -> int | None:
-    """``value`` as a count: a whole number from 0 to ``MAX_COUNT`` (an int, or a float with a whole value);
-    None for anything else (a string, a bool, NaN, a fraction, a negative or huge number, a list ...)."""
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        value = int(value)
-    if type(value) is int and 0 <= value <= MAX_COUNT:
-        return value
-    return None
-
-
-def _real(value: Any) -> float | None:
-    """``value`` as a finite float (a loss); None for anything else (NaN and infinities included)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        value = float(value)
-    except OverflowError:  # an int too large for a float
-        return None
-    return value if math.isfinite(value) else None
-
-
-def _text(value: Any) -> str | None:
-    return value if isinstance(value, str) and len(value) <= MAX_TEXT else None
-
-
-def _mode(value: Any) -> str | None:
-    return value if value in MODES else None
-
-
-# The Status fields the monitor reads: how each is checked, and what it must be.
-_FIELDS: dict[str, tuple[Any, str]] = {
-    **{field: (_count, f"a whole number from 0 to {MAX_COUNT}")
-       for field in ("global_step", "local_step", "applied_updates", "examples", "target_step", "dropped_stale",
-                     "unique_ids", "pid")},
-    "loss": (_real, "a finite number"),
-    "state": (_text, f"a string of at most {MAX_TEXT} characters"),
-    "mode": (_mode, " or ".join(repr(mode) for mode in MODES)),
-}
-_LIFECYCLE_FIELDS = ("admitted", "refused_updates", "evicted", "row_updates", "lookups")
-_TABLE_FIELDS = ("rows", "bytes", "rows_created", "admitted", "refused_updates", "evicted", "row_updates", "lookups")
+_LIFECYCLE_FIELDS = ("admitted", "refused_updates", "evicted", "row_updates", "lookups")  # of TABLE_COUNTS
 
 
 def progress_line(picture: dict[str, Any]) -> str:

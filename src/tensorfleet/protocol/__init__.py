@@ -24,7 +24,9 @@ launcher and a ps shard (``tensorfleet.ps``) is defined here and nowhere else:
   Resize       ``ResizeRequest``      ``ResizeReply``       control (the launcher's, not a worker's)
   ===========  =====================  ====================  ========================
 
-* ``status``: what a task answers to Status (``PsStatus``), for workers, the launcher and dashboards;
+* ``status``: what a task answers to Status (``PsStatus``, ``WorkerStatus``), for workers, the launcher and
+  dashboards; read strictly (``from_meta``) or, by the launcher's monitor, leniently (``read``: a junk
+  field is None and reported, the others kept);
 * ``meta``: the codec they are all built on. Each message builds its ``meta`` (the JSON head of a
   wire message) with ``to_meta`` and is parsed back with ``from_meta``, which checks every field
   and raises ``InvalidArgumentError`` naming the method and the field: the sender only builds, the

@@ -1,49 +1,207 @@
 """What a task answers to Status: ``PsStatus`` (a ps: what workers wait on, and what the launcher's monitor and
-the dashboards show)."""
+the dashboards show) and ``WorkerStatus`` (a worker: its training progress, for the monitor and the dashboards).
+
+Two ways to read one:
+
+* ``from_meta``, strict, for whoever depends on the answer (a worker waiting for its ps): a bad field
+  raises ``InvalidArgumentError``;
+* ``read``, lenient, for the launcher's monitor, which shows many tasks and must not let one bad answer
+  hide the others' figures: a field of the wrong type or range is None (the others are kept), and
+  ``on_junk(field, value, expected)`` is told of it. A field absent from the answer is None too, without
+  a word (an older task, or a loss before the first step).
+
+So every field is Optional: None is "not said" in a leniently read status. ``from_meta`` and the tasks
+themselves fill every field a ps's reply has (but ``mode`` and ``sync``, None before Init).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, ClassVar, Mapping, Self
 
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.protocol.meta import count_field, flag_field
 from tensorfleet.protocol.specs import Mode, SyncOptions
 
+MAX_COUNT = 2 ** 63 - 1  # a count larger than this (or negative, or not whole) is junk
+MAX_TEXT = 64  # a state or task name longer than this is junk
+# A ps's counters per embedding table, as its Status reports them (and the monitor shows them).
+TABLE_COUNTS = ("rows", "bytes", "rows_created", "admitted", "refused_updates", "evicted", "row_updates", "lookups")
+
+OnJunk = Callable[[str, Any, str], None]  # (field, the bad value, what it should have been)
+# A field's check: (value, report) -> the value, or None for junk; ``report(part)`` names a bad part of a
+# value that is kept in part (a list with bad entries, a table with a bad counter).
+Check = Callable[[Any, Callable[[Any], None]], Any]
+
+
+def _count(value: Any) -> int | None:
+    """``value`` as a count: a whole number from 0 to ``MAX_COUNT`` (an int, or a float with a whole value);
+    None for anything else (a string, a bool, NaN, a fraction, a negative or huge number, a list ...)."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if type(value) is int and 0 <= value <= MAX_COUNT:
+        return value
+    return None
+
+
+def _real(value: Any) -> float | None:
+    """``value`` as a finite float (a loss, an age); None for anything else (NaN and infinities included)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:  # an int too large for a float
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and len(value) <= MAX_TEXT else None
+
+
+def _flag(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _one_of(*allowed: str) -> Callable[[Any], str | None]:
+    return lambda value: value if isinstance(value, str) and value in allowed else None
+
+
+def _sync(value: Any) -> SyncOptions | None:
+    try:
+        return SyncOptions.from_meta(value)
+    except InvalidArgumentError:
+        return None
+
+
+def _indices(value: Any, report: Callable[[Any], None]) -> list[int] | None:
+    """Replica ids: a bad one is left out (True is no replica 1, nor is "0"), the list reported once."""
+    if not isinstance(value, list):
+        return None
+    indices = [i for i in value if type(i) is int and 0 <= i <= MAX_COUNT]
+    if len(indices) != len(value):
+        report(value)
+    return indices
+
+
+def _tables(value: Any, report: Callable[[Any], None]) -> dict[str, dict[str, int | None]] | None:
+    """A ps's tables (name -> its ``TABLE_COUNTS``): a table whose counters are not an object is left out,
+    a counter that is not a count is None; other keys (``bytes_per_row_*``) are not read."""
+    if not isinstance(value, dict):
+        return None
+    tables = {}
+    for table, counters in value.items():
+        if not isinstance(counters, dict):
+            report({table: counters})
+            continue
+        checked = {key: _count(counters.get(key)) for key in TABLE_COUNTS}
+        bad = {key: counters[key] for key, count in checked.items() if count is None and counters.get(key) is not None}
+        if bad:
+            report({table: bad})
+        tables[str(table)] = checked
+    return tables
+
+
+def _whole(check: Callable[[Any], Any]) -> Check:
+    """A check of a value that is either good or junk as a whole."""
+    return lambda value, report: check(value)
+
+
+def _reporter(on_junk: OnJunk, name: str, expected: str) -> Callable[[Any], None]:
+    return lambda value: on_junk(name, value, expected)
+
+
+_COUNT = (_whole(_count), f"a whole number from 0 to {MAX_COUNT}")
+_REAL = (_whole(_real), "a finite number")
+_TEXT = (_whole(_text), f"a string of at most {MAX_TEXT} characters")
+
+
+class _Status:
+    """What ``PsStatus`` and ``WorkerStatus`` share: the lenient ``read``, from each field's check."""
+
+    CHECKS: ClassVar[dict[str, tuple[Check, str]]]  # every field: its check, and what it must be
+
+    @classmethod
+    def read(cls, meta: Any, on_junk: OnJunk) -> Self:
+        """``meta`` (a Status answer, data from the network) with each field checked: junk is None, and
+        ``on_junk(field, value, expected)`` is called for it (more than once for a field bad in several parts);
+        an answer that is not an object reads as one that said nothing."""
+        if not isinstance(meta, Mapping):
+            on_junk("status", meta, "an object")
+            meta = {}
+        values = {}
+        for name, (check, expected) in cls.CHECKS.items():
+            value = meta.get(name)
+            if value is None:  # absent, or not known yet (no loss before the first step): not junk
+                values[name] = None
+                continue
+            report = _reporter(on_junk, name, expected)
+            values[name] = check(value, report)
+            if values[name] is None:
+                report(value)
+        return cls(**values)
+
+    @classmethod
+    def unknown(cls) -> Self:
+        """A status of which nothing is known: what a task that never answered shows."""
+        return cls(**dict.fromkeys(cls.CHECKS))
+
 
 @dataclass(frozen=True)
-class PsStatus:
+class PsStatus(_Status):
     """Status of a ps: what workers wait on (``initialized``, ``data_port``, the job's ``mode`` and ``sync``),
     and what the launcher's monitor and the dashboards show (steps, counters, tables, membership).
 
     The counters (``rows_created``, ``evicted``, ``admitted`` of a table, the push counts) count from the
     shard's last initialization or restore: a restore starts them again."""
 
-    initialized: bool = False
+    initialized: bool | None = False
     mode: str | None = None  # "async", "sync"; None before Init
-    global_step: int = 0
-    applied_updates: int = 0
-    dropped_stale: int = 0
-    dropped_duplicate: int = 0
-    num_variables: int = 0
-    num_bytes: int = 0
-    initial_updates: int = 0  # applied_updates at the last initialization (a restored checkpoint's count)
-    accepted_pushes: int = 0  # pushes taken for the first time since then (applied, or offered to a sync step)
-    retried_pushes: int = 0  # pushes received again after a lost reply: recognized, not applied twice
-    rejected_nonfinite: int = 0  # pushes refused for NaN/Inf gradients
-    tables: dict[str, dict[str, float]] = field(default_factory=dict)  # per table: rows, rows_created, bytes, ...
-    task: str = ""
-    role: str = "ps"
-    pid: int = 0
-    uptime_s: float = 0.0
-    state: str = "running"  # "running", or "done" once every worker said Done
-    done_replicas: list[int] = field(default_factory=list)  # the replica ids that said Done
-    workers_done: int = 0
-    num_workers: int = 0
+    global_step: int | None = 0
+    applied_updates: int | None = 0
+    dropped_stale: int | None = 0
+    dropped_duplicate: int | None = 0
+    num_variables: int | None = 0
+    num_bytes: int | None = 0
+    initial_updates: int | None = 0  # applied_updates at the last initialization (a restored checkpoint's count)
+    accepted_pushes: int | None = 0  # pushes taken for the first time since then (applied, or offered to a sync step)
+    retried_pushes: int | None = 0  # pushes received again after a lost reply: recognized, not applied twice
+    rejected_nonfinite: int | None = 0  # pushes refused for NaN/Inf gradients
+    # per table: its TABLE_COUNTS (and, from the ps itself, bytes_per_row_*, which ``read`` leaves out)
+    tables: dict[str, dict[str, float | None]] | None = field(default_factory=dict)
+    task: str | None = ""
+    role: str | None = "ps"
+    pid: int | None = 0
+    uptime_s: float | None = 0.0
+    state: str | None = "running"  # "running", or "done" once every worker said Done
+    done_replicas: list[int] | None = field(default_factory=list)  # the replica ids that said Done
+    workers_done: int | None = 0
+    num_workers: int | None = 0
     sync: SyncOptions | None = None  # the job's (the chief's), once initialized in sync mode
-    data_port: int = 0  # where Pull, Push, Lookup, Fence and Snapshot travel
-    auth_refused: int = 0  # calls refused for a missing or wrong token
+    data_port: int | None = 0  # where Pull, Push, Lookup, Fence and Snapshot travel
+    auth_refused: int | None = 0  # calls refused for a missing or wrong token
+
+    CHECKS: ClassVar[dict[str, tuple[Check, str]]] = {
+        "initialized": (_whole(_flag), "true or false"),
+        "mode": (_whole(_one_of(Mode.SYNC, Mode.ASYNC)), f"'{Mode.SYNC}' or '{Mode.ASYNC}'"),
+        **dict.fromkeys(("global_step", "applied_updates", "dropped_stale", "dropped_duplicate", "num_variables",
+                         "num_bytes", "initial_updates", "accepted_pushes", "retried_pushes", "rejected_nonfinite"),
+                        _COUNT),
+        "tables": (_tables, "an object of tables, each an object of counts"),
+        "task": _TEXT,
+        "role": (_whole(_one_of("ps")), "'ps'"),
+        "pid": _COUNT,
+        "uptime_s": _REAL,
+        "state": _TEXT,
+        "done_replicas": (_indices, "a list of worker indices"),
+        "workers_done": _COUNT,
+        "num_workers": _COUNT,
+        "sync": (_whole(_sync), "the job's sync options"),
+        "data_port": _COUNT,
+        "auth_refused": _COUNT,
+    }
 
     def to_meta(self) -> dict[str, Any]:
         meta = dataclasses.asdict(self)
@@ -52,10 +210,11 @@ class PsStatus:
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "PsStatus":
+        """Strict: a field absent has its default, a bad one raises ``InvalidArgumentError``."""
         if not isinstance(meta, Mapping) or meta.get("role", "ps") != "ps":
             raise InvalidArgumentError(f"Status: not a ps's status: {meta!r:.80}")
-        counts = {f.name: count_field(meta, f.name, "Status") for f in dataclasses.fields(cls)
-                  if f.type == "int" and f.name in meta}
+        counts = {name: count_field(meta, name, "Status") for name, check in cls.CHECKS.items()
+                  if check is _COUNT and name in meta}
         mode, sync, tables = meta.get("mode"), meta.get("sync"), meta.get("tables", {})
         if mode not in (None, *(m.value for m in Mode)):
             raise InvalidArgumentError(f"Status 'mode' must be one of {[m.value for m in Mode]} or null, got "
@@ -72,3 +231,46 @@ class PsStatus:
                       "tables": tables, "task": str(meta.get("task", "")), "state": str(meta.get("state", "running")),
                       "done_replicas": done, "uptime_s": float(uptime),
                       "sync": SyncOptions.from_meta(sync) if sync is not None else None})
+
+
+@dataclass(frozen=True)
+class WorkerStatus(_Status):
+    """Status of a worker (or the chief): its training progress, as its training loop records it
+    (``tensorfleet.worker.status.TaskStatus``); only the launcher's monitor and the dashboards read it."""
+
+    task: str | None = None
+    role: str | None = None  # "worker", or "chief"
+    state: str | None = None  # "starting" -> "training" -> "done", or "failed": training raised
+    pid: int | None = None
+    uptime_s: float | None = None
+    local_step: int | None = None  # steps this worker pushed
+    global_step: int | None = None  # the last one the ps told it
+    dropped_gradients: int | None = None
+    loss: float | None = None  # the last step's; None before the first
+    examples: int | None = None  # trained on, so far
+    target_step: int | None = None  # the global step training stops at, once known
+    unique_ids: int | None = None  # embedding tables: unique ids in the last push (None: no tables)
+    last_step_age_s: float | None = None  # None before the first step
+
+    CHECKS: ClassVar[dict[str, tuple[Check, str]]] = {
+        "task": _TEXT,
+        "role": (_whole(_one_of("worker", "chief")), "'worker' or 'chief'"),
+        "state": _TEXT,
+        "pid": _COUNT,
+        "uptime_s": _REAL,
+        **dict.fromkeys(("local_step", "global_step", "dropped_gradients"), _COUNT),
+        "loss": _REAL,
+        **dict.fromkeys(("examples", "target_step", "unique_ids"), _COUNT),
+        "last_step_age_s": _REAL,
+    }
+
+    def to_meta(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "WorkerStatus":
+        """Strict: a field absent is None, a bad one raises ``InvalidArgumentError``."""
+        def refuse(name: str, value: Any, expected: str) -> None:
+            raise InvalidArgumentError(f"Status {name!r} must be {expected}, got {value!r:.50}")
+
+        return cls.read(meta, refuse)

@@ -2,7 +2,8 @@
 
 Every task answers the ``Status`` RPC; a ps from its store, a worker from the
 ``TaskStatus`` of its process (``PROCESS_STATUS``), which the ``Replica`` and the
-training loop keep current at the cost of a few attribute writes per step.  The
+training loop keep current at the cost of a few attribute writes per step, as a
+``WorkerStatus`` (``tensorfleet.protocol.status``).  The
 launcher's progress line, the dashboard and ``/metrics`` all read it over the
 wire: nothing scrapes logs.
 """
@@ -22,6 +23,7 @@ import torch
 from tensorfleet.cluster.environment import STATUS_DIR_ENV
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, bind_address
 from tensorfleet.errors import TensorfleetError
+from tensorfleet.protocol.status import WorkerStatus
 from tensorfleet.wire import rpc
 
 log = logging.getLogger(__name__)
@@ -66,13 +68,18 @@ class TaskStatus:
     def finished(self, *, failed: bool = False) -> None:
         self.state = "failed" if failed else "done"
 
+    def as_status(self) -> WorkerStatus:
+        """The Status reply, typed: the protocol's ``WorkerStatus``, which the launcher's monitor reads back."""
+        now = time.time()
+        return WorkerStatus(task=self.task, role=self.role, state=self.state, pid=os.getpid(),
+                            uptime_s=now - self.started_unix, local_step=self.local_step,
+                            global_step=self.global_step, dropped_gradients=self.dropped_gradients, loss=self.loss,
+                            examples=self.examples, target_step=self.target_step, unique_ids=self.unique_ids,
+                            last_step_age_s=None if self.last_step_unix is None else now - self.last_step_unix)
+
     def as_meta(self) -> dict[str, Any]:
-        """The Status reply: JSON-ready fields only."""
-        return {"task": self.task, "role": self.role, "state": self.state, "pid": os.getpid(),
-                "uptime_s": time.time() - self.started_unix, "local_step": self.local_step,
-                "global_step": self.global_step, "dropped_gradients": self.dropped_gradients, "loss": self.loss,
-                "examples": self.examples, "target_step": self.target_step, "unique_ids": self.unique_ids,
-                "last_step_age_s": None if self.last_step_unix is None else time.time() - self.last_step_unix}
+        """The Status reply as it travels (and as the final-status file holds it)."""
+        return self.as_status().to_meta()
 
 
 PROCESS_STATUS = TaskStatus()
