@@ -77,7 +77,7 @@ def cut_for(network: Network, host: str, seconds: float) -> None:
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_ps_partitioned_for_twice_the_deadline_the_job_recovers_and_applies_nothing_twice(fleet_on, network, mode):
     fleet = fleet_on("--mode", mode, "--last_step", "1500")
-    poll(lambda: fleet.ps_status()["global_step"] >= 300, 90, "global step 300")
+    poll(lambda: fleet.ps_status().global_step >= 300, 90, "global step 300")
     before = fleet.ps_status()
     cut_for(network, "ps:0", 2 * DEADLINE_S)
     assert network.stats()["cut"] > 0  # the partition did drop the job's packets
@@ -85,7 +85,7 @@ def test_ps_partitioned_for_twice_the_deadline_the_job_recovers_and_applies_noth
     assert codes == {"ps:0": 0, "worker:0": 0, "worker:1": 0}, {n: fleet.log(n) for n in codes}
     results = finished(fleet)
     counters = ps_counters(fleet)
-    assert counters["global_step"] >= 1500 and counters["global_step"] >= before["global_step"]
+    assert counters["global_step"] >= 1500 and counters["global_step"] >= before.global_step
     # nothing applied twice: async applies one update per accepted push, sync one per aggregated step
     assert counters["applied_updates"] == counters["global_step"]
     for step, _, accuracy in results.values():
@@ -96,9 +96,9 @@ def test_ps_partitioned_for_twice_the_deadline_the_job_recovers_and_applies_noth
 
 def test_chief_partitioned_away_comes_back_and_checkpoints_on(fleet_on, network, tmp_path):
     fleet = fleet_on("--mode", "async", "--last_step", "1500")
-    poll(lambda: fleet.ps_status()["global_step"] >= 300, 90, "global step 300")
+    poll(lambda: fleet.ps_status().global_step >= 300, 90, "global step 300")
     cut_for(network, "worker:0", 2 * DEADLINE_S)
-    at_heal = fleet.ps_status()["global_step"]
+    at_heal = fleet.ps_status().global_step
     codes = fleet.wait_all(180)
     assert codes == {"ps:0": 0, "worker:0": 0, "worker:1": 0}, {n: fleet.log(n) for n in codes}
     finished(fleet)

@@ -58,11 +58,11 @@ def test_ps_killed_and_restarted_empty_restores_the_checkpoint_and_finishes(flee
 
 def test_non_chief_killed_and_restarted_rejoins_while_the_others_go_on(fleet_factory):
     fleet = fleet_factory()
-    poll(lambda: fleet.ps_status()["global_step"] >= 300, 90, "global step 300")
+    poll(lambda: fleet.ps_status().global_step >= 300, 90, "global step 300")
     fleet.kill("worker:1")
-    at_kill = fleet.ps_status()["global_step"]
+    at_kill = fleet.ps_status().global_step
     # async: nobody waits for the dead worker
-    poll(lambda: fleet.ps_status()["global_step"] >= at_kill + 300, 60, "the chief to go on alone")
+    poll(lambda: fleet.ps_status().global_step >= at_kill + 300, 60, "the chief to go on alone")
     fleet.start("worker:1")
     codes = fleet.wait_all()
     assert codes == {"ps:0": 0, "worker:0": 0, "worker:1": 0}, {n: fleet.log(n) for n in codes}
@@ -75,7 +75,7 @@ def test_chief_killed_and_restarted_keeps_the_trained_values_and_checkpoints_on(
     fleet = fleet_factory()
     poll(lambda: checkpoint_step(tmp_path / "ckpt") >= 400, 90, "a checkpoint at step >= 400")
     fleet.kill("worker:0")
-    at_kill = fleet.ps_status()["global_step"]
+    at_kill = fleet.ps_status().global_step
     fleet.start("worker:0")
     codes = fleet.wait_all()
     assert codes == {"ps:0": 0, "worker:0": 0, "worker:1": 0}, {n: fleet.log(n) for n in codes}

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.launch.local import local_cluster
+from tensorfleet.protocol.status import PsStatus
 from tensorfleet.testing.network import Network
 from tensorfleet.wire.rpc import Channel
 
@@ -67,11 +68,11 @@ class Fleet:
     def log(self, name: str, incarnation: int | None = None) -> str:
         return (self.logdir / f"{name}.{incarnation or self.starts[name]}.log").read_text()
 
-    def ps_status(self, index: int = 0, timeout_s: float = 30.0) -> dict[str, Any]:
-        """The Status of ps ``index``, waiting for it to listen."""
+    def ps_status(self, index: int = 0, timeout_s: float = 30.0) -> PsStatus:
+        """The Status of ps ``index``, waiting for it to listen (read strictly: a ps answering junk fails the test)."""
         channel = Channel(self.cluster.ps_addresses[index], task=f"/job:ps/task:{index}")
         try:
-            return channel.call("Status", timeout=timeout_s, wait_for_ready=True)[0]
+            return PsStatus.from_meta(channel.call("Status", timeout=timeout_s, wait_for_ready=True)[0])
         finally:
             channel.close()
 
