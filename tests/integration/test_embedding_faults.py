@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 
 from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.errors import InvalidArgumentError, TensorfleetError
-from tensorfleet.ps import store as ps_store
+from tensorfleet.ps import layout as ps_layout
 from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer, SyncOptions, TableSpec
-from tensorfleet.protocol.messages import Origin, PushRequest, grads_key, ids_key
+from tensorfleet.protocol.messages import Origin, PushRequest, grads_key, ids_key, tables_named
 from tensorfleet.ps.server import Server
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.wire import frame
@@ -76,6 +76,12 @@ def rows_push(table: str, ids: torch.Tensor, grads: torch.Tensor | None = None) 
     if grads is None:
         grads = torch.linspace(-1.0, 1.0, ids.numel() * DIM[table]).reshape(ids.numel(), DIM[table])
     return {ids_key(table): ids, grads_key(table): grads}
+
+
+def declared(meta: dict[str, Any], tensors: Any) -> dict[str, Any]:
+    """A push's meta declaring the tables whose ids its tensors (or wire entries) carry, as PsClient does."""
+    names = [entry.name for entry in tensors] if isinstance(tensors, list) else list(tensors)
+    return {**meta, "tables": list(tables_named(names))}
 
 
 def good_push() -> dict[str, torch.Tensor]:
@@ -184,7 +190,7 @@ def still_serving(fleet: Fleet, origin: Origin, *, rejected: int = 0) -> Iterato
         assert fleet.channel._sock is sock, "the refusal cost the connection"  # noqa: SLF001
     sock = fleet.channel._sock  # noqa: SLF001
     applied_before = fleet.servers[TARGET].store.status().applied_updates
-    meta, _ = fleet.channel.call("Push", PushRequest(origin).to_meta(), good_push(), timeout=TIMEOUT_S)
+    meta, _ = fleet.channel.call("Push", declared(PushRequest(origin).to_meta(), good_push()), good_push(), timeout=TIMEOUT_S)
     assert meta["outcome"] == "applied", f"the refused push's origin was taken: {meta}"
     assert fleet.servers[TARGET].store.status().applied_updates == applied_before + 1
     _, rows = fleet.channel.call("Lookup", {}, {GROW: MINE, FIXED: MINE}, timeout=TIMEOUT_S)
@@ -267,7 +273,7 @@ BAD_PUSHES = [
 def test_a_malformed_sparse_push_is_refused_and_changes_nothing(trained, tensors, match):
     origin = next_origin()
     with still_serving(trained, origin):
-        refused(lambda: trained.channel.call("Push", PushRequest(origin).to_meta(), tensors, timeout=TIMEOUT_S),
+        refused(lambda: trained.channel.call("Push", declared(PushRequest(origin).to_meta(), tensors), tensors, timeout=TIMEOUT_S),
                 match)
 
 
@@ -278,7 +284,7 @@ def test_fixed_size_boundary_ids_are_accepted(trained, edge):
     home = int(shard_of(ids, NUM_PS)[0])
     channel = trained.channel if home == TARGET else trained.connection(home)
     try:
-        meta, _ = channel.call("Push", PushRequest(next_origin(), advance_step=home == 0).to_meta(),
+        meta, _ = channel.call("Push", declared(PushRequest(next_origin(), advance_step=home == 0).to_meta(), rows_push(FIXED, ids)),
                                rows_push(FIXED, ids), timeout=TIMEOUT_S)
         _, looked = channel.call("Lookup", {}, {FIXED: ids}, timeout=TIMEOUT_S)
     finally:
@@ -296,7 +302,7 @@ def test_nan_in_row_gradients_is_rejected_and_applies_nothing(trained):
     grads[1, 2] = float("nan")
     tensors = {**rows_push(GROW, MINE, grads), **rows_push(FIXED, MINE[:1]), "v": torch.ones(3)}
     with still_serving(trained, origin, rejected=1):
-        meta, _ = trained.channel.call("Push", PushRequest(origin).to_meta(), tensors, timeout=TIMEOUT_S)
+        meta, _ = trained.channel.call("Push", declared(PushRequest(origin).to_meta(), tensors), tensors, timeout=TIMEOUT_S)
         assert meta["outcome"] == "rejected"
 
 
@@ -307,15 +313,15 @@ def test_inf_in_row_gradients_of_a_narrowed_push_is_rejected(trained):
     grads[0, 0] = float("-inf")
     meta = PushRequest(origin, wire_dtype=torch.bfloat16).to_meta()
     with still_serving(trained, origin, rejected=1):
-        reply, _ = trained.channel.call("Push", meta, rows_push(GROW, MINE, grads), timeout=TIMEOUT_S)
+        reply, _ = trained.channel.call("Push", declared(meta, rows_push(GROW, MINE, grads)), rows_push(GROW, MINE, grads), timeout=TIMEOUT_S)
         assert reply["outcome"] == "rejected"
 
 
 def test_too_many_ids_in_one_push_are_refused_before_the_body(trained, monkeypatch):
-    monkeypatch.setattr(ps_store, "MAX_IDS_PER_REQUEST", 2)
+    monkeypatch.setattr(ps_layout, "MAX_IDS_PER_REQUEST", 2)
     origin = next_origin()
     with still_serving(trained, origin):
-        refused(lambda: trained.channel.call("Push", PushRequest(origin).to_meta(), rows_push(GROW, MINE),
+        refused(lambda: trained.channel.call("Push", declared(PushRequest(origin).to_meta(), rows_push(GROW, MINE)), rows_push(GROW, MINE),
                                              timeout=TIMEOUT_S), r"'grow': 3 ids in one push; at most 2")
         monkeypatch.undo()  # the good push after it carries 3
 
@@ -349,7 +355,7 @@ def test_a_malformed_lookup_is_refused_and_changes_nothing(trained, tensors, mat
 
 
 def test_a_lookup_with_more_ids_than_the_bound_is_refused(trained, monkeypatch):
-    monkeypatch.setattr(ps_store, "MAX_IDS_PER_REQUEST", 2)
+    monkeypatch.setattr(ps_layout, "MAX_IDS_PER_REQUEST", 2)
     with still_serving(trained, next_origin()):
         refused(lambda: trained.channel.call("Lookup", {}, {GROW: MINE}, timeout=TIMEOUT_S),
                 r"Lookup: 3 ids of table 'grow' in one request; at most 2")
@@ -386,7 +392,7 @@ def test_extreme_int64_ids_are_accepted_by_a_growing_table(trained, extreme):
             assert torch.equal(looked[GROW][0], initial[0])
         grads = torch.tensor([[0.5, -2.0, 1.0]])
         slot_before = _slot(trained.servers[home], extreme)
-        meta, _ = channel.call("Push", PushRequest(next_origin(), advance_step=home == 0).to_meta(),
+        meta, _ = channel.call("Push", declared(PushRequest(next_origin(), advance_step=home == 0).to_meta(), rows_push(GROW, ids, grads)),
                                rows_push(GROW, ids, grads), timeout=TIMEOUT_S)
         assert meta["outcome"] == "applied"
         held = table_rows(trained.servers[home], GROW)
@@ -433,7 +439,7 @@ def test_an_async_sparse_push_sent_twice_changes_the_rows_once():
         server = fleet.servers[TARGET]
         initial = EO_TABLE.initializer.rows(EO_IDS, 2)
         meta = PushRequest(Origin(0, 5, 1)).to_meta()
-        first, _ = fleet.channel.call("Push", meta, _eo_push(1.0), timeout=TIMEOUT_S)
+        first, _ = fleet.channel.call("Push", declared(meta, _eo_push(1.0)), _eo_push(1.0), timeout=TIMEOUT_S)
         assert first["outcome"] == "applied"
         after_first = fleet_state(fleet)
         rows = _eo_rows(server)
@@ -441,7 +447,7 @@ def test_an_async_sparse_push_sent_twice_changes_the_rows_once():
         torch.testing.assert_close(torch.stack([rows[i] for i in EO_IDS.tolist()]), expected)
         other = fleet.connection()
         try:
-            again, _ = other.call("Push", meta, _eo_push(1.0), timeout=TIMEOUT_S)
+            again, _ = other.call("Push", declared(meta, _eo_push(1.0)), _eo_push(1.0), timeout=TIMEOUT_S)
         finally:
             other.close()
         assert again["outcome"] == "retried"
@@ -451,10 +457,10 @@ def test_an_async_sparse_push_sent_twice_changes_the_rows_once():
         assert (status.applied_updates, status.accepted_pushes, status.retried_pushes) == (1, 1, 1)
         assert status.tables["emb"]["rows"] == EO_IDS.numel()
         # An older seq of the same incarnation is a retry too; the next seq is a new push.
-        assert fleet.channel.call("Push", PushRequest(Origin(0, 5, 1)).to_meta(), _eo_push(3.0),
+        assert fleet.channel.call("Push", declared(PushRequest(Origin(0, 5, 1)).to_meta(), _eo_push(3.0)), _eo_push(3.0),
                                   timeout=TIMEOUT_S)[0]["outcome"] == "retried"
         assert fleet_state(fleet)[TARGET]["tensors"] == after_first[TARGET]["tensors"]
-        assert fleet.channel.call("Push", PushRequest(Origin(0, 5, 2)).to_meta(), _eo_push(1.0),
+        assert fleet.channel.call("Push", declared(PushRequest(Origin(0, 5, 2)).to_meta(), _eo_push(1.0)), _eo_push(1.0),
                                   timeout=TIMEOUT_S)[0]["outcome"] == "applied"
         rows = _eo_rows(server)
         torch.testing.assert_close(torch.stack([rows[i] for i in EO_IDS.tolist()]),
@@ -467,12 +473,12 @@ def test_a_sync_sparse_push_sent_twice_counts_once_toward_its_step():
     with fleet_of(tables=(EO_TABLE,), sync=sync) as fleet:
         server = fleet.servers[TARGET]
         meta = PushRequest(Origin(0, 5, 1), replica=0, step=0).to_meta()
-        first, _ = fleet.channel.call("Push", meta, _eo_push(1.0), timeout=TIMEOUT_S)
+        first, _ = fleet.channel.call("Push", declared(meta, _eo_push(1.0)), _eo_push(1.0), timeout=TIMEOUT_S)
         assert first["outcome"] == "complete" and first["step"] == 1
         after_first = fleet_state(fleet)
         other = fleet.connection()
         try:
-            again, _ = other.call("Push", meta, _eo_push(1.0), timeout=TIMEOUT_S)
+            again, _ = other.call("Push", declared(meta, _eo_push(1.0)), _eo_push(1.0), timeout=TIMEOUT_S)
         finally:
             other.close()
         assert again["outcome"] == "retried" and again["step"] == 1
@@ -493,7 +499,7 @@ def _in_background(replies: dict[str, Any], key: str, channel: DataChannel, meta
                    tensors: dict[str, torch.Tensor]) -> threading.Thread:
     """A push on its own thread (a sync push waits for its step); its reply's meta lands in ``replies[key]``."""
     def send() -> None:
-        replies[key] = channel.call("Push", meta, tensors, timeout=TIMEOUT_S)[0]
+        replies[key] = channel.call("Push", declared(meta, tensors), tensors, timeout=TIMEOUT_S)[0]
 
     thread = threading.Thread(target=send, daemon=True)
     thread.start()
@@ -540,7 +546,7 @@ def test_a_sync_sparse_push_resent_while_its_step_is_open_is_counted_once_in_the
             threads.append(_in_background(replies, "copy", channels[1], meta0, push0))
             _wait_for(lambda: server.store.status().retried_pushes == 1, "the copy to be recognized")
             assert server.store.status().global_step == 0 and not replies
-            replies["replica 1"] = channels[2].call("Push", PushRequest(Origin(1, 6, 1), replica=1, step=0).to_meta(),
+            replies["replica 1"] = channels[2].call("Push", declared(PushRequest(Origin(1, 6, 1), replica=1, step=0).to_meta(), push1),
                                                     push1, timeout=TIMEOUT_S)[0]
             for thread in threads:
                 thread.join(TIMEOUT_S)
@@ -572,7 +578,7 @@ def test_a_refused_sync_sparse_push_leaves_nothing_in_its_step(defect, match):
                "grads-without-ids": _swap(_eo_push(1.0), ids_key("emb"), None)}[defect]
         meta0 = PushRequest(Origin(0, 5, 1), replica=0, step=0).to_meta()
         before = fleet_state(fleet)
-        refused(lambda: fleet.channel.call("Push", meta0, bad, timeout=TIMEOUT_S), match)
+        refused(lambda: fleet.channel.call("Push", declared(meta0, bad), bad, timeout=TIMEOUT_S), match)
         assert fleet_state(fleet) == before
         push0, push1 = _eo_push(1.0), _eo_push(-2.0, EO_IDS[1:3])
         other = fleet.connection()
@@ -580,7 +586,7 @@ def test_a_refused_sync_sparse_push_leaves_nothing_in_its_step(defect, match):
         try:
             thread = _in_background(replies, "replica 0", fleet.channel, meta0, push0)
             _wait_for(lambda: server.store.status().accepted_pushes == 1, "replica 0's push to be accepted")
-            replies["replica 1"] = other.call("Push", PushRequest(Origin(1, 6, 1), replica=1, step=0).to_meta(),
+            replies["replica 1"] = other.call("Push", declared(PushRequest(Origin(1, 6, 1), replica=1, step=0).to_meta(), push1),
                                               push1, timeout=TIMEOUT_S)[0]
             thread.join(TIMEOUT_S)
         finally:
@@ -624,7 +630,7 @@ def _ended(thread: threading.Thread) -> None:
 def _wire_push(origin: Origin) -> tuple[bytes, dict[str, torch.Tensor]]:
     tensors = {**good_push(), "v": torch.full((3,), 0.25)}
     entries = [TensorEntry.of(name, tensor) for name, tensor in tensors.items()]
-    head = frame.encode_head("Push", PushRequest(origin).to_meta(), entries)
+    head = frame.encode_head("Push", declared(PushRequest(origin).to_meta(), entries), entries)
     return head + b"".join(bytes(frame.tensor_bytes(t)) for t in tensors.values()), tensors
 
 
@@ -661,7 +667,7 @@ def test_a_sparse_push_cut_mid_message_applies_nothing(trained, cut):
     _ended(connection)
     assert status != "OK"
     assert fleet_state(trained) == before
-    reply, _ = trained.channel.call("Push", PushRequest(origin).to_meta(), tensors, timeout=TIMEOUT_S)
+    reply, _ = trained.channel.call("Push", declared(PushRequest(origin).to_meta(), tensors), tensors, timeout=TIMEOUT_S)
     assert reply["outcome"] == "applied"
 
 
@@ -674,7 +680,7 @@ def test_a_streamed_sparse_push_aborted_after_its_ids_applies_nothing(trained):
     serving = _serving_threads()
     channel = trained.connection()
     try:
-        stream = channel.stream("Push", PushRequest(origin).to_meta(),
+        stream = channel.stream("Push", declared(PushRequest(origin).to_meta(), [TensorEntry.of(name, tensor) for name, tensor in tensors.items()]),
                                 [TensorEntry.of(name, tensor) for name, tensor in tensors.items()],
                                 timeout=TIMEOUT_S)
         stream.send(tensors[ids_key(GROW)])
@@ -682,7 +688,7 @@ def test_a_streamed_sparse_push_aborted_after_its_ids_applies_nothing(trained):
         stream.abort()
         _ended(connection)
         assert fleet_state(trained) == before
-        assert channel.call("Push", PushRequest(origin).to_meta(), tensors,
+        assert channel.call("Push", declared(PushRequest(origin).to_meta(), tensors), tensors,
                             timeout=TIMEOUT_S)[0]["outcome"] == "applied"  # the channel reconnects
     finally:
         channel.close()
@@ -726,7 +732,7 @@ def test_random_malformed_sparse_pushes_are_refused_and_change_nothing(trained, 
     origin = next_origin()
     with still_serving(trained, origin):
         with pytest.raises(InvalidArgumentError):
-            trained.channel.call("Push", PushRequest(origin).to_meta(), tensors, timeout=TIMEOUT_S)
+            trained.channel.call("Push", declared(PushRequest(origin).to_meta(), tensors), tensors, timeout=TIMEOUT_S)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from tensorfleet.errors import InvalidArgumentError, NotInitializedError
-from tensorfleet.ps import store as store_module
+from tensorfleet.ps import layout as layout_module
 from tensorfleet.protocol.specs import Mode, OptimizerSpec, SyncOptions
-from tensorfleet.protocol.messages import DoneRequest, InitRequest, Origin, Outcome, PullRequest, PushReply, PushRequest
+from tensorfleet.protocol.messages import (DoneRequest, InitRequest, Origin, Outcome, PullRequest, PushReply,
+                                           PushRequest, grads_key, ids_key, tables_named)
 from tensorfleet.ps.service import PsService
 from tensorfleet.ps.store import VariableStore
 
@@ -83,8 +84,8 @@ def service(sync: SyncOptions | None = None) -> PsService:
 
 def test_a_push_is_validated_once_and_applied_in_one_transaction(monkeypatch):
     checks = []
-    real = store_module.check_layout
-    monkeypatch.setattr(store_module, "check_layout", lambda *a, **k: (checks.append(1), real(*a, **k))[1])
+    real = layout_module.check_layout
+    monkeypatch.setattr(layout_module, "check_layout", lambda *a, **k: (checks.append(1), real(*a, **k))[1])
     ps = service()
     reply = ps.push(FakeRequest(PushRequest(Origin(0, 1, 1), with_values=True, advance_step=True).to_meta(),
                                 {"w": torch.ones(3)}))
@@ -137,3 +138,37 @@ def test_nothing_is_admitted_before_the_chief_initializes():
 def _state(values):
     from tensorfleet.protocol.state import ShardState
     return ShardState(values, {}, None, 0, 0)
+
+
+def test_a_push_carries_rows_only_of_the_tables_it_declares_and_is_refused_before_its_body_otherwise():
+    ps = service()
+    rows = {ids_key("t"): torch.tensor([1, 2]), grads_key("t"): torch.ones(2, 4)}
+    for meta, tensors, says in [
+        (PushRequest(advance_step=True).to_meta(), {"w": torch.ones(3), **rows},
+         "'@grads/t' names no embedding table this push declares"),
+        (PushRequest(advance_step=True, tables=("t",)).to_meta(),
+         {"w": torch.ones(3), ids_key("t"): rows[ids_key("t")]},
+         "table 't': a push carries both '@ids/t' and '@grads/t'"),
+        (PushRequest(advance_step=True, tables=("t",)).to_meta(), {"w": torch.ones(3), **rows},
+         "'@ids/t' names no embedding table of this shard"),
+    ]:
+        request = FakeRequest(meta, tensors)
+        with pytest.raises(InvalidArgumentError, match=says):
+            ps.push(request)
+        assert not request.received
+    values, step = ps.store.read()
+    assert step == 0 and torch.equal(values["w"], torch.zeros(3))
+
+
+@pytest.mark.parametrize("tables", ["t", ["t", "t"], ["bad name"], [1], ["t"] * 2000])
+def test_a_push_declaring_tables_wrongly_is_refused(tables):
+    with pytest.raises(InvalidArgumentError, match="Push 'tables' must be a list of distinct table names"):
+        PushRequest.from_meta({**PushRequest(advance_step=True).to_meta(), "tables": tables})
+
+
+def test_a_push_splits_its_tensors_by_the_tables_it_declares():
+    push = PushRequest(advance_step=True, tables=("a", "b"))
+    assert PushRequest.from_meta(push.to_meta()) == push
+    tensors = {"w": 1, ids_key("a"): 2, grads_key("a"): 3, ids_key("b"): 4, grads_key("b"): 5}
+    assert push.split(tensors) == ({"w": 1}, {"a": (2, 3), "b": (4, 5)})
+    assert tables_named(tensors) == ("a", "b")

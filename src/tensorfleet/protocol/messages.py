@@ -7,13 +7,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple, TypeVar
 
 import torch
 
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.protocol.meta import count_field, flag_field, wire_dtype_field, wire_dtype_meta
-from tensorfleet.protocol.specs import NONFINITE_POLICIES, Mode, OptimizerSpec, SyncOptions, TableSpec
+from tensorfleet.protocol.specs import NONFINITE_POLICIES, TABLE_NAME, Mode, OptimizerSpec, SyncOptions, TableSpec
 from tensorfleet.protocol.state import ShardState
 
 
@@ -35,6 +35,7 @@ class Outcome(StrEnum):
         return self in (Outcome.STALE, Outcome.DUPLICATE, Outcome.ABANDONED, Outcome.REJECTED)
 
 
+T = TypeVar("T")
 TABLE_KEY_PREFIX = "@"  # never in a dense variable's name (module attribute paths): a table's part of a message
 
 
@@ -48,12 +49,26 @@ def grads_key(table: str) -> str:
     return f"{TABLE_KEY_PREFIX}grads/{table}"
 
 
-def table_key(name: str) -> tuple[str, str] | None:
-    """("ids" | "grads", table) for a table's part of a push, None for a dense variable."""
-    if not name.startswith(TABLE_KEY_PREFIX):
-        return None
-    kind, _, table = name[1:].partition("/")
-    return (kind, table) if kind in ("ids", "grads") and table else ("?", name)
+def tables_named(names: Iterable[str]) -> tuple[str, ...]:
+    """The tables whose ids ``names`` carry (``ids_key``): for in-process callers that name a push's tensors."""
+    prefix = ids_key("")
+    return tuple(sorted(name[len(prefix):] for name in names if name.startswith(prefix)))
+
+
+MAX_TABLES_PER_PUSH = 1024  # what a Push may declare: far beyond any model, small enough to check
+
+
+class TableRows(NamedTuple):
+    """A table's part of a push to one shard: its unique ids there (int64, 1-D) and one row gradient per id
+    (summed over the batch's occurrences), in the same order. Declared by name in ``PushRequest.tables``;
+    on the wire the pair travels as ``ids_key(table)`` and ``grads_key(table)`` after the dense gradients."""
+
+    ids: torch.Tensor
+    grads: torch.Tensor
+
+    def entries(self, table: str) -> dict[str, torch.Tensor]:
+        """The pair as a push's tensors."""
+        return {ids_key(table): self.ids, grads_key(table): self.grads}
 
 
 @dataclass(frozen=True)
@@ -216,8 +231,9 @@ class LookupRequest:
 class PushRequest:
     """Push: gradients for the shard's variables (the tensors), applied once.
 
-    Embedding tables' gradients travel as (``ids_key(t)``, ``grads_key(t)``) pairs of tensors: unique ids
-    of this shard and one row gradient per id (summed over the batch's occurrences).
+    ``tables``: the embedding tables whose rows it carries, each a ``TableRows`` (unique ids of this shard
+    and their row gradients) as the pair of tensors ``ids_key(t)``, ``grads_key(t)``; every other tensor
+    is a dense variable's gradient. ``split`` tells them apart, once.
 
     Async: each push is applied on arrival; ``advance_step`` on exactly one shard's part (ps 0's)
     counts the global step.  Sync (``step`` given): the gradients of the replicas for ``step`` (the
@@ -232,13 +248,39 @@ class PushRequest:
     advance_step: bool = False  # async only
     replica: int | None = None  # sync only: the replica id
     step: int | None = None  # sync only: the step of the values the gradients were computed from
+    tables: tuple[str, ...] = ()  # the tables whose rows the push carries
 
     @property
     def mode(self) -> Mode:
         return Mode.ASYNC if self.step is None else Mode.SYNC
 
+    def split(self, tensors: Mapping[str, T]) -> tuple[dict[str, T], dict[str, tuple[T, T]]]:
+        """The push's tensors (or their wire entries) as (dense gradients, {table: (ids, row gradients)}).
+
+        Raises InvalidArgumentError when a declared table lacks its pair, or a tensor named like a table's
+        part belongs to no declared table."""
+        rows = {}
+        for table in self.tables:
+            ids, grads = tensors.get(ids_key(table)), tensors.get(grads_key(table))
+            if ids is None or grads is None:
+                raise InvalidArgumentError(f"table {table!r}: a push carries both {ids_key(table)!r} and "
+                                           f"{grads_key(table)!r} (it declares the table's rows)")
+            rows[table] = (ids, grads)
+        dense = {name: tensor for name, tensor in tensors.items() if not name.startswith(TABLE_KEY_PREFIX)}
+        if len(dense) + 2 * len(rows) != len(tensors):
+            stray = sorted(set(tensors) - set(dense) - {key for t in rows for key in (ids_key(t), grads_key(t))})[0]
+            orphan = stray.removeprefix(grads_key(""))
+            if orphan != stray and ids_key(orphan) not in tensors:  # row gradients without their ids
+                raise InvalidArgumentError(f"table {orphan!r}: a push carries both {ids_key(orphan)!r} and "
+                                           f"{grads_key(orphan)!r}")
+            raise InvalidArgumentError(f"{stray!r} names no embedding table this push declares "
+                                       f"(tables: {', '.join(self.tables) or 'none'})")
+        return dense, rows
+
     def to_meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"values": self.with_values, **wire_dtype_meta(self.wire_dtype)}
+        if self.tables:
+            meta["tables"] = list(self.tables)
         if self.origin is not None:
             meta["origin"] = self.origin.to_meta()
         if self.step is None:
@@ -249,8 +291,15 @@ class PushRequest:
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "PushRequest":
+        tables = meta.get("tables", [])
+        if (not isinstance(tables, list) or len(tables) > MAX_TABLES_PER_PUSH
+                or not all(isinstance(t, str) and TABLE_NAME.fullmatch(t) for t in tables)
+                or len(set(tables)) != len(tables)):
+            raise InvalidArgumentError(f"Push 'tables' must be a list of distinct table names (at most "
+                                       f"{MAX_TABLES_PER_PUSH}), got {tables!r:.60}")
         common = dict(with_values=flag_field(meta, "values", "Push"), wire_dtype=wire_dtype_field(meta),
-                      origin=Origin.from_meta(meta["origin"]) if meta.get("origin") is not None else None)
+                      origin=Origin.from_meta(meta["origin"]) if meta.get("origin") is not None else None,
+                      tables=tuple(tables))
         if "step" in meta:
             return cls(replica=count_field(meta, "replica", "Push"), step=count_field(meta, "step", "Push"), **common)
         return cls(advance_step=flag_field(meta, "advance_step", "Push"), **common)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import threading
 import time
@@ -109,18 +108,7 @@ class PsService:
     def push(self, request: Request) -> Reply:
         push = PushRequest.from_meta(request.meta)
         layout = self.store.admit({e.name: (e.dtype, e.shape) for e in request.entries}, push)  # before the body
-        gradients = request.receive()
-        if push.wire_dtype is not None:
-            gradients = layout.upcast(gradients)
-        parts = layout.split(gradients, task=self.store.task)  # tables' ids checked: bad ids are an error first
-        nonfinite = layout.nonfinite == "reject" and nonfinite_names(gradients, body=request.body)
-        if nonfinite:
-            reply = self.store.reject_nonfinite(nonfinite, push.origin)
-            if not push.with_values:
-                return Reply(reply.to_meta())
-            values, step, release = self.store.read_live()
-            return _reply_with_values({**reply.to_meta(), "step": step}, values, release, push.wire_dtype)
-        result = self.store.push(push, gradients, layout, parts=parts)
+        result = self.store.push(push, request.receive(), layout, body=request.body)
         if result.values is None:
             return Reply(result.reply.to_meta())
         return _reply_with_values(result.reply.to_meta(), result.values, result.release, push.wire_dtype)
@@ -209,19 +197,3 @@ def _reply_with_values(meta: dict[str, Any], values: dict[str, torch.Tensor], re
     finally:
         release()
     return Reply(meta, narrowed)
-
-
-def nonfinite_names(gradients: dict[str, torch.Tensor], *, body: torch.Tensor | None = None) -> list[str]:
-    """Names of floating-point gradients holding NaN or Inf.
-
-    One summing pass (no temporary the size of the gradients): over ``body``, all the gradients
-    as one tensor, when the push arrived as one; else over each gradient.  A sum that is not
-    finite is confirmed element-wise, since finite values can also overflow when summed.
-    """
-    if body is not None and body.is_floating_point():
-        total = body.sum(dtype=torch.float32) if body.element_size() < 4 else body.sum()  # fp16 sums overflow
-        if math.isfinite(float(total)):
-            return []
-    suspects = [name for name, grad in gradients.items()
-                if grad.is_floating_point() and grad.numel() and not math.isfinite(float(grad.sum()))]
-    return [name for name in suspects if not bool(torch.isfinite(gradients[name]).all())]

@@ -28,156 +28,23 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError, StaleIncarnationError
-from tensorfleet.ps.aggregate import Rows, SyncAccumulator
-from tensorfleet.protocol.specs import Mode, NONFINITE_POLICIES, OptimizerSpec, SyncOptions, TableSpec
+from tensorfleet.protocol.messages import FENCE_HOLD_S, Cut, Origin, Outcome, PushReply, PushRequest, tables_named
+from tensorfleet.protocol.specs import NONFINITE_POLICIES, Mode, OptimizerSpec, SyncOptions, TableSpec
 from tensorfleet.protocol.state import ShardState, TableState
-from tensorfleet.protocol.messages import (FENCE_HOLD_S, Cut, Origin, Outcome, PushReply, PushRequest, grads_key,
-                                          ids_key, table_key)
-from tensorfleet.ps.apply import Applier, MovingAverage, check_layout
-from tensorfleet.ps.table import EmbeddingShard, unique_ids_error
+from tensorfleet.ps.aggregate import Rows, SyncAccumulator
+from tensorfleet.ps.apply import Applier, MovingAverage
+from tensorfleet.ps.layout import ShardLayout, entries_of, nonfinite_names
+from tensorfleet.ps.table import EmbeddingShard
 
 BUDGET_EVICT_TO = 0.8  # over its memory budget, a ps evicts down to this fraction of it
 BUDGET_LOG_SHARE = 0.1  # of the memory budget, what the logs of evicted ids (for delta checkpoints) may keep
 FLOOR_ROWS = 1024  # rows per table and shard below which a budget is said at start-up to be too small
 SNAPSHOT_PAGE_BYTES = 256 << 20  # table rows per page of a Snapshot: replies stay far below the message limit
-# Rows of one table in one request at most: a bound on what one message can make a shard allocate or send.
-MAX_IDS_PER_REQUEST = 1 << 24
-MAX_REPLY_ROW_BYTES = 1 << 30  # rows one lookup's reply may carry
 PAGES_KEPT_S = 600.0  # a paged snapshot's later pages wait this long to be read, at most
 MAX_INCARNATION_AHEAD_S = 3600.0  # a push's incarnation (its process's start, ns) this far past the ps's clock at most
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """What a push is checked against before its body is read: the variables (their names, dtypes and
-    shapes), the embedding tables, the mode and the NaN/Inf policy.  Immutable; an initialization
-    replaces it whole, so it can be read without the store's lock."""
-
-    variables: Mapping[str, torch.Tensor]
-    mode: Mode
-    nonfinite: str
-    num_replicas: int  # sync: replica ids run 0..num_replicas-1
-    tables: Mapping[str, TableSpec] = field(default_factory=dict)
-    shard: tuple[int, int] = (0, 1)  # (this shard's index, the number of shards): where each id lives
-
-    def check(self, entries: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], push: PushRequest, *,
-              task: str, as_sent: bool = True) -> None:
-        """Raise InvalidArgumentError unless the push fits this shard (``as_sent=False``: the entries
-        are already in the variables' dtypes)."""
-        if push.mode is not self.mode:
-            raise InvalidArgumentError(
-                "this ps runs in sync mode: a push must carry the replica and the step of the parameters it was "
-                "computed from" if self.mode is Mode.SYNC else "this ps runs in async mode: push without a step",
-                task=task)
-        dense = {name: entry for name, entry in entries.items() if table_key(name) is None}
-        if len(dense) != len(entries):
-            self._check_table_entries(entries, push.wire_dtype if as_sent else None, task=task)
-        if self.mode is Mode.SYNC:
-            if not 0 <= push.replica < self.num_replicas:
-                raise InvalidArgumentError(f"replica {push.replica} is not in 0..{self.num_replicas - 1}", task=task)
-            missing = set(self.variables) - set(dense)
-            if missing:
-                raise InvalidArgumentError(f"a sync push must carry every variable of the shard; missing "
-                                           f"{sorted(missing)[:5]}", task=task)
-        check_layout(self.variables, dense, task=task, wire_dtype=push.wire_dtype if as_sent else None)
-
-    def _check_table_entries(self, entries: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-                             wire_dtype: torch.dtype | None, *, task: str) -> None:
-        """Each table's part is a pair: unique ids (int64, n) and their row gradients (n, dim)."""
-        tables = {}
-        for name, (dtype, shape) in entries.items():
-            key = table_key(name)
-            if key is None:
-                continue
-            kind, table = key
-            spec = self.tables.get(table)
-            if kind == "?" or spec is None:
-                known = ", ".join(sorted(self.tables)) or "none"
-                raise InvalidArgumentError(f"{name!r} names no embedding table of this shard (tables: {known})",
-                                           task=task)
-            tables.setdefault(table, {})[kind] = (dtype, tuple(shape))
-        for table, parts in tables.items():
-            spec = self.tables[table]
-            if set(parts) != {"ids", "grads"}:
-                raise InvalidArgumentError(f"table {table!r}: a push carries both {ids_key(table)!r} and "
-                                           f"{grads_key(table)!r}", task=task)
-            (ids_dtype, ids_shape), (grads_dtype, grads_shape) = parts["ids"], parts["grads"]
-            if ids_dtype != torch.int64 or len(ids_shape) != 1:
-                raise InvalidArgumentError(f"table {table!r}: ids must be int64 of one dimension, got {ids_dtype} "
-                                           f"{ids_shape}", task=task)
-            expected = wire_dtype or spec.dtype
-            if grads_shape != (ids_shape[0], spec.dim) or grads_dtype != expected:
-                raise InvalidArgumentError(f"table {table!r}: {ids_shape[0]} ids need {expected} gradients of "
-                                           f"shape ({ids_shape[0]}, {spec.dim}), got {grads_dtype} {grads_shape}",
-                                           task=task)
-            if ids_shape[0] > MAX_IDS_PER_REQUEST:
-                raise InvalidArgumentError(f"table {table!r}: {ids_shape[0]} ids in one push; at most "
-                                           f"{MAX_IDS_PER_REQUEST}", task=task)
-
-    def check_lookup(self, entries: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], *, task: str) -> None:
-        """Refuse, before its body is read, a lookup naming unknown tables, ids that are not int64 of one
-        dimension, or more rows than one reply may hold."""
-        for name, (dtype, shape) in entries.items():
-            spec = self.tables.get(name)
-            if spec is None:
-                known = ", ".join(sorted(self.tables)) or "none"
-                raise InvalidArgumentError(f"Lookup: {name!r} is no embedding table of this shard (tables: {known})",
-                                           task=task)
-            if dtype != torch.int64 or len(shape) != 1:
-                raise InvalidArgumentError(f"Lookup: ids of table {name!r} must be int64 of one dimension, got "
-                                           f"{dtype} {tuple(shape)}", task=task)
-            if shape[0] > MAX_IDS_PER_REQUEST or shape[0] * spec.row_bytes() > MAX_REPLY_ROW_BYTES:
-                raise InvalidArgumentError(f"Lookup: {shape[0]} ids of table {name!r} in one request; at most "
-                                           f"{min(MAX_IDS_PER_REQUEST, MAX_REPLY_ROW_BYTES // spec.row_bytes())}",
-                                           task=task)
-
-    def check_ids(self, table: str, ids: torch.Tensor, *, task: str, unique: bool) -> None:
-        """Refuse ids a table cannot hold (outside a fixed size), that live on another shard, or (``unique``)
-        that repeat; raise InvalidArgumentError naming the first bad id."""
-        spec = self.tables[table]
-        spec.check_ids(ids, task=task)
-        index, count = self.shard
-        if count > 1 and ids.numel():
-            elsewhere = shard_of(ids, count) != index
-            if elsewhere.any():
-                stray = int(ids[torch.from_numpy(elsewhere)][0])
-                home = int(shard_of(torch.tensor([stray]), count)[0])
-                raise InvalidArgumentError(f"table {table!r}: id {stray} lives on ps {home}, not on this shard "
-                                           f"({index} of {count}): route ids by tensorfleet.cluster.idhash.shard_of",
-                                           task=task)
-        if unique:
-            duplicate = unique_ids_error(ids)
-            if duplicate:
-                raise InvalidArgumentError(f"table {table!r}: {duplicate}", task=task)
-
-    def split(self, gradients: Mapping[str, torch.Tensor], *, task: str,
-              check: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """A push's tensors as (dense gradients, {table: (ids, row gradients)}), the ids checked."""
-        dense, sparse = {}, {}
-        for name, tensor in gradients.items():
-            key = table_key(name)
-            if key is None:
-                dense[name] = tensor
-            elif key[0] == "ids":
-                sparse[key[1]] = (tensor, gradients[grads_key(key[1])])
-        if check:
-            for table, (ids, _) in sparse.items():
-                self.check_ids(table, ids, task=task, unique=True)
-        return dense, sparse
-
-    def upcast(self, gradients: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Gradients that travelled in a narrower dtype, in their variables' dtypes (fp32 accumulation)."""
-        upcast = {}
-        for name, grad in gradients.items():
-            key = table_key(name)
-            dtype = self.variables[name].dtype if key is None else (
-                torch.int64 if key[0] == "ids" else self.tables[key[1]].dtype)
-            upcast[name] = grad if grad.dtype == dtype else grad.to(dtype)
-        return upcast
 
 
 @dataclass(frozen=True)
@@ -205,11 +72,6 @@ class StoreStatus:
     retried_pushes: int  # pushes received again after a lost reply: recognized, not applied twice
     rejected_nonfinite: int  # pushes refused for NaN/Inf gradients
     tables: dict[str, dict[str, float]] = field(default_factory=dict)  # per table: rows, rows_created, bytes, ...
-
-
-def _entries(gradients: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """Tensors as the (dtype, shape) entries a layout checks (for pushes whose head was not checked)."""
-    return {name: (grad.dtype, tuple(grad.shape)) for name, grad in gradients.items()}
 
 
 @dataclass
@@ -599,14 +461,14 @@ class VariableStore:
         return layout
 
     def push(self, push: PushRequest, gradients: Mapping[str, torch.Tensor],
-             layout: ShardLayout | None = None, *, parts: tuple[dict[str, torch.Tensor], Rows] | None = None
-             ) -> PushResult:
-        """One push, as one transaction: exactly-once admission, the update (async) or the offer to its step
-        and the wait for the aggregation (sync), and with ``push.with_values`` the values after it.
+             layout: ShardLayout | None = None, *, body: torch.Tensor | None = None) -> PushResult:
+        """One push, as one transaction: its tensors told apart and upcast, the tables' ids checked, NaN/Inf
+        refused (policy "reject"), exactly-once admission, the update (async) or the offer to its step and
+        the wait for the aggregation (sync), and with ``push.with_values`` the values after it.
 
-        ``layout`` is what ``admit`` checked the push against before its body arrived; without it (or if an
-        initialization replaced it since) the gradients are checked here; ``parts`` is ``layout.split`` of the
-        gradients (their tables' ids checked), when the caller has it already.
+        ``layout`` is what ``admit`` checked the push's head against before its body arrived; without it (or
+        if an initialization replaced it since) the gradients are checked here. ``body``: the gradients as
+        the one tensor they arrived in, when they did (one pass finds NaN/Inf in all of them).
 
         Raises:
             StaleIncarnationError: ``push.origin`` is an incarnation of its worker older than one already seen.
@@ -615,8 +477,14 @@ class VariableStore:
         """
         if layout is None:
             layout = self.layout
-            layout.check(_entries(gradients), push, task=self.task, as_sent=False)
-        dense, rows = parts or layout.split(gradients, task=self.task)  # ids checked here, without the lock
+            layout.check(entries_of(gradients), push, task=self.task)
+        dense, rows = layout.split(gradients, push, task=self.task)  # ids checked here, without the lock
+        if layout.nonfinite == "reject" and (nonfinite := nonfinite_names(gradients, body=body)):
+            reply = self.reject_nonfinite(nonfinite, push.origin)
+            if not push.with_values:
+                return PushResult(reply)
+            values, step, release = self.read_live()
+            return PushResult(PushReply(step, reply.outcome), values, release)
         with self._cond:
             while True:  # a fence (a cut being taken) may hold this push; then it waits for the update's turn
                 self._wait_for_fence(push)
@@ -625,8 +493,8 @@ class VariableStore:
                     break  # else a fence came up while this push waited for readers: wait for it first
             self._require_initialized()
             if layout is not self._layout:  # an Init replaced the layout since: check against the new one
-                self._layout.check(_entries(gradients), push, task=self.task, as_sent=False)
-                dense, rows = self._layout.split(gradients, task=self.task)
+                self._layout.check(entries_of(gradients), push, task=self.task)
+                dense, rows = self._layout.split(gradients, push, task=self.task)
             if push.step is None:
                 step, outcome = self._apply_async(push, dense, rows)
                 if self._fence is not None:
@@ -670,13 +538,15 @@ class VariableStore:
     def apply(self, gradients: Mapping[str, torch.Tensor], *, advance_step: bool,
               origin: Origin | None = None) -> tuple[int, Outcome]:
         """Async mode, in process (tests, tools): ``push`` of one update; return (the step after it, outcome)."""
-        reply = self.push(PushRequest(origin=origin, advance_step=advance_step), gradients).reply
+        reply = self.push(PushRequest(origin=origin, advance_step=advance_step, tables=tables_named(gradients)),
+                          gradients).reply
         return reply.step, reply.outcome
 
     def push_sync(self, replica: int, step: int, gradients: Mapping[str, torch.Tensor],
                   origin: Origin | None = None) -> tuple[int, Outcome]:
         """Sync mode, in process: offer one replica's gradients for ``step``, wait until it is aggregated."""
-        reply = self.push(PushRequest(origin=origin, replica=replica, step=step), gradients).reply
+        reply = self.push(PushRequest(origin=origin, replica=replica, step=step, tables=tables_named(gradients)),
+                          gradients).reply
         return reply.step, reply.outcome
 
     def _admit(self, origin: Origin | None) -> bool:

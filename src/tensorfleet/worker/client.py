@@ -29,7 +29,8 @@ from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, Unav
 from tensorfleet.protocol.specs import OptimizerSpec, SyncOptions, TableSpec
 from tensorfleet.protocol.state import ShardState
 from tensorfleet.protocol.messages import (DoneRequest, InitReply, InitRequest, LookupRequest, Origin, Outcome,
-                                           PullRequest, PushReply, PushRequest, StepReply, grads_key, ids_key)
+                                           PullRequest, PushReply, PushRequest, StepReply, TableRows, grads_key,
+                                           ids_key)
 from tensorfleet.protocol.status import PsStatus
 from tensorfleet.wire.codec import NARROW_DTYPES, TensorEntry
 from tensorfleet.wire.datachannel import DataChannel, Stream
@@ -95,6 +96,7 @@ class PsClient:
         # Exactly once: every push names (worker, this client's incarnation, a per-shard sequence number).
         self.incarnation = time.time_ns()  # a restarted process has a later one; the ps refuses older ones
         self._seq = [0] * len(self.channels)
+        self._owners: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # table -> (its last ids, their shards)
         self._names_by_shard: list[list[str]] = [[] for _ in self.channels]
         for name, shard in self.placement.items():
             self._names_by_shard[shard].append(name)
@@ -267,14 +269,17 @@ class PsClient:
         calls = [(s, lambda s=s: self.data[s].call("Pull", meta, into=into)) for s in shards]
         return Gathered(self._fan_out(calls, inline=inline), lambda r: _merge_replies(shards, r, len(self.channels)))
 
-    def _push_meta(self, shard: int, sync_steps: Sequence[int] | None, replica: int, values: bool) -> dict:
-        """The next push to ``shard``, numbered for exactly-once delivery; ps 0's part counts the global step."""
+    def _push_meta(self, shard: int, sync_steps: Sequence[int] | None, replica: int, values: bool,
+                   tables: Sequence[str] = ()) -> dict:
+        """The next push to ``shard``, numbered for exactly-once delivery, declaring the ``tables`` whose rows it
+        carries; ps 0's part counts the global step."""
         self._seq[shard] += 1
         origin = Origin(replica, self.incarnation, self._seq[shard])
         if sync_steps is None:
-            push = PushRequest(origin, values, self.wire_dtype, advance_step=shard == 0)
+            push = PushRequest(origin, values, self.wire_dtype, advance_step=shard == 0, tables=tuple(tables))
         else:
-            push = PushRequest(origin, values, self.wire_dtype, replica=replica, step=sync_steps[shard])
+            push = PushRequest(origin, values, self.wire_dtype, replica=replica, step=sync_steps[shard],
+                               tables=tuple(tables))
         return push.to_meta()
 
     def _send_push(self, shard: int, meta: dict, part: Mapping[str, torch.Tensor],
@@ -317,8 +322,18 @@ class PsClient:
         """``lookup`` on the shards' threads, queued behind whatever they are sending; ``result()`` is the rows."""
         return self._lookup(ids, inline=False)
 
+    def owners(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """The shard each of a table's ``ids`` lives on. Hashed once per step: the push of a step's row
+        gradients comes with the very ids tensor its lookup had, whose owners are kept until the next one."""
+        kept = self._owners.get(table)
+        if kept is not None and kept[0] is ids:
+            return kept[1]
+        owner = torch.from_numpy(shard_of(ids, len(self.channels)))
+        self._owners[table] = (ids, owner)
+        return owner
+
     def _lookup(self, ids: Mapping[str, torch.Tensor], *, inline: bool) -> Gathered:
-        owners = {table: torch.from_numpy(shard_of(table_ids, len(self.channels))) for table, table_ids in ids.items()}
+        owners = {table: self.owners(table, table_ids) for table, table_ids in ids.items()}
         parts: dict[int, dict[str, torch.Tensor]] = {}
         for table, table_ids in ids.items():
             for shard in torch.unique(owners[table]).tolist():
@@ -337,14 +352,14 @@ class PsClient:
 
         return Gathered(self._fan_out(calls, inline=inline and bool(calls)), assemble)
 
-    def _split_rows(self, rows: Rows) -> list[dict[str, torch.Tensor]]:
-        """Each table's (ids, row gradients) cut by the shard each id lives on, as push entries."""
-        parts: list[dict[str, torch.Tensor]] = [{} for _ in self.channels]
+    def _split_rows(self, rows: Rows) -> list[dict[str, TableRows]]:
+        """Each table's (ids, row gradients) cut by the shard each id lives on."""
+        parts: list[dict[str, TableRows]] = [{} for _ in self.channels]
         for table, (table_ids, grads) in rows.items():
-            owner = torch.from_numpy(shard_of(table_ids, len(self.channels)))
+            owner = self.owners(table, table_ids)
             for shard in torch.unique(owner).tolist():
                 mine = owner == shard
-                parts[shard][ids_key(table)], parts[shard][grads_key(table)] = table_ids[mine], grads[mine]
+                parts[shard][table] = TableRows(table_ids[mine], grads[mine])
         return parts
 
     def _push(self, gradients: Mapping[str, torch.Tensor], sync_steps: Sequence[int] | None, replica: int,
@@ -353,10 +368,11 @@ class PsClient:
         shards, calls = [], []
         row_parts = self._split_rows(rows) if rows else [{} for _ in self.channels]
         for shard, part in enumerate(self._split(gradients)):
-            part.update(row_parts[shard])
+            for table, table_rows in row_parts[shard].items():
+                part.update(table_rows.entries(table))
             if shard not in self._active:
                 continue
-            meta = self._push_meta(shard, sync_steps, replica, into is not None)
+            meta = self._push_meta(shard, sync_steps, replica, into is not None, tables=list(row_parts[shard]))
             if self.wire_dtype is not None:
                 part = {name: self.narrow(tensor) for name, tensor in part.items()}
             shards.append(shard)
@@ -463,10 +479,12 @@ class PushStreams:
         # Tables' rows come last in each shard's push: their ids are known now, their gradients once backward ends.
         self._examples = {(client.placement[name], name): tensor for name, tensor in layout.items()}
         self._row_owner: dict[str, torch.Tensor] = {}
+        tables: list[list[str]] = [[] for _ in client.channels]  # each shard's part declares its tables
         for table, ids in row_ids.items():
-            owner = torch.from_numpy(shard_of(ids, len(client.channels)))
+            owner = client.owners(table, ids)
             self._row_owner[table] = owner
             for shard in torch.unique(owner).tolist():
+                tables[shard].append(table)
                 mine = ids[owner == shard]
                 for name, example in ((ids_key(table), mine),
                                       (grads_key(table), torch.empty((mine.numel(), client.tables[table].dim),
@@ -480,7 +498,7 @@ class PushStreams:
         self._sends: dict[int, list[Future]] = {shard: [] for shard in self._shards}
         for shard in self._shards:
             entries = [client.wire_entry(name, self._examples[(shard, name)]) for name in self._order[shard]]
-            meta = client._push_meta(shard, sync_steps, replica, values)
+            meta = client._push_meta(shard, sync_steps, replica, values, tables[shard])
             self._streams[shard] = client.shard_thread(shard).submit(
                 client.data[shard].stream, "Push", meta, entries, timeout=timeout_s)
 

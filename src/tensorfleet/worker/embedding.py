@@ -140,6 +140,8 @@ class EmbeddingTable(nn.Module):
         gradients for), or None when nothing was fetched."""
         if not self._fetched:
             return None
+        if len(self._fetched) == 1:  # the very tensor the lookup had: its routing to shards is kept (PsClient.owners)
+            return self._fetched[0][0]
         return torch.unique(torch.cat([ids for ids, _ in self._fetched]))
 
     def take_gradients(self, *, complete: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
