@@ -10,7 +10,8 @@ as the dense ones, one (ids, rows) pair per table and shard.  Pulled values and 
 received straight into the tensors the caller names (``into``: a model's
 parameters), with no copy.  ps task 0 also keeps the global step, so every push
 includes it (with ``advance_step``), even when it holds none of the pushed
-variables.
+variables.  A push whose gradients leave during backward is ``push_streams``
+(``worker/streams.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence, overload
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, overload
 
 import torch
 
@@ -29,13 +30,15 @@ from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, Unav
 from tensorfleet.protocol.specs import OptimizerSpec, SyncOptions, TableSpec
 from tensorfleet.protocol.state import ShardState
 from tensorfleet.protocol.messages import (DoneRequest, InitReply, InitRequest, LookupRequest, Origin, Outcome,
-                                           PullRequest, PushReply, PushRequest, StepReply, TableRows, grads_key,
-                                           ids_key)
+                                           PullRequest, PushReply, PushRequest, StepReply, TableRows)
 from tensorfleet.protocol.status import PsStatus
 from tensorfleet.wire.codec import NARROW_DTYPES, TensorEntry
-from tensorfleet.wire.datachannel import DataChannel, Stream
+from tensorfleet.wire.datachannel import DataChannel
 from tensorfleet.wire.rpc import Channel, WireOptions
 from tensorfleet.worker.snapshots import SnapshotInFlight, fence_for_restore, start_snapshot
+
+if TYPE_CHECKING:
+    from tensorfleet.worker.streams import PushStreams
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +106,7 @@ class PsClient:
         self.tables = {table.name: table for table in tables}
         # Shards every pull and push reaches: those holding variables, ps 0 (the global step), and with tables
         # all of them (each holds rows; in sync mode each must count every step).
-        self._active = [s for s, names in enumerate(self._names_by_shard) if names or s == 0 or self.tables]
+        self.active = [s for s, names in enumerate(self._names_by_shard) if names or s == 0 or self.tables]
 
     def _split(self, tensors: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         parts: list[dict[str, torch.Tensor]] = [{} for _ in self.channels]
@@ -264,12 +267,12 @@ class PsClient:
 
     def _pull(self, averages: bool, into: Mapping[str, torch.Tensor] | None, *, inline: bool) -> Gathered:
         # ps 0 is always asked, even if it holds none of the variables: it keeps the global step.
-        shards = self._active
+        shards = self.active
         meta = PullRequest(averages, self.wire_dtype).to_meta()
         calls = [(s, lambda s=s: self.data[s].call("Pull", meta, into=into)) for s in shards]
         return Gathered(self._fan_out(calls, inline=inline), lambda r: _merge_replies(shards, r, len(self.channels)))
 
-    def _push_meta(self, shard: int, sync_steps: Sequence[int] | None, replica: int, values: bool,
+    def push_meta(self, shard: int, sync_steps: Sequence[int] | None, replica: int, values: bool,
                    tables: Sequence[str] = ()) -> dict:
         """The next push to ``shard``, numbered for exactly-once delivery, declaring the ``tables`` whose rows it
         carries; ps 0's part counts the global step."""
@@ -370,15 +373,15 @@ class PsClient:
         for shard, part in enumerate(self._split(gradients)):
             for table, table_rows in row_parts[shard].items():
                 part.update(table_rows.entries(table))
-            if shard not in self._active:
+            if shard not in self.active:
                 continue
-            meta = self._push_meta(shard, sync_steps, replica, into is not None, tables=list(row_parts[shard]))
+            meta = self.push_meta(shard, sync_steps, replica, into is not None, tables=list(row_parts[shard]))
             if self.wire_dtype is not None:
                 part = {name: self.narrow(tensor) for name, tensor in part.items()}
             shards.append(shard)
             calls.append((shard, lambda s=shard, m=meta, t=part: self._send_push(s, m, t, into, timeout_s)))
         return Gathered(self._fan_out(calls, inline=inline),
-                        lambda r: _pushed(shards, r, len(self.channels), with_values=into is not None))
+                        lambda r: Pushed.from_replies(shards, r, len(self.channels), with_values=into is not None))
 
     def push_async(self, gradients: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
                    replica: int = 0, timeout_s: float | None = None,
@@ -401,16 +404,19 @@ class PsClient:
 
     def push_streams(self, layout: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
                      replica: int = 0, timeout_s: float | None = None, values: bool = True,
-                     row_ids: Mapping[str, torch.Tensor] | None = None) -> "PushStreams":
+                     row_ids: Mapping[str, torch.Tensor] | None = None) -> PushStreams:
         """Open one push per shard whose gradients will follow one by one (``PushStreams.send``).
 
         ``layout`` names every gradient of the push, with a tensor of its shape and dtype, in the
         order they will be sent (backward's order, for overlap with the backward pass). ``row_ids``:
         each table's unique ids whose row gradients will follow last (``PushStreams.send_rows``).
         """
+        from tensorfleet.worker.streams import PushStreams  # here: streams.py builds on this module
+
         return PushStreams(self, layout, sync_steps, replica, timeout_s, values, row_ids or {})
 
     def shard_thread(self, shard: int) -> ThreadPoolExecutor:
+        """The thread that carries ``shard``'s calls (one at a time, in the order submitted)."""
         return self._threads[shard]
 
     def close(self) -> None:
@@ -443,6 +449,15 @@ class Pushed:
         """Some shard did not count this push's gradients (see ``Outcome.dropped``)."""
         return any(outcome.dropped for outcome in self.outcomes.values())
 
+    @classmethod
+    def from_replies(cls, shards: list[int], replies: list[tuple[dict, dict]], num_shards: int, *,
+                     with_values: bool) -> Pushed:
+        """The push's result from each of ``shards``' replies (a push and a streamed push alike). Every shard
+        holding a variable took part in the push, so with values the replies are a whole pull."""
+        parsed = [PushReply.from_meta(meta) for meta, _ in replies]
+        return cls(global_step=parsed[0].step, outcomes={s: reply.outcome for s, reply in zip(shards, parsed)},
+                   pulled=_merge_replies(shards, replies, num_shards) if with_values else None)
+
 
 def _merge_replies(shards: list[int], replies: list[tuple[dict, dict]], num_shards: int) -> Pulled:
     values: dict[str, torch.Tensor] = {}
@@ -451,112 +466,3 @@ def _merge_replies(shards: list[int], replies: list[tuple[dict, dict]], num_shar
         values.update(tensors)
         steps[shard] = StepReply.from_meta(meta).step
     return Pulled(values, steps[0], steps)
-
-
-def _pushed(shards: list[int], replies: list[tuple[dict, dict]], num_shards: int, *, with_values: bool) -> Pushed:
-    """Every shard holding a variable took part in the push, so with values the replies are a whole pull."""
-    parsed = [PushReply.from_meta(meta) for meta, _ in replies]
-    return Pushed(global_step=parsed[0].step, outcomes={s: reply.outcome for s, reply in zip(shards, parsed)},
-                  pulled=_merge_replies(shards, replies, num_shards) if with_values else None)
-
-
-class PushStreams:
-    """One streamed push per shard: gradients are sent as soon as they are ready, in the layout's order.
-
-    ``send(name)`` marks a gradient ready (its tensor must stay untouched until ``finish``);
-    each shard's thread sends every ready gradient that is next in its order, except the
-    shard's last one: that is held back until ``finish()``, so no shard can hold a whole
-    push before the caller commits to it.  ``finish()`` sends what is left and waits for
-    every reply; ``abort()`` closes the connections mid-message, so the ps applies nothing.
-    """
-
-    def __init__(self, client: PsClient, layout: Mapping[str, torch.Tensor], sync_steps: Sequence[int] | None,
-                 replica: int, timeout_s: float | None, values: bool, row_ids: Mapping[str, torch.Tensor]) -> None:
-        self._client, self._timeout, self._values = client, timeout_s, values
-        self._order: list[list[str]] = [[] for _ in client.channels]
-        for name in layout:
-            self._order[client.placement[name]].append(name)
-        # Tables' rows come last in each shard's push: their ids are known now, their gradients once backward ends.
-        self._examples = {(client.placement[name], name): tensor for name, tensor in layout.items()}
-        self._row_owner: dict[str, torch.Tensor] = {}
-        tables: list[list[str]] = [[] for _ in client.channels]  # each shard's part declares its tables
-        for table, ids in row_ids.items():
-            owner = client.owners(table, ids)
-            self._row_owner[table] = owner
-            for shard in torch.unique(owner).tolist():
-                tables[shard].append(table)
-                mine = ids[owner == shard]
-                for name, example in ((ids_key(table), mine),
-                                      (grads_key(table), torch.empty((mine.numel(), client.tables[table].dim),
-                                                                     dtype=client.tables[table].dtype))):
-                    self._examples[(shard, name)] = example
-                    self._order[shard].append(name)
-        self._ready: dict[tuple[int, str], torch.Tensor] = {}  # (shard, name): a table's names recur per shard
-        self._cursor = [0] * len(client.channels)
-        self._shards = list(client._active)
-        self._streams: dict[int, Future] = {}
-        self._sends: dict[int, list[Future]] = {shard: [] for shard in self._shards}
-        for shard in self._shards:
-            entries = [client.wire_entry(name, self._examples[(shard, name)]) for name in self._order[shard]]
-            meta = client._push_meta(shard, sync_steps, replica, values, tables[shard])
-            self._streams[shard] = client.shard_thread(shard).submit(
-                client.data[shard].stream, "Push", meta, entries, timeout=timeout_s)
-
-    def send(self, name: str, gradient: torch.Tensor) -> None:
-        """Mark ``name``'s gradient ready; send it, and any ready ones after it, on its shard's thread."""
-        shard = self._client.placement[name]
-        self._ready[(shard, name)] = gradient
-        self._flush(shard, hold_last=True)
-
-    def send_rows(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """A table's row gradients (``ids`` as announced in ``row_ids``, one gradient row each), cut by shard."""
-        owner = self._row_owner[table]
-        for shard in torch.unique(owner).tolist():
-            mine = owner == shard
-            self._ready[(shard, ids_key(table))], self._ready[(shard, grads_key(table))] = ids[mine], grads[mine]
-            self._flush(shard, hold_last=True)
-
-    def _flush(self, shard: int, *, hold_last: bool) -> None:
-        order, cursor = self._order[shard], self._cursor[shard]
-        end = len(order) - 1 if hold_last else len(order)
-        batch = []
-        while cursor < end and (shard, order[cursor]) in self._ready:
-            batch.append(self._ready[(shard, order[cursor])])
-            cursor += 1
-        self._cursor[shard] = cursor
-        if batch:
-            self._sends[shard].append(self._client.shard_thread(shard).submit(self._send_batch, shard, batch))
-
-    def _send_batch(self, shard: int, batch: list[torch.Tensor]) -> None:
-        stream: Stream = self._streams[shard].result()
-        for tensor in batch:
-            stream.send(self._client.narrow(tensor))
-
-    def finish(self, *, into: Mapping[str, torch.Tensor] | None = None) -> Pushed:
-        """Every gradient must have been given to ``send``; send the held-back ones, wait for every reply."""
-        return self.finish_async(into=into).result()
-
-    def finish_async(self, *, into: Mapping[str, torch.Tensor] | None = None) -> Gathered:
-        """``finish`` without waiting: ``result()`` is the ``Pushed``."""
-        for shard in self._shards:
-            self._flush(shard, hold_last=False)
-        futures = [self._client.shard_thread(s).submit(self._finish_one, s, into) for s in self._shards]
-        return Gathered(futures, lambda r: _pushed(self._shards, r, len(self._client.channels),
-                                                   with_values=self._values))
-
-    def _finish_one(self, shard: int, into: Mapping[str, torch.Tensor] | None) -> tuple[dict, dict]:
-        stream: Stream = self._streams[shard].result()  # a stream that failed to open raises its error here
-        for sent in self._sends[shard]:
-            sent.result()  # and a send that failed, its own (the stream is closed already)
-        return stream.finish(into=into)
-
-    def abort(self) -> None:
-        """Drop every shard's push mid-message (nothing of it is applied) and wait until the threads let go."""
-        futures = [self._client.shard_thread(s).submit(self._abort_one, s) for s in self._shards]
-        wait(futures)
-
-    def _abort_one(self, shard: int) -> None:
-        try:
-            self._streams[shard].result().abort()
-        except Exception:  # noqa: BLE001 - a stream that never opened has nothing to abort
-            pass

@@ -55,7 +55,8 @@ from tensorfleet.protocol.specs import Mode, OptimizerSpec, SyncOptions
 from tensorfleet.protocol.state import ShardState
 from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
-from tensorfleet.worker.client import Gathered, PsClient, Pulled, Pushed, PushStreams
+from tensorfleet.worker.client import Gathered, PsClient, Pulled, Pushed
+from tensorfleet.worker.streams import PushStreams
 from tensorfleet.worker.embedding import tables_of
 from tensorfleet.worker.options import DEFAULT_PLACEMENT, ReplicaOptions
 from tensorfleet.worker.protocol import ended_cleanly
