@@ -79,7 +79,7 @@ class FakeRequest:
 def service(sync: SyncOptions | None = None) -> PsService:
     store = VariableStore(task="/job:ps/task:0", replica_names=["/job:worker/task:0"])
     store.initialize({"w": torch.zeros(3)}, SGD, sync)
-    return PsService(store, num_workers=1)
+    return PsService(store)
 
 
 def test_a_push_is_validated_once_and_applied_in_one_transaction(monkeypatch):

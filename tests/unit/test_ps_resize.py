@@ -22,7 +22,7 @@ SGD = OptimizerSpec.sgd(lr=0.5)
 def service(workers: int, sync: SyncOptions | None = None) -> PsService:
     store = VariableStore(task="/job:ps/task:0", replica_names=[f"/job:worker/task:{i}" for i in range(workers)])
     store.initialize({"w": torch.zeros(3)}, SGD, sync)
-    return PsService(store, num_workers=workers)
+    return PsService(store)
 
 
 def done(ps: PsService, replica: int) -> dict:
@@ -78,16 +78,16 @@ def test_a_finished_ps_stays_finished_and_unchanged():
     ps = service(1)
     done(ps, 0)
     assert resize(ps, 4) == {"num_workers": 1, "workers_done": 1, "finished": True}
-    assert ps.num_workers == 1 and ps.store.num_replicas == 1
+    assert ps.num_workers == 1 and ps.membership.count == 1
 
 
 def test_a_shrink_forgets_the_removed_workers_latest_push_and_names_new_ones():
     ps = service(2)
     push_from(ps, 1)
     resize(ps, 1)
-    assert 1 not in ps.store._origins
+    assert 1 not in ps.store._origins.cut(0).applied
     resize(ps, 3)
-    assert ps.store.replica_names == ["/job:worker/task:0", "/job:worker/task:1", "/job:worker/task:2"]
+    assert ps.membership.names == ["/job:worker/task:0", "/job:worker/task:1", "/job:worker/task:2"]
 
 
 def test_a_sync_ps_cannot_be_resized():
@@ -110,7 +110,7 @@ def test_a_malformed_resize_is_refused_and_changes_nothing(meta, tensors, says):
     ps = service(2)
     with pytest.raises(InvalidArgumentError, match=says):
         ps.resize(meta, tensors)
-    assert ps.num_workers == 2 and ps.store.num_replicas == 2
+    assert ps.num_workers == 2 and ps.membership.count == 2
 
 
 def test_resize_round_trips_through_its_meta():

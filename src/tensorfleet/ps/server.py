@@ -60,7 +60,7 @@ class Server:
         replicas = cluster.replicas
         self.store = VariableStore(task=self.task.name, replica_names=[r.name for r in replicas],
                                    shard=(task_index, len(cluster.ps_addresses)), memory_budget=memory_budget)
-        self.service = PsService(self.store, num_workers=len(replicas))
+        self.service = PsService(self.store)
         gate = self.service.gate = auth.Gate(options.token, self.task.name)  # one count for both planes
         self._data = DataServer(parse_address(address)[0], self.service.data_methods(), task=self.task.name,
                                 options=options, gate=gate)

@@ -43,13 +43,12 @@ log = logging.getLogger(__name__)
 class PsService:
     """Handlers for one ps shard. ``finished`` is set once every worker has said Done."""
 
-    def __init__(self, store: VariableStore, *, num_workers: int, data_port: int = 0) -> None:
+    def __init__(self, store: VariableStore, *, data_port: int = 0) -> None:
         self.store = store
+        self.membership = store.membership  # the job's replicas and who said Done: kept once, by the store
         self.data_port = data_port  # set by the server once the data plane listens
-        self.num_workers = num_workers
         self.finished = threading.Event()
-        self._done_replicas: set[int] = set()  # for Status: who is done, even after it stops answering
-        self._done_lock = threading.Lock()
+        self._done_lock = threading.Lock()  # a Done or Resize and the finish it may bring are one step
         self._started_unix = time.time()
         self.gate = auth.Gate(None)  # the server's, which counts calls refused for want of the token
 
@@ -136,26 +135,22 @@ class PsService:
 
     def status(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         with self._done_lock:
-            done = sorted(self._done_replicas)
+            done, count = self.membership.done, self.membership.count
         status = PsStatus(**dataclasses.asdict(self.store.status()), task=self.store.task, pid=os.getpid(),
                           uptime_s=time.time() - self._started_unix,
                           state="done" if self.finished.is_set() else "running", done_replicas=done,
-                          workers_done=len(done), num_workers=self.num_workers, sync=self.store.sync_options,
+                          workers_done=len(done), num_workers=count, sync=self.store.sync_options,
                           data_port=self.data_port, auth_refused=self.gate.refused)
         return status.to_meta(), {}
 
     def done(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         replica = DoneRequest.from_meta(meta).replica
         with self._done_lock:  # one step with Resize: a Done is counted against the membership it was checked in
-            if replica >= self.num_workers:
-                raise InvalidArgumentError(f"Done 'replica' must be in 0..{self.num_workers - 1}, got {replica}")
-            self.store.replica_done(replica)
-            if replica not in self._done_replicas:
-                log.info("%s: %s said Done (%d of %d)", self.store.task, self.store.replica_name(replica),
-                         len(self._done_replicas) + 1, self.num_workers)
-            self._done_replicas.add(replica)
+            if self.store.replica_done(replica):
+                log.info("%s: %s said Done (%d of %d)", self.store.task, self.membership.name(replica),
+                         len(self.membership.done), self.membership.count)
             self._finish_if_all_done()
-            return DoneReply(len(self._done_replicas), self.num_workers).to_meta(), {}
+            return DoneReply(len(self.membership.done), self.membership.count).to_meta(), {}
 
     def resize(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         """The launcher scaled the job: its replicas are now ``0 .. replicas-1`` (see the module docstring).
@@ -167,22 +162,26 @@ class PsService:
             raise InvalidArgumentError("a Resize carries no tensors")
         count = ResizeRequest.from_meta(meta).replicas
         with self._done_lock:
-            if not self.finished.is_set() and count != self.num_workers:
+            before = self.membership.count
+            if not self.finished.is_set() and count != before:
                 if self.store.sync_options is not None:
                     raise InvalidArgumentError(f"this ps runs in sync mode, whose steps aggregate a fixed number "
-                                               f"of replicas ({self.num_workers}): it cannot be resized to {count}",
+                                               f"of replicas ({before}): it cannot be resized to {count}",
                                                task=self.store.task)
-                log.info("%s: the job's workers are now %d (were %d)", self.store.task, count, self.num_workers)
-                self.num_workers = count
+                log.info("%s: the job's workers are now %d (were %d)", self.store.task, count, before)
                 self.store.set_replicas(count)
-                self._done_replicas = {r for r in self._done_replicas if r < count}
                 self._finish_if_all_done()
-            return ResizeReply(self.num_workers, len(self._done_replicas), self.finished.is_set()).to_meta(), {}
+            return ResizeReply(self.membership.count, len(self.membership.done),
+                               self.finished.is_set()).to_meta(), {}
+
+    @property
+    def num_workers(self) -> int:
+        return self.membership.count
 
     def _finish_if_all_done(self) -> None:
         """Under ``_done_lock``: every replica of the membership said Done (none said it twice: a set; none
         outside it: Done checks, Resize forgets), so the ps is finished."""
-        if len(self._done_replicas) >= self.num_workers:
+        if self.membership.all_done:
             self.finished.set()
 
 

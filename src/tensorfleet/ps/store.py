@@ -28,13 +28,15 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError, StaleIncarnationError
+from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError
 from tensorfleet.protocol.messages import FENCE_HOLD_S, Cut, Origin, Outcome, PushReply, PushRequest, tables_named
 from tensorfleet.protocol.specs import NONFINITE_POLICIES, Mode, OptimizerSpec, SyncOptions, TableSpec
 from tensorfleet.protocol.state import ShardState, TableState
 from tensorfleet.ps.aggregate import Rows, SyncAccumulator
 from tensorfleet.ps.apply import Applier, MovingAverage
 from tensorfleet.ps.layout import ShardLayout, entries_of, nonfinite_names
+from tensorfleet.ps.membership import Membership
+from tensorfleet.ps.origins import Origins
 from tensorfleet.ps.table import EmbeddingShard
 
 BUDGET_EVICT_TO = 0.8  # over its memory budget, a ps evicts down to this fraction of it
@@ -42,7 +44,6 @@ BUDGET_LOG_SHARE = 0.1  # of the memory budget, what the logs of evicted ids (fo
 FLOOR_ROWS = 1024  # rows per table and shard below which a budget is said at start-up to be too small
 SNAPSHOT_PAGE_BYTES = 256 << 20  # table rows per page of a Snapshot: replies stay far below the message limit
 PAGES_KEPT_S = 600.0  # a paged snapshot's later pages wait this long to be read, at most
-MAX_INCARNATION_AHEAD_S = 3600.0  # a push's incarnation (its process's start, ns) this far past the ps's clock at most
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +112,7 @@ class VariableStore:
         self.memory_budget = memory_budget  # bytes the embedding tables may hold; evicted down to below it
         self._tables: dict[str, EmbeddingShard] = {}
         self._table_floor = 0  # what the tables hold with no row (storage, id maps, sketches): the budget's floor
-        self.replica_names = list(replica_names)
-        self.num_replicas = len(self.replica_names)  # pushes name a replica below this (0: not checked)
+        self.membership = Membership(replica_names)  # the job's replicas (0 of them: ids not checked), Done
         self._cond = threading.Condition()
         self._variables: dict[str, torch.Tensor] = {}
         self._layout: ShardLayout | None = None  # what pushes are checked against; replaced whole by Init
@@ -121,13 +121,12 @@ class VariableStore:
         self._average: MovingAverage | None = None
         self._global_step = 0
         self._applied_updates = 0
-        self._done: set[int] = set()
         self._readers = 0  # replies being sent from the live tensors (read_live)
         self._updates_waiting = 0
         self._generation = 0  # bumped by a forced restore: releases sync waits of the old timeline
         self._nonce = secrets.token_hex(6)  # with the generation: this shard's timeline (``epoch``)
         self.nonfinite = "reject"  # NaN/Inf gradients: "reject" the push or "apply" it (set by Init)
-        self._origins: dict[int, Origin] = {}  # worker -> its latest push (exactly-once bookkeeping)
+        self._origins = Origins()  # each worker's latest push (exactly once)
         self._fence: _Fence | None = None  # a consistent cut being taken (see ``fence``)
         self._kept_pages: _KeptPages | None = None  # the later pages of the latest paged snapshot
         self._initial_updates = 0
@@ -189,10 +188,7 @@ class VariableStore:
             self._initial_updates, self._accepted_pushes = self._applied_updates, 0
             self._generation += 1
             if cut is not None:
-                for worker, (incarnation, seq) in cut.applied.items():
-                    known = self._origins.get(worker)
-                    if known is None or (known.incarnation, known.seq) < (incarnation, seq):
-                        self._origins[worker] = Origin(worker, incarnation, seq)
+                self._origins.count_as_seen(cut)
             self._fence = None  # an initialization or restore ends any cut in progress
             self._kept_pages = None
             self._cond.notify_all()
@@ -233,7 +229,7 @@ class VariableStore:
         with self._cond:
             self._require_initialized()
             self._fence = _Fence(until=time.monotonic() + hold_s, hold_s=hold_s)
-            return Cut({w: (o.incarnation, o.seq) for w, o in self._origins.items()}, self._global_step)
+            return self._origins.cut(self._global_step)
 
     def _fence_lets(self, push: PushRequest) -> bool:
         fence = self._fence
@@ -281,8 +277,7 @@ class VariableStore:
             for origin in fence.held:
                 later[origin.worker] = max(later.get(origin.worker, (0, 0)), (origin.incarnation, origin.seq))
             return [self.replica_name(w) for w, at in cut.applied.items()
-                    if (w not in self._origins or (self._origins[w].incarnation, self._origins[w].seq) < at)
-                    and not (w in later and later[w] > at)]
+                    if not self._origins.has_reached(w, at) and not (w in later and later[w] > at)]
 
         while (waiting := missing()) and time.monotonic() < fence.until and self._fence is fence:
             self._cond.wait(max(fence.until - time.monotonic(), 0.0))
@@ -557,34 +552,16 @@ class VariableStore:
         if origin is None:  # a caller that does not number its pushes (tests, tools): no dedup
             self._accepted_pushes += 1
             return True
-        self._check_origin(origin)
-        known = self._origins.get(origin.worker)
-        if known is not None and origin.incarnation < known.incarnation:
-            raise StaleIncarnationError(
-                f"push from an old incarnation of {self.replica_name(origin.worker)} ({origin.incarnation}; "
-                f"the current one is {known.incarnation}): that process was replaced, so its pushes are refused",
-                task=self.task)
-        if known is not None and origin.incarnation == known.incarnation and origin.seq <= known.seq:
+        if not self.membership.knows(origin.worker):  # unknown ids would grow the bookkeeping without bound
+            raise InvalidArgumentError(f"push origin names worker {origin.worker}; the job's replicas are "
+                                       f"0..{self.membership.count - 1}", task=self.task)
+        if not self._origins.admit(origin, name=self.replica_name, task=self.task):
             self._retried_pushes += 1
             log.warning("%s: push %d from %s received again (its reply was lost); not applied twice",
                         self.task, origin.seq, self.replica_name(origin.worker))
             return False
-        self._origins[origin.worker] = origin
         self._accepted_pushes += 1
         return True
-
-    def _check_origin(self, origin: Origin) -> None:
-        """An origin must name a replica of the job and an incarnation that is not from the future: one far
-        ahead (a buggy or hostile client) would lock the real worker out until then (its pushes would look
-        older), and unknown worker ids would grow the bookkeeping without bound."""
-        if self.num_replicas and origin.worker >= self.num_replicas:
-            raise InvalidArgumentError(f"push origin names worker {origin.worker}; the job's replicas are "
-                                       f"0..{self.num_replicas - 1}", task=self.task)
-        ahead_s = (origin.incarnation - time.time_ns()) / 1e9
-        if ahead_s > MAX_INCARNATION_AHEAD_S:
-            raise InvalidArgumentError(f"push origin's incarnation is {ahead_s:.0f} s ahead of this ps's clock (at "
-                                       f"most {MAX_INCARNATION_AHEAD_S:.0f} s): it is the sending process's start "
-                                       "time in ns; are the hosts' clocks far apart?", task=self.task)
 
     def reject_nonfinite(self, names: Sequence[str], origin: Origin | None) -> PushReply:
         """Count and log a push refused for NaN/Inf gradients in ``names``; nothing is applied."""
@@ -599,31 +576,31 @@ class VariableStore:
                     self.task, sender, ", ".join(sorted(names)[:5]), count)
         return PushReply(step, Outcome.REJECTED)
 
-    def replica_done(self, replica: int) -> int:
-        """Record that a replica finished; return how many have. Wakes sync waits that can no longer complete."""
+    def replica_done(self, replica: int) -> bool:
+        """Record that a replica finished (True the first time); wakes sync waits that can no longer complete.
+
+        Raises:
+            InvalidArgumentError: ``replica`` is not one of the job's.
+        """
         with self._cond:
-            self._done.add(replica)
+            new = self.membership.say_done(replica)
             self._cond.notify_all()
-            return len(self._done)
+            return new
 
     def set_replicas(self, count: int) -> None:
         """The job's replicas are now ``0 .. count-1`` (an asynchronous job scaled): pushes from new ids are
         accepted; what this shard knew of ids ``>= count`` (said Done, latest push) is forgotten, so that
         an id that comes back is a new worker."""
         with self._cond:
-            chiefs = 1 if self.replica_names[:1] and self.replica_names[0].startswith("/job:chief/") else 0
-            self.replica_names = [self.replica_names[i] if i < len(self.replica_names)
-                                  else f"/job:worker/task:{i - chiefs}" for i in range(count)]
-            self.num_replicas = count
-            self._done = {r for r in self._done if r < count}
-            self._origins = {w: origin for w, origin in self._origins.items() if w < count}
+            self.membership.resize(count)
+            self._origins.forget_from(count)
             self._cond.notify_all()
 
     def _cannot_complete(self) -> bool:
         """True when the replicas still training cannot bring the current step to replicas_to_aggregate."""
         sync = self._sync
         contributed = set(sync.contributors)
-        could_still_push = set(range(sync.options.total_num_replicas)) - self._done - contributed
+        could_still_push = set(range(sync.options.total_num_replicas)) - set(self.membership.done) - contributed
         return len(contributed) + len(could_still_push) < sync.options.replicas_to_aggregate
 
     def _aggregate(self) -> None:
@@ -754,7 +731,7 @@ class VariableStore:
 
     def replica_name(self, replica: int) -> str:
         """The task name of a replica id, for messages."""
-        return self.replica_names[replica] if replica < len(self.replica_names) else f"replica {replica}"
+        return self.membership.name(replica)
 
     def status(self) -> StoreStatus:
         with self._cond:
