@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from tensorfleet.errors import DataError
+from tensorfleet.protocol.statekeys import (AVERAGE, EVICTED, KEY_FORMS, TABLE, VALUE, VALUES, parse_state_key,
+                                            table_slot_name)
 from tensorfleet.train.manifest import FORMAT, MANIFEST, is_checkpoint_name, read_header, read_manifest
 
 # safetensors dtype codes -> the names torch prints (without "torch.")
@@ -98,11 +100,11 @@ def show_text(path: str | Path) -> str:
         lines.append(f"{'embedding table':<28}{'rows':>12}  {'dim':<5}{'dtype':<10}slots"
                      + ("; evicted since the base" if checkpoint.base else ""))
     for name, parts in sorted((checkpoint.tables or {}).items()):
-        values = parts.get("values")
+        values = parts.get(VALUES)
         rows = values.shape[0] if values and values.shape else 0
         dim = values.shape[1] if values and len(values.shape) > 1 else specs.get(name, {}).get("dim", "?")
-        table_slots = ", ".join(sorted(part.partition("/")[2] for part in parts if part.startswith("slot/")))
-        gone = parts["evicted"].shape[0] if "evicted" in parts and parts["evicted"].shape else 0
+        table_slots = ", ".join(sorted(slot for slot in map(table_slot_name, parts) if slot is not None))
+        gone = parts[EVICTED].shape[0] if EVICTED in parts and parts[EVICTED].shape else 0
         evicted = f"; {gone} evicted" if gone else ""
         dtype = values.dtype if values else "?"
         lines.append(f"{name:<28}{rows:>12,}  {dim!s:<5}{dtype:<10}{table_slots or '-'}{evicted}")
@@ -181,27 +183,27 @@ def _latest(directory: Path) -> Path:
 
 
 def _layout(path: Path, header: dict[str, Any]) -> tuple[dict, dict, dict, dict]:
-    """Split the header's tensors by the checkpoint's naming: ``value/<var>``, ``slot/<slot>/<var>``,
-    ``average/<var>``, and ``table/<table>/<part>`` (ids, values, slot/<slot>, evicted)."""
+    """Split the header's tensors by the checkpoint's naming (``protocol.statekeys``, as ``ShardState.flatten``
+    writes it): ``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``, and ``table/<table>/<part>`` (ids,
+    values, slot/<slot>, evicted)."""
     values: dict[str, TensorInfo] = {}
     slots: dict[str, dict[str, TensorInfo]] = {}
     averages: dict[str, TensorInfo] = {}
     tables: dict[str, dict[str, TensorInfo]] = {}
     for key, entry in header.items():
         tensor = _tensor(path, key, entry)
-        kind, _, rest = key.partition("/")
-        if kind == "value" and rest:
-            values[rest] = tensor
-        elif kind == "average" and rest:
-            averages[rest] = tensor
-        elif kind == "slot" and "/" in rest:
-            slot, _, name = rest.partition("/")
-            slots.setdefault(name, {})[slot] = tensor
-        elif kind == "table" and "/" in rest:
-            table, _, part = rest.partition("/")
-            tables.setdefault(table, {})[part] = tensor
-        else:
-            raise DataError(f"{path}: tensor {key!r} is not value/<var>, slot/<slot>/<var> or average/<var>")
+        parsed = parse_state_key(key)
+        if parsed is None:
+            raise DataError(f"{path}: tensor {key!r} is not {KEY_FORMS}")
+        kind, name, part = parsed
+        if kind == VALUE:
+            values[name] = tensor
+        elif kind == AVERAGE:
+            averages[name] = tensor
+        elif kind == TABLE:
+            tables.setdefault(name, {})[part] = tensor
+        else:  # SLOT
+            slots.setdefault(name, {})[part] = tensor
     stray = (set(slots) | set(averages)) - set(values)
     if stray:
         raise DataError(f"{path}: slots or averages for variable(s) with no value: {sorted(stray)[:5]}")

@@ -6,7 +6,8 @@ launcher and a ps shard (``tensorfleet.ps``) is defined here and nowhere else:
 * ``specs``: what a job is made of: ``Mode``, ``OptimizerSpec`` (with its learning-rate schedule),
   ``SyncOptions``, the NaN/Inf policy, and embedding tables (``TableSpec``, ``RowInitializer``);
 * ``state``: a shard's whole state (``ShardState``, ``TableState``): what Snapshot answers, what a
-  restore sends and what checkpoints hold, with its flat key scheme;
+  restore sends and what checkpoints hold; ``statekeys``: its flat key scheme (``value/<var>``, ...), in
+  plain Python, written and parsed there only (``tensorfleet ckpt`` reads headers with it, without torch);
 * ``messages``: one typed request per method and the typed replies, a push's ``Origin`` (exactly
   once) and a ``Cut`` (one point of the fleet's push order):
 

@@ -1,6 +1,7 @@
 """A shard's whole state, what checkpoints hold and Snapshot answers: ``ShardState`` (values, optimizer slots,
-averages, counters, tables' rows) and ``TableState`` (one table's rows by id), with the flat key scheme
-(``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``, ``table/<table>/...``) they travel and are stored in."""
+averages, counters, tables' rows) and ``TableState`` (one table's rows by id), flattened to the key scheme of
+``statekeys`` (``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``, ``table/<table>/...``) they travel and
+are stored in."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,6 +10,8 @@ from typing import Mapping
 import torch
 
 from tensorfleet.errors import InvalidArgumentError, UnavailableError
+from tensorfleet.protocol.statekeys import (AVERAGE, EVICTED, IDS, KEY_FORMS, SLOT, TABLE, VALUE, VALUES,
+                                            parse_state_key, state_key, table_slot, table_slot_name)
 
 
 @dataclass(frozen=True)
@@ -33,18 +36,19 @@ class ShardState:
     token: str = ""  # a paged snapshot: which taking of it the later pages belong to (asked for by it)
 
     def flatten(self) -> dict[str, torch.Tensor]:
-        """One flat name per tensor: ``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``, and per embedding
-        table ``table/<table>/ids``, ``table/<table>/values``, ``table/<table>/slot/<slot>``."""
-        flat = {f"value/{name}": value for name, value in self.values.items()}
+        """One flat name per tensor (``statekeys``): ``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``, and
+        per embedding table ``table/<table>/ids``, ``table/<table>/values``, ``table/<table>/slot/<slot>`` (and a
+        delta's ``table/<table>/evicted``)."""
+        flat = {state_key(VALUE, name): value for name, value in self.values.items()}
         for name, entries in self.slots.items():
-            flat.update({f"slot/{slot}/{name}": value for slot, value in entries.items()})
+            flat.update({state_key(SLOT, name, slot): value for slot, value in entries.items()})
         for name, value in (self.averages or {}).items():
-            flat[f"average/{name}"] = value
+            flat[state_key(AVERAGE, name)] = value
         for name, table in self.tables.items():
-            flat[f"table/{name}/ids"], flat[f"table/{name}/values"] = table.ids, table.values
-            flat.update({f"table/{name}/slot/{slot}": value for slot, value in table.slots.items()})
+            flat[state_key(TABLE, name, IDS)], flat[state_key(TABLE, name, VALUES)] = table.ids, table.values
+            flat.update({state_key(TABLE, name, table_slot(slot)): value for slot, value in table.slots.items()})
         for name, ids in self.evicted.items():
-            flat[f"table/{name}/evicted"] = ids
+            flat[state_key(TABLE, name, EVICTED)] = ids
         return flat
 
     @classmethod
@@ -56,25 +60,23 @@ class ShardState:
         averages: dict[str, torch.Tensor] = {}
         table_parts: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in flat.items():
-            kind, _, rest = key.partition("/")
-            if kind == "table" and rest.endswith("/evicted") and rest.count("/") == 1:
+            parsed = parse_state_key(key)
+            if parsed is None:
+                raise InvalidArgumentError(f"state tensor {key!r} is not {KEY_FORMS}")
+            kind, name, part = parsed
+            if kind == TABLE and part == EVICTED:
                 if tensor.dtype != torch.int64 or tensor.dim() != 1:
                     raise InvalidArgumentError(f"{key!r} must be 1-D int64 ids, got {tensor.dtype} "
                                                f"{tuple(tensor.shape)}")
-                evicted[rest.partition("/")[0]] = tensor
-            elif kind == "table" and "/" in rest:
-                table, _, part = rest.partition("/")
-                table_parts.setdefault(table, {})[part] = tensor
-            elif kind == "value" and rest:
-                values[rest] = tensor
-            elif kind == "average" and rest:
-                averages[rest] = tensor
-            elif kind == "slot" and "/" in rest:
-                slot, _, name = rest.partition("/")
-                slots.setdefault(name, {})[slot] = tensor
-            else:
-                raise InvalidArgumentError(f"state tensor {key!r} is not value/<var>, slot/<slot>/<var> "
-                                           "or average/<var>")
+                evicted[name] = tensor
+            elif kind == TABLE:
+                table_parts.setdefault(name, {})[part] = tensor
+            elif kind == VALUE:
+                values[name] = tensor
+            elif kind == AVERAGE:
+                averages[name] = tensor
+            else:  # SLOT
+                slots.setdefault(name, {})[part] = tensor
         stray = (set(slots) | set(averages)) - set(values)
         if stray:
             raise InvalidArgumentError(f"slots or averages for variable(s) with no value: {sorted(stray)[:5]}")
@@ -121,15 +123,18 @@ class TableState:
     @classmethod
     def from_parts(cls, table: str, parts: Mapping[str, torch.Tensor]) -> "TableState":
         """From the ``ids``, ``values`` and ``slot/<slot>`` tensors of ``ShardState.flatten``."""
-        if "ids" not in parts or "values" not in parts:
-            raise InvalidArgumentError(f"table {table!r} needs both table/{table}/ids and table/{table}/values")
+        if IDS not in parts or VALUES not in parts:
+            raise InvalidArgumentError(f"table {table!r} needs both {state_key(TABLE, table, IDS)} and "
+                                       f"{state_key(TABLE, table, VALUES)}")
         slots = {}
         for part, tensor in parts.items():
-            if part.startswith("slot/") and len(part) > 5:
-                slots[part[5:]] = tensor
-            elif part not in ("ids", "values"):
-                raise InvalidArgumentError(f"table tensor table/{table}/{part} is not ids, values or slot/<slot>")
-        return cls(parts["ids"], parts["values"], slots)
+            slot = table_slot_name(part)
+            if slot:
+                slots[slot] = tensor
+            elif part not in (IDS, VALUES):
+                raise InvalidArgumentError(f"table tensor {state_key(TABLE, table, part)} is not ids, values or "
+                                           "slot/<slot>")
+        return cls(parts[IDS], parts[VALUES], slots)
 
     def select(self, mask: torch.Tensor) -> "TableState":
         """The rows where ``mask`` is true (resharding: the rows one shard keeps)."""
