@@ -34,24 +34,24 @@ def one_run(workdir: Path, save_steps: int, rng: random.Random) -> dict:
     try:
         poll(lambda: (checkpoints / "checkpoint.json").exists() and latest_checkpoint(checkpoints).name
              != "model.ckpt-0.safetensors", 120, "a checkpoint after step 0")
-        kill_at = fleet.ps_status()["global_step"] + rng.randrange(save_steps)  # anywhere between checkpoints
-        poll(lambda: fleet.ps_status()["global_step"] >= kill_at, 120, f"global step {kill_at}")
-        at_kill = fleet.ps_status()["global_step"]
+        kill_at = fleet.ps_status().global_step + rng.randrange(save_steps)  # anywhere between checkpoints
+        poll(lambda: fleet.ps_status().global_step >= kill_at, 120, f"global step {kill_at}")
+        at_kill = fleet.ps_status().global_step
         killed = time.monotonic()
         fleet.kill("ps:0")
         fleet.start("ps:0")
         listening = (fleet.ps_status(timeout_s=60), time.monotonic())[1]
-        restored = poll(lambda: (lambda s: s if s["initialized"] else None)(fleet.ps_status()), 60, "the restore")
+        restored = poll(lambda: (lambda s: s if s.initialized else None)(fleet.ps_status()), 60, "the restore")
         restored_at = time.monotonic()
-        poll(lambda: fleet.ps_status()["applied_updates"] > restored["applied_updates"], 60, "an update")
+        poll(lambda: fleet.ps_status().applied_updates > restored.applied_updates, 60, "an update")
         applied_at = time.monotonic()
         codes = fleet.wait_all(timeout_s=300)
         if any(codes.values()):
             raise RuntimeError(f"the job failed after the kill: {codes}")
     finally:
         fleet.stop()
-    return {"step_at_kill": at_kill, "restored_step": restored["global_step"],
-            "steps_lost": at_kill - restored["global_step"],
+    return {"step_at_kill": at_kill, "restored_step": restored.global_step,
+            "steps_lost": at_kill - restored.global_step,
             "kill_to_listening_s": listening - killed, "kill_to_restored_s": restored_at - killed,
             "kill_to_first_update_s": applied_at - killed}
 

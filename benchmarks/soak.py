@@ -74,7 +74,7 @@ def main() -> int:
         fleet = Fleet(logdir, JOB, job_args(10 ** 9), network=network)  # until the last leg
         try:
             ps = psutil.Process(fleet.procs["ps:0"].pid)
-            poll(lambda: fleet.ps_status()["global_step"] > 0, 120, "training to start")
+            poll(lambda: fleet.ps_status().global_step > 0, 120, "training to start")
             start = time.monotonic()
             end = start + args.minutes * 60
             stop_sampling = threading.Event()
@@ -91,7 +91,7 @@ def main() -> int:
                 if time.monotonic() >= end:
                     break
                 next_fault += args.every_s
-                step = fleet.ps_status()["global_step"]
+                step = fleet.ps_status().global_step
                 if rng.random() < 0.5:
                     victim = rng.choice(["worker:0", "worker:1"])
                     fleet.kill(victim)
@@ -109,7 +109,7 @@ def main() -> int:
             stop_sampling.set()
             thread.join()
             # The last leg: both workers again, with a target the job reaches in a few seconds.
-            step = fleet.ps_status()["global_step"]
+            step = fleet.ps_status().global_step
             last = step + FINISH_STEPS
             for name in ("worker:0", "worker:1"):
                 fleet.kill(name)
