@@ -16,6 +16,7 @@ from tensorfleet.worker.client import PsClient
 
 pytestmark = pytest.mark.cluster
 PLACEMENT = {"a": 0, "b": 1}  # one scalar on each ps
+SAVES = 500
 
 
 def pushing(cluster, replica: int, stop: threading.Event, pushes: list[int]) -> threading.Thread:
@@ -45,7 +46,7 @@ def test_no_snapshot_of_two_shards_is_torn_while_workers_push(workers):
         threads = [pushing(cluster, r, stop, pushes) for r in range(workers)]
         torn = []
         try:
-            for _ in range(300):
+            for _ in range(SAVES):
                 a_state, b_state = chief.snapshot()
                 a, b = float(a_state.values["a"]), float(b_state.values["b"])
                 if a != b or a_state.applied_updates != b_state.applied_updates:
@@ -56,4 +57,4 @@ def test_no_snapshot_of_two_shards_is_torn_while_workers_push(workers):
                 thread.join(30)
             chief.close()
         assert sum(pushes) > 100, pushes  # the pushes really ran beside the snapshots
-        assert not torn, f"{len(torn)} of 300 snapshots torn, e.g. {torn[:3]}"
+        assert not torn, f"{len(torn)} of {SAVES} snapshots torn, e.g. {torn[:3]}"

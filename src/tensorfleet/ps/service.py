@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.protocol.state import ShardState
 from tensorfleet.protocol.messages import (DoneReply, DoneRequest, FenceRequest, InitReply, InitRequest, LookupRequest,
                                            PullRequest, PushRequest, ResizeReply, ResizeRequest, SnapshotReply,
                                            SnapshotRequest, StepReply)
+from tensorfleet.protocol.state import ShardState
 from tensorfleet.protocol.status import PsStatus
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.wire import auth

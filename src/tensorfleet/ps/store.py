@@ -17,11 +17,11 @@ replica pushes to every shard), and ps task 0's count is the global step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
