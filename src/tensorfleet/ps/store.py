@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError
@@ -34,14 +33,12 @@ from tensorfleet.protocol.specs import NONFINITE_POLICIES, Mode, OptimizerSpec, 
 from tensorfleet.protocol.state import ShardState, TableState
 from tensorfleet.ps.aggregate import Rows, SyncAccumulator
 from tensorfleet.ps.apply import Applier, MovingAverage
+from tensorfleet.ps.budget import MemoryBudget
 from tensorfleet.ps.layout import ShardLayout, entries_of, nonfinite_names
 from tensorfleet.ps.membership import Membership
 from tensorfleet.ps.origins import Origins
 from tensorfleet.ps.table import EmbeddingShard
 
-BUDGET_EVICT_TO = 0.8  # over its memory budget, a ps evicts down to this fraction of it
-BUDGET_LOG_SHARE = 0.1  # of the memory budget, what the logs of evicted ids (for delta checkpoints) may keep
-FLOOR_ROWS = 1024  # rows per table and shard below which a budget is said at start-up to be too small
 SNAPSHOT_PAGE_BYTES = 256 << 20  # table rows per page of a Snapshot: replies stay far below the message limit
 PAGES_KEPT_S = 600.0  # a paged snapshot's later pages wait this long to be read, at most
 
@@ -110,6 +107,7 @@ class VariableStore:
         self.task = task
         self.shard = shard
         self.memory_budget = memory_budget  # bytes the embedding tables may hold; evicted down to below it
+        self._budget = MemoryBudget(memory_budget, task=task) if memory_budget is not None else None
         self._tables: dict[str, EmbeddingShard] = {}
         self._table_floor = 0  # what the tables hold with no row (storage, id maps, sketches): the budget's floor
         self.membership = Membership(replica_names)  # the job's replicas (0 of them: ids not checked), Done
@@ -164,7 +162,8 @@ class VariableStore:
                              {table.name: table for table in tables}, self.shard)
         shards = {table.name: EmbeddingShard(table) for table in tables}
         floor = sum(shard.nbytes for shard in shards.values())
-        self._say_if_budget_below_floor(shards, floor)
+        if self._budget is not None:
+            self._budget.say_if_below_floor(shards, floor)
         if restore is not None:
             self._restore_tables(layout, shards, restore.tables, restore.applied_updates)
             applier.load_slots(restore.slots)
@@ -503,7 +502,8 @@ class VariableStore:
 
     def _apply_async(self, push: PushRequest, gradients: Mapping[str, torch.Tensor], rows: Rows
                      ) -> tuple[int, Outcome]:
-        self._check_fits(rows)
+        if self._budget is not None:
+            self._budget.check_fits(rows, self._tables, self._table_floor)
         if not self._admit(push.origin):
             return self._global_step, Outcome.RETRIED
         if gradients or self._tables:  # with tables every push is an update of every shard (rows or not)
@@ -516,7 +516,8 @@ class VariableStore:
                     ) -> tuple[int, Outcome]:
         sync, replica, step = self._sync, push.replica, push.step
         sync.check_step(step)  # every refusal comes before _admit: a refused push is not "accepted"
-        self._check_fits(rows)
+        if self._budget is not None:
+            self._budget.check_fits(rows, self._tables, self._table_floor)
         if not self._admit(push.origin):  # a retry: the first copy was offered; wait for its step like it
             if sync.step <= step:
                 self._wait_for_step(step)
@@ -618,71 +619,11 @@ class VariableStore:
             table.apply(ids, grads, table.spec.optimizer.learning_rate(self._applied_updates), self._applied_updates)
         for table in self._tables.values():  # TTL sweeps are due by the update count, pushed to or not
             table.sweep(self._applied_updates)
-        self._keep_within_budget()
+        if self._budget is not None:
+            self._budget.keep(list(self._tables.values()), current_update=self._applied_updates)
         if self._average is not None:
             self._average.update(self._applied_updates)
         self._applied_updates += 1
-
-    def _say_if_budget_below_floor(self, shards: Mapping[str, EmbeddingShard], floor: int) -> None:
-        """At start-up (Init): a budget below the tables' floor (their empty storage, id maps and admission
-        sketches, and ``FLOOR_ROWS`` rows each) cannot be kept with any training; say so once, with the figure."""
-        if self.memory_budget is None or not shards:
-            return
-        least = floor + sum(FLOOR_ROWS * shard.row_cost() for shard in shards.values())
-        if self.memory_budget < least:
-            log.warning("%s: the memory budget of %.1f MiB is below what its %d table(s) need to train at all "
-                        "(%.1f MiB: their empty storage, id maps and admission sketches, and %d rows each): pushes "
-                        "will be refused or evict almost every row; raise --ps_memory_budget", self.task,
-                        self.memory_budget / 2 ** 20, len(shards), least / 2 ** 20, FLOOR_ROWS)
-
-    def _check_fits(self, rows: Rows) -> None:
-        """Refuse a push whose rows could not fit in the memory budget even with every other row evicted: the
-        rows of the push being applied are never evicted, so it would hold the ps over its budget."""
-        if self.memory_budget is None or not rows:
-            return
-        tables = self._tables
-        needed = self._table_floor + sum(ids.numel() * tables[name].row_cost() for name, (ids, _) in rows.items())
-        if needed > self.memory_budget:
-            counts = ", ".join(f"{ids.numel():,} of {name!r}" for name, (ids, _) in rows.items())
-            raise InvalidArgumentError(
-                f"this push's rows ({counts}) need about {needed / 2 ** 20:.1f} MiB with every other row evicted, "
-                f"over this ps's memory budget of {self.memory_budget / 2 ** 20:.1f} MiB: push fewer unique ids per "
-                "step (smaller batches, or more ps tasks) or raise --ps_memory_budget; nothing was applied",
-                task=self.task)
-
-    def _keep_within_budget(self) -> None:
-        """Evict the least recently updated rows of all tables (never those of this update) until the tables
-        hold at most ``BUDGET_EVICT_TO`` of the memory budget: evictions come in batches, as each one
-        rebuilds the id maps of the tables it touches."""
-        if self.memory_budget is None:
-            return
-        tables = list(self._tables.values())
-        log_ids = int(BUDGET_LOG_SHARE * self.memory_budget / 8 / max(len(tables), 1))  # each table's log at most
-        if sum(table.nbytes for table in tables) > self.memory_budget:
-            for table in tables:  # first what is cheapest to lose: evictions kept for delta checkpoints
-                table.trim_log(log_ids)
-        for _ in range(3):  # a row's cost is estimated from what its table holds now: a round or two more
-            held = sum(table.nbytes for table in tables)
-            if held <= self.memory_budget:
-                return
-            ages = [table.last_updates() for table in tables]
-            owner = np.repeat(np.arange(len(tables)), [a.size for a in ages])
-            cost = np.array([table.nbytes / max(len(table), 1) for table in tables])[owner]
-            every = np.concatenate(ages) if ages else np.empty(0, dtype=np.int64)
-            order = np.argsort(every, kind="stable")
-            order = order[every[order] < self._applied_updates]  # the rows this update touched stay
-            if not order.size:
-                log.warning("%s: the embedding tables hold %d bytes, over the memory budget of %d, and every "
-                            "row was updated by this push: nothing can be evicted", self.task, held,
-                            self.memory_budget)
-                return
-            chosen = order[:int(np.searchsorted(np.cumsum(cost[order]), held - BUDGET_EVICT_TO * self.memory_budget))
-                           + 1]
-            starts = np.concatenate([[0], np.cumsum([a.size for a in ages])])
-            for index, table in enumerate(tables):
-                mine = chosen[owner[chosen] == index] - starts[index]
-                table.evict_rows(np.sort(mine))
-                table.trim_log(log_ids)  # it logged the rows it evicted
 
     def _wait_for_step(self, step: int) -> Outcome:
         options = self._sync.options
