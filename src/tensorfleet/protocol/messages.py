@@ -1,7 +1,9 @@
 """One typed request per method and the typed replies: each builds its ``meta`` with ``to_meta`` and is parsed
-back with ``from_meta``, which checks every field (``tensorfleet.protocol.meta``). A table's part of a push
-travels as (ids, grads) under ``ids_key(table)`` / ``grads_key(table)``; a push's ``Origin`` makes it exactly
-once; a ``Cut`` is one point of the fleet's push order (consistent checkpoints and restores)."""
+back with ``from_meta``, which checks every field (``tensorfleet.protocol.meta``). A push declares the tables
+whose rows it carries, each a ``TableRows`` (ids, row gradients) travelling as ``ids_key(table)`` /
+``grads_key(table)``; a push's ``Origin`` makes it exactly once; a ``Cut`` is one point of the fleet's push order
+(consistent checkpoints and restores)."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,6 @@
 """The meta codec every message is built on: the JSON head of a wire message, each field read and checked by
 one of these (a wrong one is an ``InvalidArgumentError`` naming the method and the field)."""
+
 from __future__ import annotations
 
 from typing import Any, Mapping

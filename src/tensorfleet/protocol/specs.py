@@ -1,5 +1,6 @@
 """The specs a job is made of, as the chief tells every shard: the mode, the optimizer (and its learning-rate
 schedule), the sync options, the NaN/Inf policy, and the embedding tables (``TableSpec``, ``RowInitializer``)."""
+
 from __future__ import annotations
 
 import math

@@ -2,6 +2,7 @@
 averages, counters, tables' rows) and ``TableState`` (one table's rows by id), flattened to the key scheme of
 ``statekeys`` (``value/<var>``, ``slot/<slot>/<var>``, ``average/<var>``, ``table/<table>/...``) they travel and
 are stored in."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
