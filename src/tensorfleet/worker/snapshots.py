@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from tensorfleet.errors import NotInitializedError, UnavailableError
-from tensorfleet.protocol.state import ShardState
 from tensorfleet.protocol.messages import Cut, FenceRequest, SnapshotReply, SnapshotRequest
+from tensorfleet.protocol.state import ShardState
 from tensorfleet.wire.datachannel import DataChannel
 
 
@@ -100,10 +100,10 @@ def fence_for_restore(data: Sequence[DataChannel], hold_s: float) -> Cut:
 def _start_shard_snapshot(channel: DataChannel, ask: SnapshotRequest) -> "_ShardSnapshot":
     try:
         meta, body = channel.call_in_two("Snapshot", ask.to_meta())
-    except BaseException:
+        return _ShardSnapshot(channel, ask, meta, body)
+    except BaseException:  # a reply's head that does not parse too: its body unread, the connection closed
         channel.close()
         raise
-    return _ShardSnapshot(channel, ask, meta, body)
 
 
 class _ShardSnapshot:
