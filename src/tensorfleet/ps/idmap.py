@@ -9,6 +9,10 @@ slot's id is read through its row.  A batch of ids is found or inserted with a f
 vectorized passes, one per probe distance, instead of a Python loop over the ids.  Any
 int64 is a valid id: a slot's emptiness is its row number (-1), not a reserved key.  Rows
 are numbered 0, 1, 2, ... in insertion order.
+
+By default ``find`` and the placing of new rows are compiled loops (``ps/kernels.py``: one probe walk
+per id, no whole-array passes); ``kernels="numpy"`` keeps the vectorized passes, the reference the
+kernels are tested against.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 import torch
 
 from tensorfleet.cluster.idhash import as_uint64, mix64
+from tensorfleet.ps import kernels
 from tensorfleet.ps.rows import GrowingRows
 
 MAX_LOAD = 0.75
@@ -28,7 +33,8 @@ _WINDOW = 8  # slots probed per pass after the home slot
 class IdMap:
     """int64 id -> row number (0..len-1, in insertion order). Not thread-safe: its owner locks."""
 
-    def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
+    def __init__(self, capacity: int = _MIN_CAPACITY, *, path: str | None = None) -> None:
+        self.path = path or kernels.selected()  # "numba" (compiled loops) or "numpy" (the reference)
         self._size = 0
         self._by_row = GrowingRows((), torch.int64)  # each row's id: the keys, and the map's inverse
         self._by_row.reserve(1)  # never empty: a gather at an empty slot's row (-1) reads something
@@ -67,6 +73,10 @@ class IdMap:
         so a batch costs a few vectorized passes even when one of its ids sits far from home.
         """
         ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if self.path == "numba":
+            result = np.empty(ids.shape[0], dtype=np.int64)
+            kernels.find_rows(ids, self._rows, self._ids, self._shift, result)
+            return result
         result = np.full(ids.shape[0], _EMPTY, dtype=np.int64)
         slots = self._home(ids)
         rows = self._rows[slots]
@@ -109,6 +119,9 @@ class IdMap:
     def _place(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Put each row in the first empty slot from its id's home; rows racing for one slot: one wins
         (the row read back says which), the others move on."""
+        if self.path == "numba":
+            kernels.place_rows(ids, rows, self._rows, self._shift)
+            return
         mask = self.capacity - 1
         pending = np.arange(ids.shape[0])
         position = self._home(ids)

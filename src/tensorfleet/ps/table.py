@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from tensorfleet.cluster.idhash import as_uint64, mix64
+from tensorfleet.ps import kernels
 from tensorfleet.ps.admission import Admission
 from tensorfleet.protocol.specs import TableSpec
 from tensorfleet.protocol.state import TableState
@@ -158,8 +159,9 @@ class EmbeddingShard:
             ids, grads = self._admitted(ids, grads, update)
         if ids.numel():
             rows = self._rows_for(ids)
-            self._update(rows, grads, lr)
-            self._updated.tensor[rows] = update
+            if not self._update_compiled(rows, grads, lr, update):
+                self._update(rows, grads, lr)
+                self._updated.tensor[rows] = update
             self.row_updates += ids.numel()
 
     def sweep(self, update: int) -> None:
@@ -186,6 +188,24 @@ class EmbeddingShard:
             target = min(int(limit * EVICT_TO), limit - new)
             self.evict_lru(len(self) - max(target, 0), keep_ids=ids)
         return ids, grads
+
+    def _update_compiled(self, rows: torch.Tensor, grads: torch.Tensor, lr: float, update: int) -> bool:
+        """The per-row rule as one compiled pass over the touched rows, in place (``ps/kernels.py``); False
+        where there is none (lazy Adam, or the numpy path chosen): ``_update`` is the reference."""
+        name = self.spec.optimizer.name
+        if self._map.path != "numba" or name not in ("sgd", "adagrad") or not self.spec.dtype.is_floating_point \
+                or self.spec.dtype.itemsize < 4:  # numpy has no bfloat16: those rows keep the torch rules
+            return False
+        values, updated = self._values.tensor.numpy(), self._updated.tensor.numpy()
+        dtype = values.dtype.type  # lr and eps rounded to the rows' dtype, as torch's scalar arguments are
+        grads = np.ascontiguousarray(grads.to(self.spec.dtype).numpy())
+        if name == "sgd":
+            kernels.sgd_rows(values, rows.numpy(), grads, dtype(lr), updated, update)
+        else:
+            eps = dtype(float(self.spec.optimizer.options.get("eps", 1e-10)))
+            kernels.adagrad_rows(values, self._slots["sum"].tensor.numpy(), rows.numpy(), grads, dtype(lr), eps,
+                                 updated, update)
+        return True
 
     def _update(self, rows: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         name, options = self.spec.optimizer.name, self.spec.optimizer.options

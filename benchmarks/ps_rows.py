@@ -1,0 +1,143 @@
+"""One ps shard alone, driven by client processes: how many table ids it looks up and updates per second and per
+CPU-second of its own process, with the compiled kernels (``ps/kernels.py``) and with the numpy path.
+
+The ps is one process (``Server``, async, one embedding table, Adagrad by default); each of ``--clients``
+processes loops for ``--seconds``: a batch of Zipf ids (``--batch`` draws, made unique), a ``Lookup`` of their
+rows, then a ``Push`` of one row gradient per id, as a worker's step does with its tables. Before the clock
+starts the table is filled to ``--rows`` rows (the timed ids are drawn from those). An "id" below is one id
+looked up and pushed. The ps's CPU time is its own, read from ``/proc/<pid>/stat`` at the window's ends; the
+two paths run one after the other in the same run, each in a fresh ps (``TENSORFLEET_PS_KERNELS``).
+
+    python benchmarks/ps_rows.py [--rows 1M] [--dim 16] [--clients 2] [--seconds 10] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tensorfleet.cluster.spec import ClusterSpec
+from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer, TableSpec
+from tensorfleet.launch.local import local_cluster
+from tensorfleet.worker.client import PsClient
+
+TABLE = "t"
+FILL_CHUNK = 200_000
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def serve(cluster: dict, path: str) -> None:
+    os.environ["TENSORFLEET_PS_KERNELS"] = path
+    torch.set_num_threads(1)
+    from tensorfleet.ps.server import Server
+
+    Server(ClusterSpec(cluster), job_name="ps", task_index=0).join()
+
+
+def spec(args: argparse.Namespace) -> TableSpec:
+    return TableSpec(TABLE, args.dim, OptimizerSpec(args.rule, {"lr": 0.05}), initializer=RowInitializer.normal(0.01))
+
+
+def drive(index: int, cluster: dict, args: argparse.Namespace, ready: mp.Barrier, start: mp.Barrier,
+          results: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    client = PsClient(ClusterSpec(cluster), {}, tables=[spec(args)])
+    client.wait_for_shards(60)
+    rng = np.random.default_rng(index)
+    if index == 0:
+        client.initialize({}, OptimizerSpec.sgd(lr=0.1))
+        for low in range(0, args.rows, FILL_CHUNK):  # every row made before the clock starts
+            ids = torch.arange(low, min(low + FILL_CHUNK, args.rows), dtype=torch.int64)
+            client.push({}, replica=0, rows={TABLE: (ids, torch.zeros(ids.numel(), args.dim))})
+    ready.wait()
+    client.wait_initialized(60)
+    batches = []
+    for _ in range(64):  # made before the clock
+        ids = torch.from_numpy(np.unique(rng.zipf(args.zipf, args.batch) % args.rows).astype(np.int64))
+        batches.append((ids, torch.from_numpy(rng.standard_normal((ids.numel(), args.dim)).astype(np.float32))))
+    start.wait()
+    began, ids_done, steps = time.perf_counter(), 0, 0
+    while time.perf_counter() - began < args.seconds:
+        ids, grads = batches[steps % len(batches)]
+        client.lookup({TABLE: ids})
+        client.push({}, replica=index, rows={TABLE: (ids, grads)})
+        ids_done += ids.numel()
+        steps += 1
+    results.put((ids_done, steps, time.perf_counter() - began))
+    client.done(index)
+    client.close()
+
+
+def run(path: str, args: argparse.Namespace) -> dict:
+    cluster = local_cluster(1, args.clients).as_dict()
+    context = mp.get_context("spawn")
+    ps = context.Process(target=serve, args=(cluster, path), daemon=True)
+    ps.start()
+    ready, start, results = context.Barrier(args.clients + 1), context.Barrier(args.clients + 1), context.Queue()
+    clients = [context.Process(target=drive, args=(i, cluster, args, ready, start, results), daemon=True)
+               for i in range(args.clients)]
+    for process in clients:
+        process.start()
+    ready.wait(timeout=1800)  # the table filled
+    start.wait(timeout=300)
+    cpu_before = cpu_seconds(ps.pid)
+    answers = [results.get(timeout=args.seconds + 300) for _ in clients]
+    cpu = cpu_seconds(ps.pid) - cpu_before
+    for process in clients + [ps]:
+        process.join(timeout=60)
+        if process.is_alive():
+            process.kill()
+    ids = sum(a[0] for a in answers)
+    seconds = max(a[2] for a in answers)
+    return {"path": path, "ids": ids, "steps": sum(a[1] for a in answers), "seconds": seconds,
+            "ids_per_s": ids / seconds, "ps_cpu_s": cpu, "ids_per_cpu_s": ids / cpu if cpu else float("nan")}
+
+
+def parse_count(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 10 ** 3, "M": 10 ** 6}.get(text[-1:], 1)
+    return int(float(text[:-1] if text[-1:] in "KM" else text) * scale)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=parse_count, default=parse_count("1M"))
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--rule", default="adagrad", choices=("sgd", "adagrad", "adam"))
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--batch", type=int, default=4096, help="Zipf draws per step (made unique)")
+    parser.add_argument("--zipf", type=float, default=1.1)
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of each path")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    runs = [run(path, args) for _ in range(args.repeats) for path in ("numpy", "numba")]
+    print(f"one ps, {args.rows:,} rows, dim {args.dim}, {args.rule}, {args.clients} client(s), "
+          f"{args.seconds:g} s each, Zipf {args.zipf} ({args.batch} draws a step, made unique)")
+    print(f"{'path':<7} {'ids/s':>12} {'ps CPU s':>9} {'ids per ps CPU-s':>17}")
+    for r in runs:
+        print(f"{r['path']:<7} {r['ids_per_s']:>12,.0f} {r['ps_cpu_s']:>9.1f} {r['ids_per_cpu_s']:>17,.0f}")
+    best = {path: max(r["ids_per_cpu_s"] for r in runs if r["path"] == path) for path in ("numpy", "numba")}
+    print(f"compiled / numpy, ids per ps CPU-second: {best['numba'] / best['numpy']:.2f}x "
+          f"(target >= 4x); compiled: {best['numba']:,.0f} (target >= 2,000,000 at dim 16)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Compiled kernels for a ps's table rows: loops over the arrays a table already holds, compiled by numba.
+
+A batch of ids costs numpy a few passes of whole-array calls (~0.5 ms per 1,200 ids for the id map's probes,
+most of it per-call overhead); one compiled loop over the same arrays does it in tens of microseconds. The
+kernels release the GIL (``nogil``) and are cached on disk (``cache``: a ps's second start compiles nothing).
+
+They are the default. ``TENSORFLEET_PS_KERNELS=numpy`` selects the numpy path instead: it stays as the
+reference the kernels are tested against, id by id, and as the "before" of ``benchmarks/ps_rows.py``. A
+machine where numba cannot be imported fails when a ps builds its first table, with one line that says so.
+
+The hash is ``cluster.idhash.mix64`` to the bit (splitmix64's finalizer in uint64 arithmetic).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from tensorfleet.errors import TensorfleetError
+
+KERNELS_ENV = "TENSORFLEET_PS_KERNELS"
+CHOICES = ("numba", "numpy")
+EMPTY = -1  # an empty slot of the id map
+
+try:  # imported here, used when a table is built (``selected``): its absence is said there, in one line
+    from numba import njit
+    _NUMBA_ERROR: str | None = None
+except ImportError as exc:  # pragma: no cover - the default install has numba
+    _NUMBA_ERROR = f"{type(exc).__name__}: {exc}"
+
+    def njit(*_args, **_kwargs):  # type: ignore[no-redef]
+        return lambda function: function
+
+
+def selected() -> str:
+    """The path a table built now uses: "numba" (the default) or "numpy" (``TENSORFLEET_PS_KERNELS``).
+
+    Raises:
+        TensorfleetError: an unknown choice, or numba asked for (the default) and not importable.
+    """
+    choice = os.environ.get(KERNELS_ENV, "numba")
+    if choice not in CHOICES:
+        raise TensorfleetError(f"{KERNELS_ENV}={choice!r}: use one of {CHOICES}")
+    if choice == "numba" and _NUMBA_ERROR is not None:
+        raise TensorfleetError(f"the ps's table kernels need numba, which cannot be imported ({_NUMBA_ERROR}): "
+                               f"reinstall tensorfleet's dependencies (pip install numba), or set {KERNELS_ENV}=numpy "
+                               "for the slower numpy path")
+    return choice
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _mix64(x):  # pragma: no cover - compiled
+    x = x + _GOLDEN
+    x = (x ^ (x >> _S30)) * _M1
+    x = (x ^ (x >> _S27)) * _M2
+    return x ^ (x >> _S31)
+
+
+@njit(nogil=True, cache=True)
+def find_rows(ids, slots, by_row, shift, out):  # pragma: no cover - compiled
+    """``out[i]``: the row of ``ids[i]`` in the open-addressing table ``slots`` (row numbers, -1 empty; its
+    length a power of two) whose ids are ``by_row``, or -1 where the id is absent. ``shift``: 64 - log2(len)."""
+    mask = slots.shape[0] - 1
+    for i in range(ids.shape[0]):
+        key = ids[i]
+        slot = np.int64(_mix64(np.uint64(key)) >> shift)
+        while True:
+            row = slots[slot]
+            if row == EMPTY:
+                out[i] = EMPTY
+                break
+            if by_row[row] == key:
+                out[i] = row
+                break
+            slot = (slot + 1) & mask
+
+
+@njit(nogil=True, cache=True)
+def place_rows(ids, rows, slots, shift):  # pragma: no cover - compiled
+    """Put ``rows[i]`` in the first empty slot from ``ids[i]``'s home (the ids absent and distinct)."""
+    mask = slots.shape[0] - 1
+    for i in range(ids.shape[0]):
+        slot = np.int64(_mix64(np.uint64(ids[i])) >> shift)
+        while slots[slot] != EMPTY:
+            slot = (slot + 1) & mask
+        slots[slot] = rows[i]
+
+
+@njit(nogil=True, cache=True)
+def sgd_rows(values, rows, grads, lr, updated, update):  # pragma: no cover - compiled
+    """``values[rows[i]] -= lr * grads[i]`` in place, each row stamped ``update``. Rounded once, as torch's
+    vectorized ``add_(alpha=-lr)`` does (a fused multiply-add; the float32 product is exact in float64):
+    the same rows to the bit. ``lr`` in the rows' dtype, as torch rounds its scalar."""
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        for j in range(values.shape[1]):
+            values[row, j] = np.float64(values[row, j]) - np.float64(lr) * np.float64(grads[i, j])
+        updated[row] = update
+
+
+@njit(nogil=True, cache=True)
+def adagrad_rows(values, sums, rows, grads, lr, eps, updated, update):  # pragma: no cover - compiled
+    """Adagrad on the rows ``rows`` in place: ``sum += g * g; row -= lr * g / (sqrt(sum) + eps)``, each row
+    stamped ``update``. The sum is rounded once, as torch's ``addcmul_`` (to the bit); the step as
+    ``addcdiv_``'s ``(value * g) / denom`` (within a float32 rounding of torch's vectorized kernel).
+    ``lr`` and ``eps`` in the rows' dtype."""
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        for j in range(values.shape[1]):
+            g = grads[i, j]
+            total = np.float64(sums[row, j]) + np.float64(g) * np.float64(g)
+            sums[row, j] = total
+            values[row, j] += (-lr * g) / (np.sqrt(sums[row, j]) + eps)
+        updated[row] = update

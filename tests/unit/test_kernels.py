@@ -1,0 +1,96 @@
+"""The ps's compiled table kernels against the numpy reference they replace, id by id (issue 27)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tensorfleet.errors import TensorfleetError
+from tensorfleet.protocol.specs import OptimizerSpec, TableSpec
+from tensorfleet.ps import kernels
+from tensorfleet.ps.idmap import IdMap
+from tensorfleet.ps.table import EmbeddingShard
+
+EXTREMES = np.array([0, -1, 1, 2 ** 63 - 1, -2 ** 63, 2 ** 62, -2 ** 62], dtype=np.int64)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_compiled_id_map_finds_and_inserts_exactly_as_the_numpy_one(seed):
+    rng = np.random.default_rng(seed)
+    reference, compiled = IdMap(path="numpy"), IdMap(path="numba")
+    seen = np.empty(0, dtype=np.int64)
+    for batch in range(40):  # growth past several rebuilds, Zipf-like repeats, extremes, absent ids
+        fresh = rng.integers(-2 ** 63, 2 ** 63 - 1, size=int(rng.integers(1, 3000)), dtype=np.int64)
+        if batch == 0:
+            fresh = np.concatenate([EXTREMES, fresh])
+        fresh = np.setdiff1d(np.unique(fresh), seen)
+        rng.shuffle(fresh)
+        assert np.array_equal(reference.insert(fresh), compiled.insert(fresh))
+        seen = np.concatenate([seen, fresh])
+        asked = np.concatenate([rng.choice(seen, size=2000), rng.integers(-2 ** 63, 2 ** 63 - 1, size=500,
+                                                                           dtype=np.int64), EXTREMES])
+        found = compiled.find(asked)
+        assert np.array_equal(found, reference.find(asked))
+        assert np.array_equal(compiled.ids()[found[found >= 0]], asked[found >= 0])  # a hit is the id's row
+    assert compiled.capacity == reference.capacity and len(compiled) == len(reference) == seen.size
+    assert np.array_equal(np.sort(compiled.find(seen)), np.arange(seen.size))  # every row found once
+
+
+def test_the_path_is_chosen_by_the_environment_and_a_wrong_choice_is_refused(monkeypatch):
+    monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
+    assert kernels.selected() == "numba" and IdMap().path == "numba"
+    monkeypatch.setenv(kernels.KERNELS_ENV, "numpy")
+    assert IdMap().path == "numpy"
+    monkeypatch.setenv(kernels.KERNELS_ENV, "cython")
+    with pytest.raises(TensorfleetError, match="TENSORFLEET_PS_KERNELS='cython': use one of"):
+        IdMap()
+
+
+def test_without_numba_a_table_is_refused_with_one_line_that_says_what_to_do(monkeypatch):
+    monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
+    monkeypatch.setattr(kernels, "_NUMBA_ERROR", "ModuleNotFoundError: No module named 'numba'")
+    with pytest.raises(TensorfleetError, match=r"need numba, which cannot be imported .*\(pip install numba\)"):
+        IdMap()
+    monkeypatch.setenv(kernels.KERNELS_ENV, "numpy")
+    assert IdMap().path == "numpy"
+
+
+def _shards(monkeypatch, spec):
+    made = {}
+    for path in ("numpy", "numba"):
+        monkeypatch.setenv(kernels.KERNELS_ENV, path)
+        made[path] = EmbeddingShard(spec)
+    return made["numpy"], made["numba"]
+
+
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rule", ["sgd", "adagrad"])
+@pytest.mark.parametrize("lifecycle", [{}, {"admit_after": 2}, {"max_rows": 3000}, {"ttl_steps": 8}],
+                         ids=["plain", "admission", "capacity-eviction", "ttl"])
+def test_the_compiled_rules_update_the_rows_as_the_torch_ones_id_by_id(monkeypatch, rule, wire, lifecycle):
+    """Zipf batches of new and repeated ids (and, with a lifecycle, admitted, evicted and returning ids):
+    sgd to the bit, Adagrad's sums to the bit and its rows within a float32 rounding of torch's kernel."""
+    optimizer = OptimizerSpec(rule, {"lr": 0.1})
+    reference, compiled = _shards(monkeypatch, TableSpec("t", 16, optimizer, **lifecycle))
+    rng = np.random.default_rng(7)
+    for update in range(1, 41):
+        ids = torch.from_numpy(np.unique(rng.zipf(1.3, 2000) % 20_000).astype(np.int64))
+        grads = torch.from_numpy(rng.standard_normal((ids.numel(), 16)).astype(np.float32))
+        if wire == "bfloat16":  # what a bf16 push leaves after the ps upcasts it
+            grads = grads.to(torch.bfloat16).to(torch.float32)
+        for shard in (reference, compiled):
+            shard.apply(ids, grads, optimizer.learning_rate(update), update)
+            shard.sweep(update)
+    want, got = reference.state(), compiled.state()
+    assert torch.equal(want.ids, got.ids) and len(reference) == len(compiled) > 0
+    assert reference.evicted == compiled.evicted and reference.rows_created == compiled.rows_created
+    assert set(want.slots) == set(got.slots)
+    for name in want.slots:
+        assert torch.equal(want.slots[name], got.slots[name]), name
+    if rule == "sgd":
+        assert torch.equal(want.values, got.values)
+    else:
+        torch.testing.assert_close(got.values, want.values, rtol=1e-6, atol=1e-7)
+    lookup = torch.from_numpy(rng.integers(0, 25_000, 500))
+    torch.testing.assert_close(compiled.lookup(lookup), reference.lookup(lookup), rtol=1e-6, atol=1e-7)
