@@ -119,3 +119,14 @@ def adagrad_rows(values, sums, rows, grads, lr, eps, updated, update):  # pragma
             sums[row, j] = total
             values[row, j] += (-lr * g) / (np.sqrt(sums[row, j]) + eps)
         updated[row] = update
+
+
+@njit(nogil=True, cache=True)
+def gather_rows(values, rows, out):  # pragma: no cover - compiled
+    """``out[i] = values[rows[i]]`` where ``rows[i] >= 0`` (the other rows of ``out`` are left as they are:
+    a lookup writes initial values there)."""
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        if row >= 0:
+            for j in range(values.shape[1]):
+                out[i, j] = values[row, j]

@@ -64,6 +64,8 @@ class EmbeddingShard:
         self._map = IdMap()
         self._values, self._slots, self._updated = self._empty_storage()
         self.admission = Admission(spec.admit_after, spec.admit_probability)
+        # The compiled kernels work on numpy views of the storage: numpy has no bfloat16, whose rows keep torch's
+        self._compiled_rules = self._map.path == "numba" and spec.dtype in (torch.float32, torch.float64)
         # The counts are this shard object's (a process's, since its start or the restore that made it): a
         # checkpoint holds rows, not counts, so they restart at 0 (README, "Visible").
         self.rows_created = 0  # since start (a restore's rows are loaded, not created)
@@ -140,6 +142,8 @@ class EmbeddingShard:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """The current rows of ``ids`` (a new tensor); initial values for ids never updated."""
         self.lookups += ids.numel()
+        if self._compiled_rules:
+            return self._lookup_compiled(ids)
         rows = torch.from_numpy(self._map.find(ids.numpy()))
         known = rows >= 0
         if bool(known.all()):
@@ -147,6 +151,17 @@ class EmbeddingShard:
         out = self.spec.initializer.rows(ids, self.spec.dim, self.spec.dtype)
         if bool(known.any()):
             out[known] = self._values.tensor[rows[known]]
+        return out
+
+    def _lookup_compiled(self, ids: torch.Tensor) -> torch.Tensor:
+        """``lookup`` with the rows gathered by one compiled loop straight into the answer."""
+        rows = self._map.find(ids.numpy())
+        known = rows >= 0
+        if known.all():
+            out = torch.empty((ids.numel(), self.spec.dim), dtype=self.spec.dtype)
+        else:
+            out = self.spec.initializer.rows(ids, self.spec.dim, self.spec.dtype)
+        kernels.gather_rows(self._values.tensor.numpy(), rows, out.numpy())
         return out
 
     # --- the update -----------------------------------------------------------------------------
@@ -193,8 +208,7 @@ class EmbeddingShard:
         """The per-row rule as one compiled pass over the touched rows, in place (``ps/kernels.py``); False
         where there is none (lazy Adam, or the numpy path chosen): ``_update`` is the reference."""
         name = self.spec.optimizer.name
-        if self._map.path != "numba" or name not in ("sgd", "adagrad") or not self.spec.dtype.is_floating_point \
-                or self.spec.dtype.itemsize < 4:  # numpy has no bfloat16: those rows keep the torch rules
+        if not self._compiled_rules or name not in ("sgd", "adagrad"):
             return False
         values, updated = self._values.tensor.numpy(), self._updated.tensor.numpy()
         dtype = values.dtype.type  # lr and eps rounded to the rows' dtype, as torch's scalar arguments are
