@@ -94,3 +94,15 @@ def test_the_compiled_rules_update_the_rows_as_the_torch_ones_id_by_id(monkeypat
         torch.testing.assert_close(got.values, want.values, rtol=1e-6, atol=1e-7)
     lookup = torch.from_numpy(rng.integers(0, 25_000, 500))
     torch.testing.assert_close(compiled.lookup(lookup), reference.lookup(lookup), rtol=1e-6, atol=1e-7)
+
+
+def test_a_ps_whose_kernels_cannot_load_refuses_to_start_before_it_listens(monkeypatch):
+    from tensorfleet.cluster.spec import ClusterSpec
+    from tensorfleet.errors import ConfigError
+    from tensorfleet.ps.server import Server
+
+    monkeypatch.setattr(kernels, "_NUMBA_ERROR", "ModuleNotFoundError: No module named 'numba'")
+    monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
+    cluster = ClusterSpec({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]})
+    with pytest.raises(ConfigError, match="table kernels need numba"):
+        Server(cluster, job_name="ps", task_index=0)

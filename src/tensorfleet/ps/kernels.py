@@ -6,7 +6,7 @@ kernels release the GIL (``nogil``) and are cached on disk (``cache``: a ps's se
 
 They are the default. ``TENSORFLEET_PS_KERNELS=numpy`` selects the numpy path instead: it stays as the
 reference the kernels are tested against, id by id, and as the "before" of ``benchmarks/ps_rows.py``. A
-machine where numba cannot be imported fails when a ps builds its first table, with one line that says so.
+machine where numba cannot be imported fails when a ps starts (``Server``), with one line that says so.
 
 The hash is ``cluster.idhash.mix64`` to the bit (splitmix64's finalizer in uint64 arithmetic).
 """
@@ -17,13 +17,13 @@ import os
 
 import numpy as np
 
-from tensorfleet.errors import TensorfleetError
+from tensorfleet.errors import ConfigError
 
 KERNELS_ENV = "TENSORFLEET_PS_KERNELS"
 CHOICES = ("numba", "numpy")
 EMPTY = -1  # an empty slot of the id map
 
-try:  # imported here, used when a table is built (``selected``): its absence is said there, in one line
+try:  # imported here; its absence is said by ``selected`` (a ps's start, a table's build), in one line
     from numba import njit
     _NUMBA_ERROR: str | None = None
 except ImportError as exc:  # pragma: no cover - the default install has numba
@@ -37,13 +37,13 @@ def selected() -> str:
     """The path a table built now uses: "numba" (the default) or "numpy" (``TENSORFLEET_PS_KERNELS``).
 
     Raises:
-        TensorfleetError: an unknown choice, or numba asked for (the default) and not importable.
+        ConfigError: an unknown choice, or numba asked for (the default) and not importable.
     """
     choice = os.environ.get(KERNELS_ENV, "numba")
     if choice not in CHOICES:
-        raise TensorfleetError(f"{KERNELS_ENV}={choice!r}: use one of {CHOICES}")
+        raise ConfigError(f"{KERNELS_ENV}={choice!r}: use one of {CHOICES}")
     if choice == "numba" and _NUMBA_ERROR is not None:
-        raise TensorfleetError(f"the ps's table kernels need numba, which cannot be imported ({_NUMBA_ERROR}): "
+        raise ConfigError(f"the ps's table kernels need numba, which cannot be imported ({_NUMBA_ERROR}): "
                                f"reinstall tensorfleet's dependencies (pip install numba), or set {KERNELS_ENV}=numpy "
                                "for the slower numpy path")
     return choice

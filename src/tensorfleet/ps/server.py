@@ -13,6 +13,7 @@ import time
 from tensorfleet.cluster.spec import (INSECURE_ENV, ClusterSpec, TaskSpec, bind_address, insecure_from_env,
                                       is_loopback_host, parse_address)
 from tensorfleet.errors import ClusterSpecError, ConfigError
+from tensorfleet.ps import kernels
 from tensorfleet.ps.service import PsService
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.wire import auth, rpc
@@ -39,7 +40,8 @@ class Server:
             are evicted (None: no bound).
 
     Raises:
-        ConfigError: no token, a non-loopback address and not ``insecure``; nothing was started.
+        ConfigError: no token, a non-loopback address and not ``insecure``; or the table kernels cannot load
+            (``TENSORFLEET_PS_KERNELS``, numba); nothing was started.
 
     Example:
         >>> Server(cluster, job_name="ps", task_index=0).join()   # doctest: +SKIP
@@ -56,6 +58,7 @@ class Server:
         address = bind_address(cluster_address)
         options = options or rpc.WireOptions()  # from the environment now, not when the module loaded
         self._check_exposure(cluster_address, address, options.token, insecure)  # before anything listens
+        kernels.selected()  # a ps whose table kernels cannot load says so now, not at the chief's Init
         ensure_descriptors(self.task.name)
         replicas = cluster.replicas
         self.store = VariableStore(task=self.task.name, replica_names=[r.name for r in replicas],
