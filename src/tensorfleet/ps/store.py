@@ -106,7 +106,7 @@ class VariableStore:
                  memory_budget: int | None = None) -> None:
         self.task = task
         self.shard = shard
-        self.memory_budget = memory_budget  # bytes the embedding tables may hold; evicted down to below it
+        # bytes the embedding tables may hold, evicted down to below it (None: no budget)
         self._budget = MemoryBudget(memory_budget, task=task) if memory_budget is not None else None
         self._tables: dict[str, EmbeddingShard] = {}
         self._table_floor = 0  # what the tables hold with no row (storage, id maps, sketches): the budget's floor
