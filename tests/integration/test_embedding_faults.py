@@ -190,7 +190,8 @@ def still_serving(fleet: Fleet, origin: Origin, *, rejected: int = 0) -> Iterato
         assert fleet.channel._sock is sock, "the refusal cost the connection"  # noqa: SLF001
     sock = fleet.channel._sock  # noqa: SLF001
     applied_before = fleet.servers[TARGET].store.status().applied_updates
-    meta, _ = fleet.channel.call("Push", declared(PushRequest(origin).to_meta(), good_push()), good_push(), timeout=TIMEOUT_S)
+    push = good_push()
+    meta, _ = fleet.channel.call("Push", declared(PushRequest(origin).to_meta(), push), push, timeout=TIMEOUT_S)
     assert meta["outcome"] == "applied", f"the refused push's origin was taken: {meta}"
     assert fleet.servers[TARGET].store.status().applied_updates == applied_before + 1
     _, rows = fleet.channel.call("Lookup", {}, {GROW: MINE, FIXED: MINE}, timeout=TIMEOUT_S)
@@ -273,8 +274,8 @@ BAD_PUSHES = [
 def test_a_malformed_sparse_push_is_refused_and_changes_nothing(trained, tensors, match):
     origin = next_origin()
     with still_serving(trained, origin):
-        refused(lambda: trained.channel.call("Push", declared(PushRequest(origin).to_meta(), tensors), tensors, timeout=TIMEOUT_S),
-                match)
+        refused(lambda: trained.channel.call("Push", declared(PushRequest(origin).to_meta(), tensors), tensors,
+                                             timeout=TIMEOUT_S), match)
 
 
 @pytest.mark.parametrize("edge", [0, ROWS - 1], ids=["zero", "num-rows-minus-1"])
@@ -284,8 +285,9 @@ def test_fixed_size_boundary_ids_are_accepted(trained, edge):
     home = int(shard_of(ids, NUM_PS)[0])
     channel = trained.channel if home == TARGET else trained.connection(home)
     try:
-        meta, _ = channel.call("Push", declared(PushRequest(next_origin(), advance_step=home == 0).to_meta(), rows_push(FIXED, ids)),
-                               rows_push(FIXED, ids), timeout=TIMEOUT_S)
+        tensors = rows_push(FIXED, ids)
+        meta, _ = channel.call("Push", declared(PushRequest(next_origin(), advance_step=home == 0).to_meta(), tensors),
+                               tensors, timeout=TIMEOUT_S)
         _, looked = channel.call("Lookup", {}, {FIXED: ids}, timeout=TIMEOUT_S)
     finally:
         if channel is not trained.channel:
@@ -302,7 +304,8 @@ def test_nan_in_row_gradients_is_rejected_and_applies_nothing(trained):
     grads[1, 2] = float("nan")
     tensors = {**rows_push(GROW, MINE, grads), **rows_push(FIXED, MINE[:1]), "v": torch.ones(3)}
     with still_serving(trained, origin, rejected=1):
-        meta, _ = trained.channel.call("Push", declared(PushRequest(origin).to_meta(), tensors), tensors, timeout=TIMEOUT_S)
+        meta, _ = trained.channel.call("Push", declared(PushRequest(origin).to_meta(), tensors), tensors,
+                                       timeout=TIMEOUT_S)
         assert meta["outcome"] == "rejected"
 
 
@@ -313,7 +316,8 @@ def test_inf_in_row_gradients_of_a_narrowed_push_is_rejected(trained):
     grads[0, 0] = float("-inf")
     meta = PushRequest(origin, wire_dtype=torch.bfloat16).to_meta()
     with still_serving(trained, origin, rejected=1):
-        reply, _ = trained.channel.call("Push", declared(meta, rows_push(GROW, MINE, grads)), rows_push(GROW, MINE, grads), timeout=TIMEOUT_S)
+        tensors = rows_push(GROW, MINE, grads)
+        reply, _ = trained.channel.call("Push", declared(meta, tensors), tensors, timeout=TIMEOUT_S)
         assert reply["outcome"] == "rejected"
 
 
@@ -321,7 +325,8 @@ def test_too_many_ids_in_one_push_are_refused_before_the_body(trained, monkeypat
     monkeypatch.setattr(ps_layout, "MAX_IDS_PER_REQUEST", 2)
     origin = next_origin()
     with still_serving(trained, origin):
-        refused(lambda: trained.channel.call("Push", declared(PushRequest(origin).to_meta(), rows_push(GROW, MINE)), rows_push(GROW, MINE),
+        tensors = rows_push(GROW, MINE)
+        refused(lambda: trained.channel.call("Push", declared(PushRequest(origin).to_meta(), tensors), tensors,
                                              timeout=TIMEOUT_S), r"'grow': 3 ids in one push; at most 2")
         monkeypatch.undo()  # the good push after it carries 3
 
@@ -392,8 +397,9 @@ def test_extreme_int64_ids_are_accepted_by_a_growing_table(trained, extreme):
             assert torch.equal(looked[GROW][0], initial[0])
         grads = torch.tensor([[0.5, -2.0, 1.0]])
         slot_before = _slot(trained.servers[home], extreme)
-        meta, _ = channel.call("Push", declared(PushRequest(next_origin(), advance_step=home == 0).to_meta(), rows_push(GROW, ids, grads)),
-                               rows_push(GROW, ids, grads), timeout=TIMEOUT_S)
+        tensors = rows_push(GROW, ids, grads)
+        meta, _ = channel.call("Push", declared(PushRequest(next_origin(), advance_step=home == 0).to_meta(), tensors),
+                               tensors, timeout=TIMEOUT_S)
         assert meta["outcome"] == "applied"
         held = table_rows(trained.servers[home], GROW)
         total = slot_before + grads[0] * grads[0]
@@ -457,10 +463,12 @@ def test_an_async_sparse_push_sent_twice_changes_the_rows_once():
         assert (status.applied_updates, status.accepted_pushes, status.retried_pushes) == (1, 1, 1)
         assert status.tables["emb"]["rows"] == EO_IDS.numel()
         # An older seq of the same incarnation is a retry too; the next seq is a new push.
-        assert fleet.channel.call("Push", declared(PushRequest(Origin(0, 5, 1)).to_meta(), _eo_push(3.0)), _eo_push(3.0),
+        tensors = _eo_push(3.0)
+        assert fleet.channel.call("Push", declared(PushRequest(Origin(0, 5, 1)).to_meta(), tensors), tensors,
                                   timeout=TIMEOUT_S)[0]["outcome"] == "retried"
         assert fleet_state(fleet)[TARGET]["tensors"] == after_first[TARGET]["tensors"]
-        assert fleet.channel.call("Push", declared(PushRequest(Origin(0, 5, 2)).to_meta(), _eo_push(1.0)), _eo_push(1.0),
+        tensors = _eo_push(1.0)
+        assert fleet.channel.call("Push", declared(PushRequest(Origin(0, 5, 2)).to_meta(), tensors), tensors,
                                   timeout=TIMEOUT_S)[0]["outcome"] == "applied"
         rows = _eo_rows(server)
         torch.testing.assert_close(torch.stack([rows[i] for i in EO_IDS.tolist()]),
@@ -546,8 +554,8 @@ def test_a_sync_sparse_push_resent_while_its_step_is_open_is_counted_once_in_the
             threads.append(_in_background(replies, "copy", channels[1], meta0, push0))
             _wait_for(lambda: server.store.status().retried_pushes == 1, "the copy to be recognized")
             assert server.store.status().global_step == 0 and not replies
-            replies["replica 1"] = channels[2].call("Push", declared(PushRequest(Origin(1, 6, 1), replica=1, step=0).to_meta(), push1),
-                                                    push1, timeout=TIMEOUT_S)[0]
+            meta1 = declared(PushRequest(Origin(1, 6, 1), replica=1, step=0).to_meta(), push1)
+            replies["replica 1"] = channels[2].call("Push", meta1, push1, timeout=TIMEOUT_S)[0]
             for thread in threads:
                 thread.join(TIMEOUT_S)
         finally:
@@ -586,8 +594,8 @@ def test_a_refused_sync_sparse_push_leaves_nothing_in_its_step(defect, match):
         try:
             thread = _in_background(replies, "replica 0", fleet.channel, meta0, push0)
             _wait_for(lambda: server.store.status().accepted_pushes == 1, "replica 0's push to be accepted")
-            replies["replica 1"] = other.call("Push", declared(PushRequest(Origin(1, 6, 1), replica=1, step=0).to_meta(), push1),
-                                              push1, timeout=TIMEOUT_S)[0]
+            meta1 = declared(PushRequest(Origin(1, 6, 1), replica=1, step=0).to_meta(), push1)
+            replies["replica 1"] = other.call("Push", meta1, push1, timeout=TIMEOUT_S)[0]
             thread.join(TIMEOUT_S)
         finally:
             other.close()
@@ -667,7 +675,8 @@ def test_a_sparse_push_cut_mid_message_applies_nothing(trained, cut):
     _ended(connection)
     assert status != "OK"
     assert fleet_state(trained) == before
-    reply, _ = trained.channel.call("Push", declared(PushRequest(origin).to_meta(), tensors), tensors, timeout=TIMEOUT_S)
+    reply, _ = trained.channel.call("Push", declared(PushRequest(origin).to_meta(), tensors), tensors,
+                                    timeout=TIMEOUT_S)
     assert reply["outcome"] == "applied"
 
 
@@ -680,9 +689,8 @@ def test_a_streamed_sparse_push_aborted_after_its_ids_applies_nothing(trained):
     serving = _serving_threads()
     channel = trained.connection()
     try:
-        stream = channel.stream("Push", declared(PushRequest(origin).to_meta(), [TensorEntry.of(name, tensor) for name, tensor in tensors.items()]),
-                                [TensorEntry.of(name, tensor) for name, tensor in tensors.items()],
-                                timeout=TIMEOUT_S)
+        entries = [TensorEntry.of(name, tensor) for name, tensor in tensors.items()]
+        stream = channel.stream("Push", declared(PushRequest(origin).to_meta(), entries), entries, timeout=TIMEOUT_S)
         stream.send(tensors[ids_key(GROW)])
         connection = _blocked_connection(serving)
         stream.abort()
