@@ -106,3 +106,65 @@ def test_a_ps_whose_kernels_cannot_load_refuses_to_start_before_it_listens(monke
     cluster = ClusterSpec({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]})
     with pytest.raises(ConfigError, match="table kernels need numba"):
         Server(cluster, job_name="ps", task_index=0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_duplicate_check_names_the_same_id_as_the_numpy_one(monkeypatch, seed):
+    """A push's ids with repeats anywhere (or none): both paths name the id whose second appearance comes first."""
+    from tensorfleet.ps.table import unique_ids_error
+
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        ids = np.unique(rng.integers(-2 ** 63, 2 ** 63 - 1, size=int(rng.integers(2, 3000)), dtype=np.int64))
+        rng.shuffle(ids)
+        if rng.random() < 0.8:  # repeats of random earlier ids at random later places
+            for _ in range(int(rng.integers(1, 4))):
+                at = int(rng.integers(1, ids.size + 1))
+                ids = np.insert(ids, at, ids[int(rng.integers(0, at))])
+        answers = []
+        for path in ("numpy", "numba"):
+            monkeypatch.setenv(kernels.KERNELS_ENV, path)
+            answers.append(unique_ids_error(torch.from_numpy(ids)))
+        assert answers[0] == answers[1]
+        _, counts = np.unique(ids, return_counts=True)
+        assert (answers[1] is None) == bool((counts == 1).all())
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adagrad"])
+def test_a_division_by_zero_in_a_rule_gives_what_torch_gives_not_an_error(monkeypatch, rule):
+    """Adagrad with eps=0 on a zero gradient divides 0 by 0: torch's rows hold NaN then, and so must the
+    kernel's (numba's default error model would raise ZeroDivisionError inside the ps instead)."""
+    optimizer = OptimizerSpec(rule, {"lr": 0.1, **({"eps": 0.0} if rule == "adagrad" else {})})
+    reference, compiled = _shards(monkeypatch, TableSpec("t", 16, optimizer))
+    ids = torch.arange(8, dtype=torch.int64)
+    grads = torch.zeros((8, 16))
+    grads[::2] = 1.0
+    for shard in (reference, compiled):
+        shard.apply(ids, grads, 0.1, 1)
+    want, got = reference.state().values, compiled.state().values
+    assert bool(want.isnan().any()) == (rule == "adagrad")
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-6, atol=1e-7)
+
+
+def test_a_push_looks_its_ids_up_once_and_again_only_after_an_eviction_renumbered_the_rows(monkeypatch):
+    monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
+    shard = EmbeddingShard(TableSpec("t", 4, OptimizerSpec("adagrad", {"lr": 0.1}), admit_after=2, max_rows=90))
+    calls = []
+    find = shard._map.find
+    monkeypatch.setattr(shard._map, "find", lambda asked: calls.append(asked.size) or find(asked))
+    ids = torch.arange(80, dtype=torch.int64)
+    for update in (1, 2, 3):  # seen, admitted and created, then known
+        calls.clear()
+        shard.apply(ids, torch.ones((80, 4)), 0.1, update)
+        assert calls == [80], update
+    assert len(shard) == 80
+    calls.clear()
+    fresh = torch.arange(60, 100, dtype=torch.int64)
+    shard.apply(fresh, torch.ones((40, 4)), 0.1, 4)  # 20 known, 20 seen once: refused
+    assert calls == [40] and len(shard) == 80
+    calls.clear()
+    shard.apply(fresh, torch.ones((40, 4)), 0.1, 5)  # 20 admitted past max_rows: an eviction renumbers the rows
+    assert calls[0] == 40 and calls[-1] == 40 and len(calls) >= 2 and shard.evicted > 0
+    got = shard.lookup(fresh)
+    assert not torch.equal(got, shard.spec.initializer.rows(fresh, 4, torch.float32))  # every row updated
+    assert bool((got != shard.spec.initializer.rows(fresh, 4, torch.float32)).any(dim=1).all())

@@ -168,12 +168,15 @@ class EmbeddingShard:
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float, update: int = 0) -> None:
         """Update number ``update`` of the rows of ``ids`` (unique, checked by the caller) with ``grads`` (one
-        row each): new ids only if admitted, room made under ``max_rows`` first."""
+        row each): new ids only if admitted, room made under ``max_rows`` first. The ids are looked up in the
+        id map once (again only after an eviction renumbered the rows)."""
         self._now = update
+        if not ids.numel():
+            return
+        found = self._map.find(ids.numpy())
+        ids, grads, found = self._admitted(ids, grads, found, update)
         if ids.numel():
-            ids, grads = self._admitted(ids, grads, update)
-        if ids.numel():
-            rows = self._rows_for(ids)
+            rows = self._rows_for(ids, found)
             if not self._update_compiled(rows, grads, lr, update):
                 self._update(rows, grads, lr)
                 self._updated.tensor[rows] = update
@@ -187,22 +190,25 @@ class EmbeddingShard:
             self.evict_before(update - self.spec.ttl_steps)
             self._next_sweep = update + max(1, self.spec.ttl_steps // 4)
 
-    def _admitted(self, ids: torch.Tensor, grads: torch.Tensor, update: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ids (and their gradients) that have a row or are admitted now; room made for the new ones."""
-        missing = self._map.find(ids.numpy()) < 0
+    def _admitted(self, ids: torch.Tensor, grads: torch.Tensor, found: np.ndarray, update: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """The ids (their gradients, their rows as ``found``: -1 for a new one) that have a row or are admitted
+        now; room made for the new ones (an eviction renumbers the rows: they are found again then)."""
+        missing = found < 0
         if not missing.any():
-            return ids, grads
+            return ids, grads, found
         admitted = self.admission.admit(ids.numpy()[missing], update)
         if not admitted.all():
             keep = ~missing
             keep[np.flatnonzero(missing)[admitted]] = True
-            ids, grads = ids[torch.from_numpy(keep)], grads[torch.from_numpy(keep)]
+            ids, grads, found = ids[torch.from_numpy(keep)], grads[torch.from_numpy(keep)], found[keep]
         new = int(admitted.sum())
         limit = self.spec.max_rows
         if limit is not None and new and len(self) + new > limit:
             target = min(int(limit * EVICT_TO), limit - new)
-            self.evict_lru(len(self) - max(target, 0), keep_ids=ids)
-        return ids, grads
+            if self.evict_lru(len(self) - max(target, 0), keep_ids=ids):
+                found = self._map.find(ids.numpy())
+        return ids, grads, found
 
     def _update_compiled(self, rows: torch.Tensor, grads: torch.Tensor, lr: float, update: int) -> bool:
         """The per-row rule as one compiled pass over the touched rows, in place (``ps/kernels.py``); False
@@ -253,9 +259,9 @@ class EmbeddingShard:
         values.sub_(step_size[:, None] * exp_avg / denom)
         slots["step"][rows], slots["exp_avg"][rows], slots["exp_avg_sq"][rows] = step, exp_avg, exp_avg_sq
 
-    def _rows_for(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of ``ids``, creating (initial value, fresh slots) the ones never updated."""
-        found = self._map.find(ids.numpy())
+    def _rows_for(self, ids: torch.Tensor, found: np.ndarray) -> torch.Tensor:
+        """The rows of ``ids`` (``found``: their rows, -1 where new), creating (initial value, fresh slots) the
+        ones never updated."""
         missing = found < 0
         if missing.any():
             new_ids = ids[torch.from_numpy(missing)]
@@ -420,11 +426,18 @@ def page_of(ids: np.ndarray, pages: int) -> np.ndarray:
 
 
 def unique_ids_error(ids: torch.Tensor) -> str | None:
-    """Why ``ids`` cannot be a push's ids (duplicates), or None."""
+    """Why ``ids`` cannot be a push's ids (duplicates: the first id seen twice), or None."""
     if ids.numel() < 2:
         return None
-    ordered = np.sort(ids.numpy())
-    repeated = ordered[1:] == ordered[:-1]
-    if repeated.any():
-        return f"id {int(ordered[1:][repeated][0])} appears twice (sum its gradients on the worker)"
-    return None
+    flat = np.ascontiguousarray(ids.numpy(), dtype=np.int64)
+    if kernels.selected() == "numba":
+        seen = np.zeros(1 << (2 * flat.size - 1).bit_length(), dtype=np.int64)
+        index = kernels.repeated_id(flat, seen)
+        repeated = None if index < 0 else int(flat[index])
+    else:  # the reference: every position but each id's first is a repeat
+        repeat = np.ones(flat.size, dtype=bool)
+        repeat[np.unique(flat, return_index=True)[1]] = False
+        repeated = int(flat[repeat.argmax()]) if repeat.any() else None
+    if repeated is None:
+        return None
+    return f"id {repeated} appears twice (sum its gradients on the worker)"
