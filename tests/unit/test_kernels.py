@@ -168,3 +168,24 @@ def test_a_push_looks_its_ids_up_once_and_again_only_after_an_eviction_renumbere
     got = shard.lookup(fresh)
     assert not torch.equal(got, shard.spec.initializer.rows(fresh, 4, torch.float32))  # every row updated
     assert bool((got != shard.spec.initializer.rows(fresh, 4, torch.float32)).any(dim=1).all())
+
+
+@pytest.mark.parametrize("shards", [2, 3, 5])
+def test_the_compiled_routing_check_finds_the_first_id_of_another_shard_as_shard_of_says(monkeypatch, shards):
+    from tensorfleet.cluster.idhash import shard_of
+    from tensorfleet.ps.table import first_stray
+
+    rng = np.random.default_rng(shards)
+    ids = np.concatenate([EXTREMES, rng.integers(-2 ** 63, 2 ** 63 - 1, size=5000, dtype=np.int64)])
+    owner = shard_of(ids, shards)
+    for shard in range(shards):
+        mine = ids[owner == shard]
+        for stray_at in (None, 0, 17, mine.size - 1):
+            asked = mine.copy()
+            if stray_at is not None:
+                asked[stray_at:] = np.concatenate([ids[owner != shard][:1], mine[stray_at:-1]])
+            answers = []
+            for path in ("numpy", "numba"):
+                monkeypatch.setenv(kernels.KERNELS_ENV, path)
+                answers.append(first_stray(torch.from_numpy(asked), shards, shard))
+            assert answers == [-1 if stray_at is None else stray_at] * 2

@@ -14,7 +14,7 @@ import torch
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
-_SHARD_SALT = np.uint64(0x5EED5EED00000001)
+SHARD_SALT = np.uint64(0x5EED5EED00000001)  # shard_of's; the ps's compiled routing check uses it too
 _INIT_SALT = np.uint64(0x1D1D1D1D00000002)
 
 
@@ -37,7 +37,7 @@ def shard_of(ids: torch.Tensor | np.ndarray, num_shards: int) -> np.ndarray:
     """The ps shard (0..num_shards-1) that holds each id's row: a hash of the id, not the id itself,
     so that ids that come in runs (a user id space, a new day's items) spread evenly."""
     with np.errstate(over="ignore"):
-        return (mix64(as_uint64(ids) ^ _SHARD_SALT) % np.uint64(num_shards)).astype(np.int64)
+        return (mix64(as_uint64(ids) ^ SHARD_SALT) % np.uint64(num_shards)).astype(np.int64)
 
 
 def _fields(ids: torch.Tensor | np.ndarray, columns: int, seed: int) -> np.ndarray:

@@ -211,3 +211,14 @@ def repeated_id(ids, seen):  # pragma: no cover - compiled
                 return i
             slot = (slot + 1) & mask
     return -1
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def first_elsewhere(ids, salt, shards, shard):  # pragma: no cover - compiled
+    """The index of the first id that ``cluster.idhash.shard_of`` puts on another shard than ``shard`` (of
+    ``shards``), or -1: the ps's check of a request's routing, in one pass instead of numpy's five."""
+    count = np.uint64(shards)
+    for i in range(ids.shape[0]):
+        if np.int64(_mix64(np.uint64(ids[i]) ^ salt) % count) != shard:
+            return i
+    return -1

@@ -16,7 +16,7 @@ from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.protocol.messages import PushRequest, TableRows, ids_key
 from tensorfleet.protocol.specs import Mode, TableSpec
 from tensorfleet.ps.apply import check_layout
-from tensorfleet.ps.table import unique_ids_error
+from tensorfleet.ps.table import first_stray, unique_ids_error
 
 # Rows of one table in one request at most: a bound on what one message can make a shard allocate or send.
 MAX_IDS_PER_REQUEST = 1 << 24
@@ -106,9 +106,9 @@ class ShardLayout:
         spec.check_ids(ids, task=task)
         index, count = self.shard
         if count > 1 and ids.numel():
-            elsewhere = shard_of(ids, count) != index
-            if elsewhere.any():
-                stray = int(ids[torch.from_numpy(elsewhere)][0])
+            stray_at = first_stray(ids, count, index)
+            if stray_at >= 0:
+                stray = int(ids[stray_at])
                 home = int(shard_of(torch.tensor([stray]), count)[0])
                 raise InvalidArgumentError(f"table {table!r}: id {stray} lives on ps {home}, not on this shard "
                                            f"({index} of {count}): route ids by tensorfleet.cluster.idhash.shard_of",

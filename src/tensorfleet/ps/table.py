@@ -42,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tensorfleet.cluster.idhash import as_uint64, mix64
+from tensorfleet.cluster.idhash import SHARD_SALT, as_uint64, mix64, shard_of
 from tensorfleet.ps import kernels
 from tensorfleet.ps.admission import Admission
 from tensorfleet.protocol.specs import TableSpec
@@ -441,3 +441,12 @@ def unique_ids_error(ids: torch.Tensor) -> str | None:
     if repeated is None:
         return None
     return f"id {repeated} appears twice (sum its gradients on the worker)"
+
+
+def first_stray(ids: torch.Tensor, shards: int, shard: int) -> int:
+    """The index of the first of ``ids`` that ``shard_of`` routes to another shard than ``shard``, or -1."""
+    flat = np.ascontiguousarray(ids.numpy(), dtype=np.int64)
+    if kernels.selected() == "numba":
+        return int(kernels.first_elsewhere(flat, SHARD_SALT, shards, shard))
+    elsewhere = np.flatnonzero(shard_of(flat, shards) != shard)
+    return int(elsewhere[0]) if elsewhere.size else -1
