@@ -65,12 +65,13 @@ def _shards(monkeypatch, spec):
 
 
 @pytest.mark.parametrize("wire", ["float32", "bfloat16"])
-@pytest.mark.parametrize("rule", ["sgd", "adagrad"])
+@pytest.mark.parametrize("rule", ["sgd", "adagrad", "adam"])
 @pytest.mark.parametrize("lifecycle", [{}, {"admit_after": 2}, {"max_rows": 3000}, {"ttl_steps": 8}],
                          ids=["plain", "admission", "capacity-eviction", "ttl"])
 def test_the_compiled_rules_update_the_rows_as_the_torch_ones_id_by_id(monkeypatch, rule, wire, lifecycle):
     """Zipf batches of new and repeated ids (and, with a lifecycle, admitted, evicted and returning ids):
-    sgd to the bit, Adagrad's sums to the bit and its rows within a float32 rounding of torch's kernel."""
+    sgd to the bit, Adagrad's sums and lazy Adam's moments and steps to the bit, their rows within a float32
+    rounding of torch's (whose float32 sqrt is not numpy's correctly rounded one in about 1 case of 6)."""
     optimizer = OptimizerSpec(rule, {"lr": 0.1})
     reference, compiled = _shards(monkeypatch, TableSpec("t", 16, optimizer, **lifecycle))
     rng = np.random.default_rng(7)

@@ -297,9 +297,13 @@ def test_a_delta_that_comes_back_whole_is_paged_as_a_whole(monkeypatch):
     assert sum(page.tables["a"].ids.numel() for page in pages) == 2
 
 
-def test_lazy_adam_equals_torch_adam_on_one_parameter_per_row_to_the_bit():
+@pytest.mark.parametrize("path", ["numpy", "numba"])
+def test_lazy_adam_equals_torch_adam_on_one_parameter_per_row_to_the_bit(monkeypatch, path):
     """Issue 30, item 4: the bias corrections were computed in float32 (rows drifted 2.5e-6 from torch.optim.Adam
-    after 12 steps); torch computes them in float64 and rounds the step size once, as the rows do now."""
+    after 12 steps); torch computes them in float64 and rounds the step size once, as the rows do now. The
+    torch path (the reference) to the bit; the compiled kernel (issue 27) within a float32 rounding, as torch's
+    float32 sqrt (MKL's) is not the correctly rounded one the kernel takes, in about 1 case of 6."""
+    monkeypatch.setenv("TENSORFLEET_PS_KERNELS", path)
     options = {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-8}
     shard = EmbeddingShard(TableSpec("t", 4, OptimizerSpec("adam", {**options, "betas": [0.8, 0.95]}),
                                      initializer=ZERO))
@@ -316,5 +320,8 @@ def test_lazy_adam_equals_torch_adam_on_one_parameter_per_row_to_the_bit():
             param.grad = grads[hit[0, 0]].clone() if hit.numel() else None
         reference.step()
         shard.apply(touched.to(torch.int64), grads, options["lr"], update)
-    rows = shard.lookup(torch.arange(6))
-    assert torch.equal(rows, torch.stack([p.detach() for p in params])), (rows - torch.stack(params)).abs().max()
+    rows, want = shard.lookup(torch.arange(6)), torch.stack([p.detach() for p in params])
+    if path == "numpy":
+        assert torch.equal(rows, want), (rows - want).abs().max()
+    else:
+        torch.testing.assert_close(rows, want, rtol=1e-6, atol=1e-7)

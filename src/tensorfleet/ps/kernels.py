@@ -222,3 +222,39 @@ def first_elsewhere(ids, salt, shards, shard):  # pragma: no cover - compiled
         if np.int64(_mix64(np.uint64(ids[i]) ^ salt) % count) != shard:
             return i
     return -1
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def adam_rows(values, exp_avg, exp_avg_sq, steps, rows, grads, lr, beta1, beta2, take1, keep2, take2, eps,
+              updated, update):  # pragma: no cover - compiled
+    """Lazy Adam on the rows ``rows`` in place, each row stepped once and stamped ``update`` (``ps/table.py``
+    says the rule), as the torch path rounds it: the bias corrections and the step size in float64 (``lr``,
+    ``beta1``, ``beta2``), rounded once to the rows' dtype; ``take1`` = 1 - beta1, ``keep2`` = beta2, ``take2``
+    = 1 - beta2 and ``eps`` in the rows' dtype; ``lerp_`` and ``addcmul_`` as torch's fused multiply-adds (the
+    float32 product exact in float64), every other operation rounded in the rows' dtype."""
+    count = rows.shape[0]
+    rounded = np.empty(2, dtype=values.dtype)  # float64 values rounded to the rows' dtype, as torch's .to()
+    for i in range(count):
+        if i + AHEAD < count:
+            ahead = rows[i + AHEAD]
+            _prefetch_row(values, ahead)
+            _prefetch_row(exp_avg, ahead)
+            _prefetch_row(exp_avg_sq, ahead)
+            _prefetch(steps, ahead, 0)
+            _prefetch(updated, ahead, 0)
+        row = rows[i]
+        step = steps[row] + 1
+        steps[row] = step
+        rounded[0] = lr / (1.0 - beta1 ** np.float64(step))
+        rounded[1] = np.sqrt(1.0 - beta2 ** np.float64(step))
+        step_size, bias2_sqrt = rounded[0], rounded[1]
+        for j in range(values.shape[1]):
+            g = grads[i, j]
+            m = exp_avg[row, j]
+            m = np.float64(take1) * np.float64(g - m) + np.float64(m)
+            exp_avg[row, j] = m
+            v = exp_avg_sq[row, j] * keep2
+            v = np.float64(take2 * g) * np.float64(g) + np.float64(v)
+            exp_avg_sq[row, j] = v
+            values[row, j] -= step_size * exp_avg[row, j] / (np.sqrt(exp_avg_sq[row, j]) / bias2_sqrt + eps)
+        updated[row] = update

@@ -5,15 +5,19 @@ row's initial value (``RowInitializer``, a pure function of the id), which is ex
 its first update starts.  So evaluation traffic never grows a table, and a row's value does
 not depend on which worker asked first.
 
-The per-row rules (plain torch on the touched rows; the caller holds the store's lock):
+The per-row rules (by default one compiled pass over the touched rows, ``ps/kernels.py``; plain torch on
+them with ``TENSORFLEET_PS_KERNELS=numpy`` and for bfloat16 rows, the reference; the caller holds the store's
+lock):
 
 * ``sgd``:     ``row -= lr * g``
 * ``adagrad``: ``acc += g * g; row -= lr * g / (sqrt(acc) + eps)`` (``torch.optim.Adagrad`` on the
   touched rows; ``initial_accumulator_value`` as there)
 * ``adam`` (lazy): per row ``t += 1; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
   row -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``: ``torch.optim.Adam``'s update of a
-  row that is a parameter of its own, stepped only when touched, to the bit (the bias corrections in
-  float64, as torch computes them).  ``torch.optim.SparseAdam`` counts ``t`` per tensor instead and adds
+  row that is a parameter of its own, stepped only when touched, to the bit on the torch path (the bias
+  corrections in float64, as torch computes them); the kernel's moments to the bit, its rows within a
+  float32 rounding (its sqrt is correctly rounded, torch's float32 sqrt, MKL's, is not in about 1 case of 6,
+  nor is Adagrad's).  ``torch.optim.SparseAdam`` counts ``t`` per tensor instead and adds
   eps to sqrt(v) before the bias correction (its eps is Adam's times sqrt(1 - b2^t)).
 
 Storage grows by a quarter of its size when full, in place (``GrowingRows``: no copy, so no
@@ -212,19 +216,24 @@ class EmbeddingShard:
 
     def _update_compiled(self, rows: torch.Tensor, grads: torch.Tensor, lr: float, update: int) -> bool:
         """The per-row rule as one compiled pass over the touched rows, in place (``ps/kernels.py``); False
-        where there is none (lazy Adam, or the numpy path chosen): ``_update`` is the reference."""
-        name = self.spec.optimizer.name
-        if not self._compiled_rules or name not in ("sgd", "adagrad"):
+        where there is none (bfloat16 rows, or the numpy path chosen): ``_update`` is the reference."""
+        if not self._compiled_rules:
             return False
+        name, options = self.spec.optimizer.name, self.spec.optimizer.options
         values, updated = self._values.tensor.numpy(), self._updated.tensor.numpy()
+        slots = {slot: storage.tensor.numpy() for slot, storage in self._slots.items()}
         dtype = values.dtype.type  # lr and eps rounded to the rows' dtype, as torch's scalar arguments are
         grads = np.ascontiguousarray(grads.to(self.spec.dtype).numpy())
         if name == "sgd":
             kernels.sgd_rows(values, rows.numpy(), grads, dtype(lr), updated, update)
+        elif name == "adagrad":
+            eps = dtype(float(options.get("eps", 1e-10)))
+            kernels.adagrad_rows(values, slots["sum"], rows.numpy(), grads, dtype(lr), eps, updated, update)
         else:
-            eps = dtype(float(self.spec.optimizer.options.get("eps", 1e-10)))
-            kernels.adagrad_rows(values, self._slots["sum"].tensor.numpy(), rows.numpy(), grads, dtype(lr), eps,
-                                 updated, update)
+            beta1, beta2 = (float(b) for b in options.get("betas", (0.9, 0.999)))
+            kernels.adam_rows(values, slots["exp_avg"], slots["exp_avg_sq"], slots["step"], rows.numpy(), grads,
+                              float(lr), beta1, beta2, dtype(1 - beta1), dtype(beta2), dtype(1 - beta2),
+                              dtype(float(options.get("eps", 1e-8))), updated, update)
         return True
 
     def _update(self, rows: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
