@@ -1,7 +1,13 @@
 """The variables of one ps shard, their optimizer, the step and the counters.
 
-All mutation happens under one lock, and every request is validated before
-anything is written, so a bad request leaves the shard bit-identical.
+One lock orders the shard (``_cond``): exactly-once admission, fences, the step and update counters, the
+dense variables' update and reads. The embedding tables are not under it: a request admitted under it takes a
+ticket on each table it touches there, and each table's part runs after, at that table's turn and in parallel
+with its other tables' parts (``ps/tablelocks.py``), so every table sees the pushes in the order they were
+admitted, and a lookup sees every push on all its tables or on none. What needs every table at one point
+(snapshots, status, restores, the memory budget's eviction across tables) waits, under the ordering lock,
+until the tables have served every request admitted before. Every request is validated before anything is
+written, so a bad request leaves the shard bit-identical.
 
 Readers of the live tensors (``read_live``: a pull's reply is copied from the
 variables into the connection's reply area or staging buffer, and the hold is
@@ -18,6 +24,7 @@ replica pushes to every shard), and ps task 0's count is the global step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import secrets
 import threading
@@ -38,6 +45,7 @@ from tensorfleet.ps.layout import ShardLayout, entries_of, nonfinite_names
 from tensorfleet.ps.membership import Membership
 from tensorfleet.ps.origins import Origins
 from tensorfleet.ps.table import EmbeddingShard
+from tensorfleet.ps.tablelocks import TableTurns, Tickets
 
 SNAPSHOT_PAGE_BYTES = 256 << 20  # table rows per page of a Snapshot: replies stay far below the message limit
 PAGES_KEPT_S = 600.0  # a paged snapshot's later pages wait this long to be read, at most
@@ -110,6 +118,10 @@ class VariableStore:
         self._budget = MemoryBudget(memory_budget, task=task) if memory_budget is not None else None
         self._tables: dict[str, EmbeddingShard] = {}
         self._table_floor = 0  # what the tables hold with no row (storage, id maps, sketches): the budget's floor
+        self._turns = TableTurns(task)  # each table's turns: its part of a request runs outside ``_cond``
+        # The update at which each TTL table's next sweep is due, as ``EmbeddingShard.sweep`` counts it: a table
+        # no push touches takes a turn only for an update that sweeps it.
+        self._next_sweeps: dict[str, int] = {}
         self.membership = Membership(replica_names)  # the job's replicas (0 of them: ids not checked), Done
         self._cond = threading.Condition()
         self._variables: dict[str, torch.Tensor] = {}
@@ -180,8 +192,10 @@ class VariableStore:
         with self._cond:
             if self._applier is not None and not force:
                 return False
+            self._turns.drain()  # the old tables' parts in flight end first
             self._variables, self._applier, self._sync, self._average = owned, applier, accumulator, average
             self.nonfinite, self._layout, self._tables, self._table_floor = nonfinite, layout, shards, floor
+            self._next_sweeps = {table.name: table.ttl_steps for table in tables if table.ttl_steps is not None}
             self._global_step = restore.global_step if restore is not None else 0
             self._applied_updates = restore.applied_updates if restore is not None else 0
             self._initial_updates, self._accepted_pushes = self._applied_updates, 0
@@ -308,6 +322,7 @@ class VariableStore:
             if cut is not None:
                 self._wait_for_cut(cut)
             try:
+                self._turns.drain()  # every push admitted so far, on every table; none after (the lock is held)
                 first = self._copy(since, page, pages)
                 if pages is None and first.pages > 1:
                     token = secrets.token_hex(8)
@@ -336,7 +351,7 @@ class VariableStore:
             return state
 
     def _copy(self, since: int | None, page: int, pages: int | None) -> ShardState:
-        """``snapshot``'s copy, under the lock held by the caller."""
+        """``snapshot``'s copy, under the lock held by the caller, the tables drained."""
         if since is not None and since > self._applied_updates:
             since = None
         if since is not None and not all(table.can_tell_delta(since) for table in self._tables.values()):
@@ -370,10 +385,15 @@ class VariableStore:
 
     def lookup(self, ids: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
         """The current rows of each table's ``ids`` (new tensors; initial rows for ids never updated), and
-        the shard's step. The ids were checked (``ShardLayout.check_ids``) by the caller."""
+        the shard's step. The ids were checked (``ShardLayout.check_ids``) by the caller.
+
+        The tables are read at their turns taken at one point of the push order (the step's), in parallel."""
         with self._cond:
             self._require_initialized()
-            return {name: self._tables[name].lookup(table_ids) for name, table_ids in ids.items()}, self._global_step
+            tickets = self._turns.take({name: functools.partial(self._tables[name].lookup, table_ids)
+                                        for name, table_ids in ids.items()})
+            step = self._global_step
+        return tickets.finish(), step
 
     @property
     def layout(self) -> ShardLayout:
@@ -482,7 +502,7 @@ class VariableStore:
         with self._cond:
             while True:  # a fence (a cut being taken) may hold this push; then it waits for the update's turn
                 self._wait_for_fence(push)
-                self._exclusive()  # from here on the lock is never released until the update is done
+                self._exclusive()  # from here on the lock is never released until the update is admitted
                 if self._fence_lets(push):
                     break  # else a fence came up while this push waited for readers: wait for it first
             self._require_initialized()
@@ -490,27 +510,31 @@ class VariableStore:
                 self._layout.check(entries_of(gradients), push, task=self.task)
                 dense, rows = self._layout.split(gradients, push, task=self.task)
             if push.step is None:
-                step, outcome = self._apply_async(push, dense, rows)
+                step, outcome, tickets = self._apply_async(push, dense, rows)
                 if self._fence is not None:
                     self._cond.notify_all()  # a cut may be waiting for this push
             else:
                 step, outcome = self._offer_sync(push, dense, rows)
-            if not push.with_values:
-                return PushResult(PushReply(step, outcome))
+                tickets = self._turns.take({})
+        tickets.finish()  # the tables' rows, at their turns, outside the lock; the reply waits for them
+        if not push.with_values:
+            return PushResult(PushReply(step, outcome))
+        with self._cond:
             values, step, release = self._hold_live(averages=False)  # the step the values belong to
-            return PushResult(PushReply(step, outcome), values, release)
+        return PushResult(PushReply(step, outcome), values, release)
 
     def _apply_async(self, push: PushRequest, gradients: Mapping[str, torch.Tensor], rows: Rows
-                     ) -> tuple[int, Outcome]:
+                     ) -> tuple[int, Outcome, Tickets]:
+        """Admit and apply an async push under the lock; its tables' parts are returned, to ``finish`` after."""
         if self._budget is not None:
             self._budget.check_fits(rows, self._tables, self._table_floor)
         if not self._admit(push.origin):
-            return self._global_step, Outcome.RETRIED
-        if gradients or self._tables:  # with tables every push is an update of every shard (rows or not)
-            self._apply(gradients, rows)
+            return self._global_step, Outcome.RETRIED, self._turns.take({})
+        # with tables every push is an update of every shard (rows or not)
+        tickets = self._apply(gradients, rows) if gradients or self._tables else self._turns.take({})
         if push.advance_step:
             self._global_step += 1
-        return self._global_step, Outcome.APPLIED
+        return self._global_step, Outcome.APPLIED, tickets
 
     def _offer_sync(self, push: PushRequest, gradients: Mapping[str, torch.Tensor], rows: Rows
                     ) -> tuple[int, Outcome]:
@@ -606,24 +630,43 @@ class VariableStore:
 
     def _aggregate(self) -> None:
         self._exclusive()  # a no-op after push's; needed when a timeout aggregates what arrived
-        self._apply(*self._sync.take_mean())
+        self._apply(*self._sync.take_mean()).finish()  # under the lock: the step is whole when it advances
         self._global_step += 1
         self._cond.notify_all()
 
-    def _apply(self, gradients: Mapping[str, torch.Tensor], rows: Rows | None = None) -> None:
-        """One update (async push, or a sync aggregation): optimizer, tables' rows, then the moving averages."""
-        if gradients:
-            self._applier.apply(gradients, step=self._applied_updates)
-        for name, (ids, grads) in (rows or {}).items():
-            table = self._tables[name]
-            table.apply(ids, grads, table.spec.optimizer.learning_rate(self._applied_updates), self._applied_updates)
-        for table in self._tables.values():  # TTL sweeps are due by the update count, pushed to or not
-            table.sweep(self._applied_updates)
+    def _apply(self, gradients: Mapping[str, torch.Tensor], rows: Rows | None = None) -> Tickets:
+        """One update (async push, or a sync aggregation), under the lock: the dense optimizer and the moving
+        averages here; each table's rows and TTL sweep at its turn, returned for the caller to ``finish`` (outside
+        the lock or not). With dense gradients and several tables, the tables' parts whose turn it is start in
+        the pool now, while the dense update runs; one table's part runs on the caller's thread, no hop. With a
+        memory budget, every table takes a turn and they are finished here, then the budget is kept across them."""
+        update, rows = self._applied_updates, rows or {}
+        names = set(rows) | self._sweeps_due(update)
         if self._budget is not None:
-            self._budget.keep(list(self._tables.values()), current_update=self._applied_updates)
-        if self._average is not None:
-            self._average.update(self._applied_updates)
+            names = set(self._tables)  # every table swept at this update, as the budget's eviction logs it
+        tickets = self._turns.take({name: functools.partial(_update_table, self._tables[name], rows.get(name), update)
+                                    for name in names}, start=bool(gradients) and len(names) > 1)
+        try:
+            if gradients:
+                self._applier.apply(gradients, step=update)
+            if self._average is not None:
+                self._average.update(update)
+        except BaseException:
+            tickets.finish()  # every ticket is served (a table's part never needs this lock), then the error
+            raise
         self._applied_updates += 1
+        if self._budget is not None:
+            tickets.finish()  # no ticket is issued under this lock: every table is idle now
+            self._budget.keep(list(self._tables.values()), current_update=update)
+        return tickets
+
+    def _sweeps_due(self, update: int) -> set[str]:
+        """The TTL tables that update ``update`` sweeps (``EmbeddingShard.sweep``'s schedule: every quarter of
+        the TTL): those take a turn at it whether it pushes rows to them or not."""
+        due = {name for name, at in self._next_sweeps.items() if update >= at}
+        for name in due:
+            self._next_sweeps[name] = update + max(1, self._tables[name].spec.ttl_steps // 4)
+        return due
 
     def _wait_for_step(self, step: int) -> Outcome:
         options = self._sync.options
@@ -676,6 +719,7 @@ class VariableStore:
 
     def status(self) -> StoreStatus:
         with self._cond:
+            self._turns.drain()  # the tables' counts at one point, none of them being changed
             sync = self._sync
             return StoreStatus(
                 initialized=self._applier is not None,
@@ -693,3 +737,12 @@ class VariableStore:
     def _require_initialized(self) -> None:
         if self._applier is None:
             raise NotInitializedError("variables are not initialized yet: waiting for the chief", task=self.task)
+
+
+def _update_table(table: EmbeddingShard, rows: tuple[torch.Tensor, torch.Tensor] | None, update: int) -> None:
+    """Update number ``update`` of one table, at its turn: its rows (when the push has some), then the TTL sweep
+    (a no-op unless one is due)."""
+    if rows is not None:
+        ids, grads = rows
+        table.apply(ids, grads, table.spec.optimizer.learning_rate(update), update)
+    table.sweep(update)
