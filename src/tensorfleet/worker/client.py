@@ -5,10 +5,12 @@ plane (and a checkpoint's snapshots: ``worker/snapshots.py``), one connection pe
 shard, each shard's calls run on a thread of its own so that all shards transfer at once (``x_async()`` returns a
 ``Gathered`` future; ``x()`` runs one shard's call on the calling thread and
 the others beside it).  Rows of embedding tables are looked up by id from the
-shards their ids hash to (``lookup``), and their gradients ride in the same push
-as the dense ones, one (ids, rows) pair per table and shard.  Pulled values and the values a push brings back are
-received straight into the tensors the caller names (``into``: a model's
-parameters), with no copy.  ps task 0 also keeps the global step, so every push
+shards their ids hash to (``fetch``, ``lookup``), and their gradients ride in the same push
+as the dense ones, one (ids, rows) pair per table and shard.  A table's ids are hashed to
+shards once per step (``route``: the ids put in shard order, kept for the push), so each
+shard's ids, rows and row gradients are slices of one tensor, never masked copies.
+Pulled values, the values a push brings back and looked-up rows are received straight
+into the tensors the caller names (``into``: a model's parameters), with no copy.  ps task 0 also keeps the global step, so every push
 includes it (with ``advance_step``), even when it holds none of the pushed
 variables.  A push whose gradients leave during backward is ``push_streams``
 (``worker/streams.py``).
@@ -35,6 +37,7 @@ from tensorfleet.protocol.status import PsStatus
 from tensorfleet.wire.codec import NARROW_DTYPES, TensorEntry
 from tensorfleet.wire.datachannel import DataChannel
 from tensorfleet.wire.rpc import Channel, WireOptions
+from tensorfleet.worker.embedding import Fetched
 from tensorfleet.worker.snapshots import SnapshotInFlight, fence_for_restore, start_snapshot
 
 if TYPE_CHECKING:
@@ -49,6 +52,47 @@ WAIT_SAY_S = 15.0  # while waiting for a ps to answer, say so this often (a sile
 DONE_WAIT_S = 300.0  # how long a finished worker keeps telling a silent ps it is done
 PUSH_ATTEMPTS = 3  # a push whose connection broke is sent again (same sequence number) this many times in all
 RESTORE_FENCE_S = 60.0  # a forced restore fences the live shards for this long at most (each restore ends its fence)
+ROUTES_KEPT = 4  # per table: this step's ids and a prefetched next step's, each as given and in shard order
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a table's ids live: the same ids in shard order, so that each shard's ids (and the rows and row
+    gradients that go with them) are one slice ``[start:end]`` of a tensor, not a masked copy.
+
+    ``given``: the ids as given (the key the route is kept by, by identity); ``ids == given[order]``, shard
+    ``s``'s run being ``ids[start:end]`` for each ``(s, start, end)`` of ``spans`` (shards without ids left
+    out); ``position`` is ``order``'s inverse (``given[j] == ids[position[j]]``). ``order`` and ``position``
+    are None where ``given`` is in shard order already (one shard; all ids on one shard).
+    """
+
+    given: torch.Tensor
+    ids: torch.Tensor
+    order: torch.Tensor | None
+    position: torch.Tensor | None
+    spans: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, num_shards: int) -> Route:
+        """The route of ``ids`` (int64, CPU) among ``num_shards``: one hashing, one stable sort by shard."""
+        if num_shards == 1:  # nothing to hash
+            return cls(ids, ids, None, None, ((0, 0, ids.numel()),) if ids.numel() else ())
+        owner = torch.from_numpy(shard_of(ids, num_shards))
+        spans, start = [], 0
+        for shard, count in enumerate(torch.bincount(owner, minlength=num_shards).tolist()):
+            if count:
+                spans.append((shard, start, start + count))
+                start += count
+        if len(spans) <= 1:
+            return cls(ids, ids, None, None, tuple(spans))
+        order = torch.argsort(owner, stable=True)
+        position = torch.empty_like(order)
+        position[order] = torch.arange(order.numel())
+        return cls(ids, ids[order], order, position, tuple(spans))
+
+    def in_shard_order(self) -> Route:
+        """The route of ``ids`` itself (what a step's push comes with, having looked up ``given``)."""
+        return Route(self.ids, self.ids, None, None, self.spans)
 
 
 class Gathered:
@@ -99,7 +143,7 @@ class PsClient:
         # Exactly once: every push names (worker, this client's incarnation, a per-shard sequence number).
         self.incarnation = time.time_ns()  # a restarted process has a later one; the ps refuses older ones
         self._seq = [0] * len(self.channels)
-        self._owners: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # table -> (its last ids, their shards)
+        self._routes: dict[str, list[Route]] = {}  # table -> its latest routes, newest first
         self._names_by_shard: list[list[str]] = [[] for _ in self.channels]
         for name, shard in self.placement.items():
             self._names_by_shard[shard].append(name)
@@ -315,54 +359,75 @@ class PsClient:
         """The tensor as it travels (a narrowed copy, or the tensor itself)."""
         return tensor.to(self._travel_dtype(tensor))
 
+    def fetch(self, ids: Mapping[str, torch.Tensor], *, inline: bool = True) -> dict[str, Fetched]:
+        """The current rows of each table's ``ids`` (unique int64), in shard order (``Fetched``): one request
+        per shard holding any of them (every table's ids in it), all at once, each shard's reply received
+        straight into its slice of the table's rows; ``inline``: one of them on the calling thread (not while
+        a push travels on the shard threads, prefetch's case). A push of the rows' gradients with
+        ``Fetched.ids`` finds their routing kept."""
+        return self._fetch(ids, inline=inline, in_asked_order=False).result()
+
+    def fetch_async(self, ids: Mapping[str, torch.Tensor]) -> Gathered:
+        """``fetch`` on the shards' threads, queued behind whatever they are sending; ``result()`` is the rows."""
+        return self._fetch(ids, inline=False, in_asked_order=False)
+
     def lookup(self, ids: Mapping[str, torch.Tensor], *, inline: bool = True) -> dict[str, torch.Tensor]:
-        """The current rows of each table's ``ids`` (unique int64), from the shards they hash to: one request
-        per shard holding any of them (every table's ids in it), all at once; ``inline``: one of them on the
-        calling thread (not while a push travels on the shard threads, prefetch's case)."""
-        return self._lookup(ids, inline=inline).result()
+        """``fetch``, each table's rows in the order of its ``ids`` (a copy of them where that is not shard order)."""
+        return self._fetch(ids, inline=inline, in_asked_order=True).result()
 
     def lookup_async(self, ids: Mapping[str, torch.Tensor]) -> Gathered:
-        """``lookup`` on the shards' threads, queued behind whatever they are sending; ``result()`` is the rows."""
-        return self._lookup(ids, inline=False)
+        """``lookup`` on the shards' threads; ``result()`` is the rows."""
+        return self._fetch(ids, inline=False, in_asked_order=True)
 
-    def owners(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        """The shard each of a table's ``ids`` lives on. Hashed once per step: the push of a step's row
-        gradients comes with the very ids tensor its lookup had, whose owners are kept until the next one."""
-        kept = self._owners.get(table)
-        if kept is not None and kept[0] is ids:
-            return kept[1]
-        owner = torch.from_numpy(shard_of(ids, len(self.channels)))
-        self._owners[table] = (ids, owner)
-        return owner
+    def route(self, table: str, ids: torch.Tensor) -> Route:
+        """Where each of a table's ``ids`` lives. Hashed once per step: the lookup keeps the route, both of the
+        ids it was given and of the same ids in shard order, and the push of the step's row gradients comes
+        with one of those very tensors (``Fetched.ids``)."""
+        kept = self._routes.setdefault(table, [])
+        for route in kept:
+            if route.given is ids:
+                return route
+        route = Route.of(ids, len(self.channels))
+        kept[:0] = [route] if route.order is None else [route, route.in_shard_order()]
+        del kept[ROUTES_KEPT:]
+        return route
 
-    def _lookup(self, ids: Mapping[str, torch.Tensor], *, inline: bool) -> Gathered:
-        owners = {table: self.owners(table, table_ids) for table, table_ids in ids.items()}
-        parts: dict[int, dict[str, torch.Tensor]] = {}
-        for table, table_ids in ids.items():
-            for shard in torch.unique(owners[table]).tolist():
-                parts.setdefault(shard, {})[table] = table_ids[owners[table] == shard]
+    def _fetch(self, ids: Mapping[str, torch.Tensor], *, inline: bool, in_asked_order: bool) -> Gathered:
+        """One Lookup per shard holding any of the ids, each reply received into its run of one rows tensor per
+        table (the ids in shard order: the runs are slices); ``in_asked_order``: then put back in ``ids``' order."""
+        routes = {table: self.route(table, table_ids) for table, table_ids in ids.items()}
+        rows = {table: torch.empty((route.ids.numel(), self.tables[table].dim), dtype=self.tables[table].dtype)
+                for table, route in routes.items()}
+        asks: dict[int, dict[str, torch.Tensor]] = {}  # shard -> table -> its ids there (a slice)
+        lands: dict[int, dict[str, torch.Tensor]] = {}  # shard -> table -> where their rows land (a slice of rows)
+        for table, route in routes.items():
+            for shard, start, end in route.spans:
+                asks.setdefault(shard, {})[table] = route.ids[start:end]
+                lands.setdefault(shard, {})[table] = rows[table][start:end]
         meta = LookupRequest(self.wire_dtype).to_meta()
-        shards = sorted(parts)
-        calls = [(s, lambda s=s: self.data[s].call("Lookup", meta, parts[s])[1]) for s in shards]
+        shards = sorted(asks)
+        calls = [(s, lambda s=s: self.data[s].call("Lookup", meta, asks[s], into=lands[s])[1]) for s in shards]
 
-        def assemble(replies: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-            rows = {table: torch.empty((table_ids.numel(), self.tables[table].dim), dtype=self.tables[table].dtype)
-                    for table, table_ids in ids.items()}
+        def assemble(replies: list[dict[str, torch.Tensor]]) -> dict[str, Fetched] | dict[str, torch.Tensor]:
             for shard, reply in zip(shards, replies):
                 for table, value in reply.items():
-                    rows[table][owners[table] == shard] = value.to(rows[table].dtype)
-            return rows
+                    if value is not lands[shard][table]:  # not received in place: another dtype on the wire
+                        lands[shard][table].copy_(value)
+            fetched = {table: Fetched(route.ids, rows[table], route.position) for table, route in routes.items()}
+            return {table: f.in_asked_order() for table, f in fetched.items()} if in_asked_order else fetched
 
         return Gathered(self._fan_out(calls, inline=inline and bool(calls)), assemble)
 
     def _split_rows(self, rows: Rows) -> list[dict[str, TableRows]]:
-        """Each table's (ids, row gradients) cut by the shard each id lives on."""
+        """Each table's (ids, row gradients) cut by the shard each id lives on: slices of them where the ids
+        are a lookup's (in shard order), else of one reordered copy."""
         parts: list[dict[str, TableRows]] = [{} for _ in self.channels]
         for table, (table_ids, grads) in rows.items():
-            owner = self.owners(table, table_ids)
-            for shard in torch.unique(owner).tolist():
-                mine = owner == shard
-                parts[shard][table] = TableRows(table_ids[mine], grads[mine])
+            route = self.route(table, table_ids)
+            if route.order is not None:
+                grads = grads[route.order]
+            for shard, start, end in route.spans:
+                parts[shard][table] = TableRows(route.ids[start:end], grads[start:end])
         return parts
 
     def _push(self, gradients: Mapping[str, torch.Tensor], sync_steps: Sequence[int] | None, replica: int,

@@ -6,6 +6,8 @@ them into the batch's shape locally, and keeps the fetched rows as a leaf tensor
 backward, its ``.grad`` is each unique id's gradient with the batch's duplicates already
 summed (autograd's own gather backward), which ``Replica.push()`` sends back row-sparse.
 Bytes per step therefore grow with the batch's unique ids, never with the table.
+The leaf holds the rows in the order the shards hold them (``Fetched``): each shard's reply is
+received straight into a slice of it, and each shard's gradients leave as a slice of its ``.grad``.
 
 Outside a ``Replica`` (inference on a checkpoint: ``load_into_module``), the table answers
 from rows loaded into it, and an id it has no row for with that id's initial row, as the
@@ -27,7 +29,35 @@ from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer, TableSpec
 from tensorfleet.protocol.state import TableState
 
 POOLINGS = ("sum", "mean", "max")
-Lookup = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetched:
+    """A forward's rows as the ps shards sent them: ``rows[k]`` is the row of ``ids[k]``, ``ids`` being the
+    forward's unique ids in the order the shards hold them (each shard's a run), so that each shard's reply
+    lands in a slice of ``rows`` and its gradients leave as a slice of ``rows.grad``, never a masked copy.
+    ``position[j]``: where the j-th of the unique ids asked for is in ``ids``; None: at j (the same order)."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    position: torch.Tensor | None = None
+
+    def in_asked_order(self) -> torch.Tensor:
+        """The rows in the order of the unique ids asked for (a copy unless that is their order already)."""
+        return self.rows if self.position is None else self.rows[self.position]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Expected:
+    """Prefetched rows of one batch: its flat ids, their unique ids and inverse map, and the rows on their way."""
+
+    flat: torch.Tensor
+    unique: torch.Tensor
+    inverse: torch.Tensor
+    fetched: Callable[[], Fetched]
+
+
+Lookup = Callable[[torch.Tensor], torch.Tensor | Fetched]  # unique ids -> their rows (in that order) or a Fetched
 
 
 class EmbeddingTable(nn.Module):
@@ -81,7 +111,7 @@ class EmbeddingTable(nn.Module):
         self._local: dict[int, int] | None = None  # id -> row of _local_rows (inference on loaded rows)
         self._local_rows: torch.Tensor | None = None
         self._fetched: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's (unique ids, rows leaf)
-        self._expected: tuple[torch.Tensor, Callable[[], torch.Tensor]] | None = None  # prefetched rows
+        self._expected: _Expected | None = None  # prefetched rows
         self._released_by: str | None = None  # the Replica that held the rows, once it finished
 
     @property
@@ -110,7 +140,8 @@ class EmbeddingTable(nn.Module):
     # --- binding ----------------------------------------------------------------------------------
 
     def bind(self, lookup: Lookup | None, *, released_by: str | None = None) -> None:
-        """Fetch rows with ``lookup`` (unique ids -> rows) from now on; None: answer from local rows.
+        """Fetch rows with ``lookup`` (unique ids -> their rows, or a ``Fetched``: the rows in shard order, which
+        the step's leaf then keeps as they came) from now on; None: answer from local rows.
         ``Replica`` binds its tables on construction and unbinds them when it finishes, naming itself in
         ``released_by``: until rows are loaded, a forward then says where the trained rows are instead of
         silently answering initial rows."""
@@ -122,10 +153,13 @@ class EmbeddingTable(nn.Module):
         """Refuse ids outside a fixed-size table (InvalidArgumentError naming the first)."""
         self._spec.check_ids(ids)
 
-    def expect(self, unique: torch.Tensor, rows: Callable[[], torch.Tensor]) -> None:
-        """The rows of these unique ids are on their way (``rows()`` waits for them): the next forward whose
-        unique ids are exactly these takes them instead of asking the ps (``Replica.prefetch_rows``)."""
-        self._expected = (unique, rows)
+    def expect(self, flat: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor,
+               fetched: Callable[[], Fetched]) -> None:
+        """The rows of a batch's ids are on their way (``fetched()`` waits for them; ``unique, inverse`` are
+        ``torch.unique(flat, return_inverse=True)``, already checked): the next forward takes them instead of
+        asking the ps if its unique ids are these, and with exactly these ids (``flat``, the batch's ids
+        flattened) it does not compute them again (``Replica.prefetch_rows``)."""
+        self._expected = _Expected(flat, unique, inverse, fetched)
 
     def load_rows(self, state: TableState) -> None:
         """Answer from these rows when unbound (inference on a checkpoint's table)."""
@@ -140,7 +174,7 @@ class EmbeddingTable(nn.Module):
         gradients for), or None when nothing was fetched."""
         if not self._fetched:
             return None
-        if len(self._fetched) == 1:  # the very tensor the lookup had: its routing to shards is kept (PsClient.owners)
+        if len(self._fetched) == 1:  # the very tensor the lookup gave: its routing to shards is kept (PsClient.route)
             return self._fetched[0][0]
         return torch.unique(torch.cat([ids for ids, _ in self._fetched]))
 
@@ -177,12 +211,13 @@ class EmbeddingTable(nn.Module):
             raise InvalidArgumentError(f"EmbeddingTable {self.name!r} has no pooling: offsets and weights need "
                                        "pooling='sum', 'mean' or 'max'")
         flat = ids.reshape(-1).to(torch.int64)
-        unique, inverse = torch.unique(flat, return_inverse=True)
-        self.check_ids(unique)
-        rows = self._rows(unique)
+        inverse, fetched = self._unique_rows(flat)
+        rows = fetched.rows
+        if fetched.position is not None:  # rows in shard order: the inverse map follows them (ints, not rows)
+            inverse = fetched.position[inverse]
         if self._lookup is not None and torch.is_grad_enabled():
             rows.requires_grad_(True)
-            self._fetched.append((unique.cpu(), rows))
+            self._fetched.append((fetched.ids, rows))
         if self.pooling is None:
             return F.embedding(inverse.view(ids.shape), rows)
         if offsets is None:
@@ -198,15 +233,32 @@ class EmbeddingTable(nn.Module):
     def dtype(self) -> torch.dtype:
         return self._spec.dtype
 
+    def _unique_rows(self, flat: torch.Tensor) -> tuple[torch.Tensor, Fetched]:
+        """``flat``'s inverse map onto its unique ids, and their rows, on its device: the prefetched ones where
+        ``expect`` announced these ids (the very batch: its unique ids are not computed again)."""
+        expected, self._expected = self._expected, None
+        if expected is not None and _same(expected.flat, flat.cpu()):
+            inverse, fetched = expected.inverse, expected.fetched()
+        else:
+            unique, inverse = torch.unique(flat, return_inverse=True)
+            self.check_ids(unique)
+            if expected is None or not _same(expected.unique, unique.cpu()):
+                return inverse, self._fetch(unique)
+            fetched = expected.fetched()
+        return inverse.to(flat.device), _to_device(fetched, flat.device)
+
     def _rows(self, unique: torch.Tensor) -> torch.Tensor:
-        """The rows of ``unique``, on its device (a GPU tower's ids: the ps answers in host memory)."""
+        """The rows of ``unique``, in its order, on its device."""
+        return self._fetch(unique).in_asked_order()
+
+    def _fetch(self, unique: torch.Tensor) -> Fetched:
+        """The rows of ``unique``, on its device (a GPU tower's ids: the ps answers in host memory), in the
+        order the lookup gives them; the ids stay in host memory (the push routes them)."""
         if unique.device.type != "cpu":
-            return self._rows(unique.cpu()).to(unique.device)
+            return _to_device(self._fetch(unique.cpu()), unique.device)
         if self._lookup is not None:
-            expected, self._expected = self._expected, None
-            if expected is not None and torch.equal(expected[0], unique):
-                return expected[1]()
-            return self._lookup(unique)
+            rows = self._lookup(unique)
+            return rows if isinstance(rows, Fetched) else Fetched(unique, rows)
         if self._released_by is not None:
             raise InvalidArgumentError(
                 f"EmbeddingTable {self.name!r}: its rows are on the ps, and {self._released_by} has finished: "
@@ -217,7 +269,20 @@ class EmbeddingTable(nn.Module):
             where = torch.tensor([self._local.get(i, -1) for i in unique.tolist()], dtype=torch.int64)
             known = where >= 0
             rows[known] = self._local_rows[where[known]]
-        return rows
+        return Fetched(unique, rows)
+
+
+def _to_device(fetched: Fetched, device: torch.device) -> Fetched:
+    """The rows (and positions) on ``device``; the ids stay in host memory, where the push routes them."""
+    if fetched.rows.device == device:
+        return fetched
+    position = None if fetched.position is None else fetched.position.to(device)
+    return Fetched(fetched.ids, fetched.rows.to(device), position)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal ids (same device and shape): a batch-sized compare, far cheaper than ``torch.unique``."""
+    return a.device == b.device and a.shape == b.shape and torch.equal(a, b)
 
 
 def _check_offsets(name: str, offsets: torch.Tensor, num_ids: int) -> None:

@@ -147,7 +147,7 @@ class Replica:
         self.client = PsClient(cluster, self.placement.shard_map(), options=self.options.options,
                                wire_dtype=self.options.wire_dtype, tables=table_specs)
         for table in self.tables.values():  # prefetch: lookups queue behind the push travelling on the threads
-            table.bind(lambda ids, name=table.name: self.client.lookup({name: ids}, inline=not self.prefetch)[name])
+            table.bind(lambda ids, name=table.name: self.client.fetch({name: ids}, inline=not self.prefetch)[name])
         self._param_views = self.placement.views({n: p.data for n, p in self._params.items()})
         self._shard_steps = [0] * len(cluster.ps_addresses)
         self._prefetched: list[int] | None = None  # param versions right after a push brought values back
@@ -341,12 +341,13 @@ class Replica:
                 raise InvalidArgumentError(f"prefetch_rows: the table {name!r} is given twice (as itself and by "
                                            "its name)")
             by_name[name] = table_ids
-        unique = {name: torch.unique(table_ids.reshape(-1).to(torch.int64)) for name, table_ids in by_name.items()}
-        for name, table_ids in unique.items():
-            self.tables[name].check_ids(table_ids)
-        rows = functools.cache(self.client.lookup_async(unique).result)  # assembled once, for every table
-        for name, table_ids in unique.items():
-            self.tables[name].expect(table_ids, lambda name=name: rows()[name])
+        flat = {name: table_ids.reshape(-1).to(torch.int64).cpu() for name, table_ids in by_name.items()}
+        found = {name: torch.unique(ids, return_inverse=True) for name, ids in flat.items()}  # forward reuses them
+        for name, (unique, _) in found.items():
+            self.tables[name].check_ids(unique)
+        fetched = functools.cache(self.client.fetch_async({name: unique for name, (unique, _) in found.items()}).result)
+        for name, (unique, inverse) in found.items():
+            self.tables[name].expect(flat[name], unique, inverse, lambda name=name: fetched()[name])
 
     def load_averages(self) -> int:
         """Copy the ps's moving averages into the module, for evaluation; return the global step.

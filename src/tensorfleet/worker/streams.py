@@ -3,7 +3,7 @@
 ``PsClient.push_streams`` opens one; ``worker/replica.py``'s gradient hooks feed it. It lives apart from
 ``client.py`` because it is a second way to push (one stream per shard, a gradient at a time, the last held
 back until the caller commits), built on the client's pieces: the shards' threads and data channels, the
-push's numbering (``push_meta``), the wire dtype (``wire_entry``, ``narrow``) and the tables' row owners.
+push's numbering (``push_meta``), the wire dtype (``wire_entry``, ``narrow``) and the tables' routes (``route``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from tensorfleet.protocol.messages import grads_key, ids_key
 from tensorfleet.wire.datachannel import Stream
-from tensorfleet.worker.client import Gathered, PsClient, Pushed
+from tensorfleet.worker.client import Gathered, PsClient, Pushed, Route
 
 
 class PushStreams:
@@ -36,14 +36,13 @@ class PushStreams:
             self._order[client.placement[name]].append(name)
         # Tables' rows come last in each shard's push: their ids are known now, their gradients once backward ends.
         self._examples = {(client.placement[name], name): tensor for name, tensor in layout.items()}
-        self._row_owner: dict[str, torch.Tensor] = {}
+        self._routes: dict[str, Route] = {}
         tables: list[list[str]] = [[] for _ in client.channels]  # each shard's part declares its tables
         for table, ids in row_ids.items():
-            owner = client.owners(table, ids)
-            self._row_owner[table] = owner
-            for shard in torch.unique(owner).tolist():
+            route = self._routes[table] = client.route(table, ids)
+            for shard, start, end in route.spans:
                 tables[shard].append(table)
-                mine = ids[owner == shard]
+                mine = route.ids[start:end]
                 for name, example in ((ids_key(table), mine),
                                       (grads_key(table), torch.empty((mine.numel(), client.tables[table].dim),
                                                                      dtype=client.tables[table].dtype))):
@@ -67,11 +66,14 @@ class PushStreams:
         self._flush(shard, hold_last=True)
 
     def send_rows(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """A table's row gradients (``ids`` as announced in ``row_ids``, one gradient row each), cut by shard."""
-        owner = self._row_owner[table]
-        for shard in torch.unique(owner).tolist():
-            mine = owner == shard
-            self._ready[(shard, ids_key(table))], self._ready[(shard, grads_key(table))] = ids[mine], grads[mine]
+        """A table's row gradients (``ids`` as announced in ``row_ids``, one gradient row each), cut by shard:
+        slices of them where the ids are in shard order (a lookup's), else of one reordered copy."""
+        route = self._routes[table]
+        if route.order is not None:
+            ids, grads = route.ids, grads[route.order]
+        for shard, start, end in route.spans:
+            self._ready[(shard, ids_key(table))], self._ready[(shard, grads_key(table))] = \
+                ids[start:end], grads[start:end]
             self._flush(shard, hold_last=True)
 
     def _flush(self, shard: int, *, hold_last: bool) -> None:
