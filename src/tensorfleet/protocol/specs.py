@@ -380,7 +380,7 @@ class TableSpec:
                                            f"{self.num_rows - 1}); got id {bad}", task=task)
 
     def row_bytes(self) -> int:
-        return self.dim * torch.empty(0, dtype=self.dtype).element_size()
+        return self.dim * self.dtype.itemsize
 
     def to_meta(self) -> dict[str, Any]:
         return {"name": self.name, "dim": self.dim, "num_rows": self.num_rows,
