@@ -24,6 +24,7 @@ tables).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +46,15 @@ def _shared_pool() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(thread_name_prefix="tensorfleet-table")
         return _pool
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool threads are not there; a new pool is made when first needed."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 class TableTurns:
