@@ -6,8 +6,8 @@ its first update starts.  So evaluation traffic never grows a table, and a row's
 not depend on which worker asked first.
 
 The per-row rules (by default one compiled pass over the touched rows, ``ps/kernels.py``; plain torch on
-them with ``TENSORFLEET_PS_KERNELS=numpy`` and for bfloat16 rows, the reference; the caller holds the store's
-lock):
+them with ``TENSORFLEET_PS_KERNELS=numpy`` and for bfloat16 rows, the reference; the caller holds the table's
+turn, ``ps/tablelocks.py``):
 
 * ``sgd``:     ``row -= lr * g``
 * ``adagrad``: ``acc += g * g; row -= lr * g / (sqrt(acc) + eps)`` (``torch.optim.Adagrad`` on the
@@ -35,8 +35,9 @@ A table that lives for months must not grow without bound (see ``TableSpec``):
   rebuilds the id map, so it is done in batches); the rows of the push being applied never go. The
   store's memory budget evicts the same way, across its tables (``evict_lru``).
 
-Everything runs under the store's lock, as every update and lookup does: an eviction never meets a
-pull or a push of the same row, and a push resent after a lost reply is refused before it reaches
+Everything runs at the table's turn (``ps/tablelocks.py``: one request at a time per table, in the order the
+store admitted them), or with every table drained under the store's lock: an eviction never meets a
+lookup or a push of the same table, and a push resent after a lost reply is refused before it reaches
 here (exactly once), so it can neither admit twice nor recreate a row.
 """
 
@@ -61,7 +62,8 @@ EVICTION_LOG_IDS = 10_000_000  # evicted ids kept per table and shard for delta 
 
 
 class EmbeddingShard:
-    """The rows of ``spec``'s table that live on this shard. Not thread-safe: the store locks."""
+    """The rows of ``spec``'s table that live on this shard. Not thread-safe: the store gives each request its
+    turn (``ps/tablelocks.py``)."""
 
     def __init__(self, spec: TableSpec) -> None:
         self.spec = spec
@@ -297,13 +299,13 @@ class EmbeddingShard:
 
     def row_ids(self) -> np.ndarray:
         """The id of each row, by row number: a delta or an eviction names its rows' ids without scanning the
-        map (a view: read it under the store's lock, before anything changes)."""
+        map (a view: read it at the table's turn, before anything changes)."""
         return self._map.ids()
 
     # --- eviction -------------------------------------------------------------------------------
 
     def last_updates(self) -> np.ndarray:
-        """Each row's last update (a view: read it under the store's lock, before anything changes)."""
+        """Each row's last update (a view: read it at the table's turn, before anything changes)."""
         return self._updated.tensor[:len(self)].numpy()
 
     def evict_before(self, update: int) -> int:
