@@ -24,6 +24,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, overload
 
+import numpy as np
 import torch
 
 from tensorfleet.cluster.idhash import shard_of
@@ -77,18 +78,19 @@ class Route:
         """The route of ``ids`` (int64, CPU) among ``num_shards``: one hashing, one stable sort by shard."""
         if num_shards == 1:  # nothing to hash
             return cls(ids, ids, None, None, ((0, 0, ids.numel()),) if ids.numel() else ())
-        owner = torch.from_numpy(shard_of(ids, num_shards))
+        owner = shard_of(ids, num_shards)  # numpy from here: its stable sort of 16-bit keys is a radix sort
         spans, start = [], 0
-        for shard, count in enumerate(torch.bincount(owner, minlength=num_shards).tolist()):
+        for shard, count in enumerate(np.bincount(owner, minlength=num_shards).tolist()):
             if count:
                 spans.append((shard, start, start + count))
                 start += count
         if len(spans) <= 1:
             return cls(ids, ids, None, None, tuple(spans))
-        order = torch.argsort(owner, stable=True)
-        position = torch.empty_like(order)
-        position[order] = torch.arange(order.numel())
-        return cls(ids, ids[order], order, position, tuple(spans))
+        order = np.argsort(owner.astype(np.uint16), kind="stable")
+        position = np.empty_like(order)
+        position[order] = np.arange(order.size)
+        order_t = torch.from_numpy(order)
+        return cls(ids, ids.index_select(0, order_t), order_t, torch.from_numpy(position), tuple(spans))
 
     def in_shard_order(self) -> Route:
         """The route of ``ids`` itself (what a step's push comes with, having looked up ``given``)."""
@@ -425,7 +427,7 @@ class PsClient:
         for table, (table_ids, grads) in rows.items():
             route = self.route(table, table_ids)
             if route.order is not None:
-                grads = grads[route.order]
+                grads = grads.index_select(0, route.order)
             for shard, start, end in route.spans:
                 parts[shard][table] = TableRows(route.ids[start:end], grads[start:end])
         return parts

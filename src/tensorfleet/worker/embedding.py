@@ -44,7 +44,7 @@ class Fetched:
 
     def in_asked_order(self) -> torch.Tensor:
         """The rows in the order of the unique ids asked for (a copy unless that is their order already)."""
-        return self.rows if self.position is None else self.rows[self.position]
+        return self.rows if self.position is None else self.rows.index_select(0, self.position)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +214,7 @@ class EmbeddingTable(nn.Module):
         inverse, fetched = self._unique_rows(flat)
         rows = fetched.rows
         if fetched.position is not None:  # rows in shard order: the inverse map follows them (ints, not rows)
-            inverse = fetched.position[inverse]
+            inverse = fetched.position.index_select(0, inverse)
         if self._lookup is not None and torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._fetched.append((fetched.ids, rows))

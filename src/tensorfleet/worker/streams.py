@@ -70,7 +70,7 @@ class PushStreams:
         slices of them where the ids are in shard order (a lookup's), else of one reordered copy."""
         route = self._routes[table]
         if route.order is not None:
-            ids, grads = route.ids, grads[route.order]
+            ids, grads = route.ids, grads.index_select(0, route.order)
         for shard, start, end in route.spans:
             self._ready[(shard, ids_key(table))], self._ready[(shard, grads_key(table))] = \
                 ids[start:end], grads[start:end]
