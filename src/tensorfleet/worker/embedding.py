@@ -180,6 +180,8 @@ class EmbeddingTable(nn.Module):
 
     def take_gradients(self, *, complete: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This step's (unique ids, row gradients), duplicates over forward calls summed; forgets the step.
+        After one forward the ids are in the order its rows came (the lookup's shard order: the push cuts them
+        into slices), after several in ascending order.
 
         None when no fetched row received a gradient (the table took no part in the loss); with
         ``complete``, rows fetched without a gradient count as zeros, so the ids are ``pending_ids()``.
