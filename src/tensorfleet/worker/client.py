@@ -10,9 +10,9 @@ as the dense ones, one (ids, rows) pair per table and shard.  A table's ids are 
 shards once per step (``route``: the ids put in shard order, kept for the push), so each
 shard's ids, rows and row gradients are slices of one tensor, never masked copies.
 Pulled values, the values a push brings back and looked-up rows are received straight
-into the tensors the caller names (``into``: a model's parameters), with no copy.  ps task 0 also keeps the global step, so every push
-includes it (with ``advance_step``), even when it holds none of the pushed
-variables.  A push whose gradients leave during backward is ``push_streams``
+into the tensors the caller names (``into``: a model's parameters), with no copy.  ps
+task 0 also keeps the global step, so every push includes it (with ``advance_step``),
+even when it holds none of the pushed variables.  A push whose gradients leave during backward is ``push_streams``
 (``worker/streams.py``).
 """
 
