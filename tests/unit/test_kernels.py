@@ -190,3 +190,33 @@ def test_the_compiled_routing_check_finds_the_first_id_of_another_shard_as_shard
                 monkeypatch.setenv(kernels.KERNELS_ENV, path)
                 answers.append(first_stray(torch.from_numpy(asked), shards, shard))
             assert answers == [-1 if stray_at is None else stray_at] * 2
+
+
+def test_a_ps_builds_its_kernels_again_over_a_disk_cache_numba_cannot_read(tmp_path):
+    """A cache written by a process that loaded kernels.py under another name names a module '<dynamic>' that
+    no later process can import: every kernel call failed with ModuleNotFoundError, inside the ps's requests.
+    The warm-up at a ps's start drops such a cache and builds the kernels again; the next start reads the new one."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop(kernels.KERNELS_ENV, None)
+    poison = ("import importlib.util, numpy as np, tensorfleet.ps.kernels as k\n"
+              "spec = importlib.util.spec_from_file_location('elsewhere', k.__file__)\n"
+              "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+              "ids = np.arange(5, dtype=np.int64)\n"
+              "m.find_rows(ids, np.full(16, -1, np.int32), ids, np.uint64(60), np.empty(5, np.int64))\n")
+    use = ("import numpy as np, tensorfleet.ps.kernels as k\n"
+           "ids = np.arange(5, dtype=np.int64)\n"
+           "k.find_rows(ids, np.full(16, -1, np.int32), ids, np.uint64(60), np.empty(5, np.int64))\n")
+    warm = "from tensorfleet.ps.table import warm_up_kernels\nwarm_up_kernels()\n"
+
+    def run(code):
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+    assert run(poison).returncode == 0
+    broken = run(use)
+    assert broken.returncode != 0 and "<dynamic>" in broken.stderr  # what a ps's requests met before
+    assert run(warm).returncode == 0
+    assert run(use).returncode == 0, run(use).stderr

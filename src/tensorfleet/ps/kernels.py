@@ -66,6 +66,15 @@ def selected() -> str:
     return choice
 
 
+def drop_disk_cache() -> None:
+    """Forget every kernel's compiled code on disk and in this process: the next call builds it again (a cache
+    numba cannot read back, ``ps.table.warm_up_kernels``)."""
+    for kernel in list(globals().values()):
+        cache = getattr(kernel, "_cache", None)
+        if cache is not None and hasattr(kernel, "overloads"):
+            cache.flush()
+
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)

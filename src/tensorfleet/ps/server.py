@@ -13,9 +13,9 @@ import time
 from tensorfleet.cluster.spec import (INSECURE_ENV, ClusterSpec, TaskSpec, bind_address, insecure_from_env,
                                       is_loopback_host, parse_address)
 from tensorfleet.errors import ClusterSpecError, ConfigError
-from tensorfleet.ps import kernels
 from tensorfleet.ps.service import PsService
 from tensorfleet.ps.store import VariableStore
+from tensorfleet.ps.table import warm_up_kernels
 from tensorfleet.wire import auth, rpc
 from tensorfleet.wire.dataserver import MAX_CONNECTIONS as MAX_DATA_CONNECTIONS
 from tensorfleet.wire.dataserver import DataServer
@@ -58,7 +58,8 @@ class Server:
         address = bind_address(cluster_address)
         options = options or rpc.WireOptions()  # from the environment now, not when the module loaded
         self._check_exposure(cluster_address, address, options.token, insecure)  # before anything listens
-        kernels.selected()  # a ps whose table kernels cannot load says so now, not at the chief's Init
+        seconds = warm_up_kernels()  # a ps whose table kernels cannot load says so now, not at the chief's Init
+        log.debug("%s: table kernels ready in %.2f s", self.task.name, seconds)
         ensure_descriptors(self.task.name)
         replicas = cluster.replicas
         self.store = VariableStore(task=self.task.name, replica_names=[r.name for r in replicas],

@@ -43,15 +43,17 @@ here (exactly once), so it can neither admit twice nor recreate a row.
 
 from __future__ import annotations
 
+import time
 
 import numpy as np
 import torch
 
 from tensorfleet.cluster.idhash import SHARD_SALT, as_uint64, mix64, shard_of
+from tensorfleet.errors import ConfigError
+from tensorfleet.protocol.specs import OptimizerSpec, TableSpec
+from tensorfleet.protocol.state import TableState
 from tensorfleet.ps import kernels
 from tensorfleet.ps.admission import Admission
-from tensorfleet.protocol.specs import TableSpec
-from tensorfleet.protocol.state import TableState
 from tensorfleet.ps.idmap import IdMap
 from tensorfleet.ps.rows import GrowingRows
 
@@ -461,3 +463,40 @@ def first_stray(ids: torch.Tensor, shards: int, shard: int) -> int:
         return int(kernels.first_elsewhere(flat, SHARD_SALT, shards, shard))
     elsewhere = np.flatnonzero(shard_of(flat, shards) != shard)
     return int(elsewhere[0]) if elsewhere.size else -1
+
+
+def warm_up_kernels() -> float:
+    """Compile the table kernels now (a ps's start), through the very calls a table makes, or load them from
+    numba's disk cache; return the seconds it took. So a ps whose kernels cannot be built says so before it
+    listens, and its first request pays no compile. A disk cache numba cannot read back (written by another
+    build, or by a process that loaded ``kernels.py`` under another name) is dropped and the kernels built again.
+
+    Raises:
+        ConfigError: numba missing or a wrong ``TENSORFLEET_PS_KERNELS`` (``kernels.selected``), or the kernels
+            fail to build even without the cache.
+    """
+    started = time.perf_counter()
+    if kernels.selected() != "numba":
+        return 0.0
+    try:
+        _exercise_kernels()
+    except Exception:  # noqa: BLE001 - a cache that cannot be read: drop it and build again, once
+        kernels.drop_disk_cache()
+        try:
+            _exercise_kernels()
+        except Exception as exc:  # noqa: BLE001 - said in one line, with the way out
+            raise ConfigError(f"the ps's table kernels fail to build ({type(exc).__name__}: {exc}); set "
+                              f"{kernels.KERNELS_ENV}=numpy for the slower numpy path") from exc
+    return time.perf_counter() - started
+
+
+def _exercise_kernels() -> None:
+    """A tiny table of each rule, updated and looked up as a job's would be: every kernel compiled or loaded
+    for the float32 rows and the id map's int32 slots a table has."""
+    ids = torch.arange(4, dtype=torch.int64)
+    for rule in ("sgd", "adagrad", "adam"):
+        shard = EmbeddingShard(TableSpec("warm-up", 4, OptimizerSpec(rule, {"lr": 0.1})))
+        shard.apply(ids, torch.ones((4, 4)), 0.1, 1)
+        shard.lookup(torch.arange(8, dtype=torch.int64))
+    unique_ids_error(ids)
+    first_stray(ids, 2, 0)
