@@ -12,6 +12,9 @@ import psutil
 import pytest
 
 PR_SET_CHILD_SUBREAPER = 36
+# Processes a module-scoped fixture keeps across its tests (a Ray cluster's nodes), with their descendants: not
+# leftovers of a test. The fixture registers them (``keep_processes``) and stops them itself.
+_KEPT: set[int] = set()
 
 
 def pytest_configure(config):
@@ -49,10 +52,28 @@ def _not_exiting(processes, grace_s=5.0):
     return [p for p in processes if p not in exiting] + _reap_zombies(still)
 
 
+def _kept(process):
+    try:
+        return any(p.pid in _KEPT for p in [process, *process.parents()])
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="session")
+def keep_processes():
+    """``keep(pids)``: these processes (and what they start) outlive a test on purpose; ``release(pids)``: no
+    more (the fixture that keeps them stopped them)."""
+    class Keeper:
+        keep = staticmethod(_KEPT.update)
+        release = staticmethod(_KEPT.difference_update)
+    return Keeper
+
+
 @pytest.fixture(autouse=True)
 def reap_children():
     yield
-    leftovers = _not_exiting(_reap_zombies(psutil.Process(os.getpid()).children(recursive=True)))
+    children = [p for p in psutil.Process(os.getpid()).children(recursive=True) if not _kept(p)]
+    leftovers = _not_exiting(_reap_zombies(children))
     described = []
     for child in leftovers:
         try:

@@ -1,7 +1,8 @@
 """The commands that run, watch, checkpoint and serve a training fleet, or render it for Kubernetes.
 
     tensorfleet launch [--ps N] [--workers M] [--sync|--async] [--restart on-failure|never]
-                       [--max-restarts R] [--logdir DIR] [--dashboard [PORT]] [--dry-run] SCRIPT [-- ARGS]
+                       [--max-restarts R] [--logdir DIR] [--dashboard [PORT]] [--dry-run]
+                       [--backend local|ray [--ray-address ADDR] [--ray-placement spread|pack]] SCRIPT [-- ARGS]
     tensorfleet launch [flags that override the file] job.yaml|job.toml
     tensorfleet dashboard --cluster SPEC [--port PORT]
     tensorfleet ckpt ls DIR
@@ -70,6 +71,15 @@ def _add_launch(commands: argparse._SubParsersAction) -> None:
                      default=float(os.environ.get("TENSORFLEET_PROGRESS_EVERY", 10.0)),
                      metavar="S", help="when the output is not a terminal, print the progress line every S "
                      "seconds (default 10; on a terminal it stays at the bottom)")
+    run.add_argument("--backend", choices=("local", "ray"),
+                     help="where the tasks run: processes of this machine (local, the default) or a Ray cluster "
+                     "(ray: one actor per task; pip install 'tensorfleet[ray]')")
+    run.add_argument("--ray-address", dest="ray_address", metavar="ADDR",
+                     help="with --backend ray: the Ray cluster to join (host:port of its head); default: a local "
+                     "Ray started for the job and stopped after it")
+    run.add_argument("--ray-placement", dest="ray_placement", choices=("spread", "pack"),
+                     help="with --backend ray: spread the tasks over the nodes (default: the ps on different "
+                     "nodes) or pack them on few")
     run.add_argument("--dry-run", dest="dry_run", action="store_true",
                      help="print the tasks, ports and environment that would start, and start nothing")
     # Optional for argparse so that a missing one is our message (launch says what to give, with the usage line).
@@ -86,7 +96,7 @@ def run_launch(args: argparse.Namespace, line: CommandLine) -> int:
     from tensorfleet.launch.local import launch, usable_cores  # the launcher's imports: paid by this command only
     flags = {name: getattr(args, name) for name in ("ps", "workers", "gpus_per_worker", "mode", "restart",
                                                     "max_restarts", "restart_backoff", "logdir", "dashboard",
-                                                    "port", "name")}
+                                                    "port", "name", "backend", "ray_address", "ray_placement")}
     if is_job_file(args.target):
         if extra:
             flags["args"] = extra

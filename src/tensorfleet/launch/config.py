@@ -57,6 +57,9 @@ class JobConfig:
     port: int | None = None  # first task port (tasks take port, port+1, ...); None: free ports
     name: str | None = None  # None: the script's file name without .py
     env: dict[str, str] = field(default_factory=dict)
+    backend: str = "local"  # where the tasks run: "local" (processes of this machine) or "ray" (a Ray cluster)
+    ray_address: str | None = None  # backend ray: the cluster to join (None: a local Ray started for the job)
+    ray_placement: str = "spread"  # backend ray: "spread" the tasks over the nodes, or "pack" them on few
 
     @property
     def job_name(self) -> str:
@@ -94,12 +97,24 @@ class JobConfig:
         if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                      for k, v in self.env.items()):
             raise ConfigError(f"env must map names to strings, e.g. {{OMP_NUM_THREADS: '1'}}, got {self.env!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend {self.backend!r} is not valid: use one of {', '.join(BACKENDS)}")
+        if self.ray_placement not in RAY_PLACEMENTS:
+            raise ConfigError(f"ray_placement {self.ray_placement!r} is not valid: use one of "
+                              f"{', '.join(RAY_PLACEMENTS)}")
+        if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address.strip()):
+            raise ConfigError(f"ray_address must be a Ray cluster's address (host:port), got {self.ray_address!r}")
+        if self.backend != "ray" and (self.ray_address is not None or self.ray_placement != "spread"):
+            raise ConfigError("ray_address and ray_placement are for backend ray: add --backend ray (or "
+                              "'backend: ray' in the job file)")
         if self.name is not None and not NAME_PATTERN.match(self.name):
             raise ConfigError(f"name {self.name!r} is not valid: use lowercase letters, digits, '-', '_' and '.'")
         return self
 
 
 FIELDS = {f.name for f in dataclasses.fields(JobConfig)}
+BACKENDS = ("local", "ray")
+RAY_PLACEMENTS = ("spread", "pack")
 
 
 def _check_int(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
@@ -147,7 +162,8 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
 
 # Every launch setting can also come from TENSORFLEET_<FIELD> (TENSORFLEET_WORKERS=4, TENSORFLEET_MODE=sync).
 ENV_FIELDS = {"ps": int, "workers": int, "gpus_per_worker": int, "mode": str, "restart": str, "max_restarts": int,
-              "restart_backoff": float, "logdir": str, "dashboard": int, "port": int, "name": str}
+              "restart_backoff": float, "logdir": str, "dashboard": int, "port": int, "name": str, "backend": str,
+              "ray_address": str, "ray_placement": str}
 
 
 def env_overrides(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:

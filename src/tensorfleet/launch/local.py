@@ -127,11 +127,10 @@ class LocalLauncher:
         self.config = config
         self.on_tick = on_tick  # called from the supervising loop, about every LOOP_S (the job service's hook)
         self.failed: list[TaskRecord] = []  # the tasks that failed for good, once run() has returned
-        cluster = local_cluster(config.ps, config.workers, first_port=config.port)
+        cluster = self._initial_cluster()
         self.tasks = fleet_tasks(cluster)
         self._gpus_available = gpus_available
-        self._gpus = (gpu_assignment(config.gpus_per_worker, config.workers, self._visible_gpus())
-                      if config.gpus_per_worker else None)
+        self._gpus = self._assign_gpus()
         self.console = Console(out or sys.stdout, interactive=interactive, every_s=progress_every_s)
         self.logdir = Path(config.logdir) if config.logdir else None
         records = [TaskRecord(t, cluster.task_address(t.job_name, t.index), task_role(cluster, t))
@@ -151,6 +150,16 @@ class LocalLauncher:
         self.dashboard = None
         self.started_with: dict[str, dict[str, str]] = {}  # task -> the variables its current process started with
         self.spawns = 0  # processes started so far (restarts and scaled-up workers included)
+
+    def _assign_gpus(self) -> list[str] | None:
+        """Each worker's CUDA_VISIBLE_DEVICES, by replica (None: no GPUs asked for)."""
+        if not self.config.gpus_per_worker:
+            return None
+        return gpu_assignment(self.config.gpus_per_worker, self.config.workers, self._visible_gpus())
+
+    def _initial_cluster(self) -> ClusterSpec:
+        """Where the tasks will listen: free ports on 127.0.0.1 (another backend places them on its nodes)."""
+        return local_cluster(self.config.ps, self.config.workers, first_port=self.config.port)
 
     # --- what each task gets --------------------------------------------------------------------
 
@@ -209,16 +218,21 @@ class LocalLauncher:
     def _visible_gpus(self) -> int:
         return visible_gpus() if self._gpus_available is None else self._gpus_available
 
+    def _start_process(self, record: TaskRecord) -> subprocess.Popen:
+        """Start the task's process (here, a child of the launcher's in a session of its own); its output on
+        ``stdout``, lines read by ``_pump``."""
+        env = {**os.environ, **self.task_env(record.task)}
+        return subprocess.Popen(with_launcher_death(self.command), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
     def _spawn(self, record: TaskRecord) -> None:
         task = record.task
-        env = {**os.environ, **self.task_env(task)}
         self.scaler.started(record)  # a ps knows the worker count of its TF_CONFIG
-        process = subprocess.Popen(with_launcher_death(self.command), env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        process = self._start_process(record)
         self.processes[record.name] = process
         self.started_with[record.name] = self.task_env(task)  # a later scale changes TF_CONFIG, not this process's
         self.spawns += 1
-        self.supervisor.started(record.name, process.pid)
+        self.supervisor.started(record.name, process.pid, **self._placement(record))
         self.output.started(record.name)
         log = self._open_log(record)
         pump = threading.Thread(target=self._pump, args=(record.name, process, log), daemon=True,
@@ -226,7 +240,16 @@ class LocalLauncher:
         pump.start()
         self._pumps[record.name] = pump
         again = f" (restart {record.restarts})" if record.restarts else ""
-        self.console.line(f"[launch] started {record.name}{again} (pid {process.pid}) at {record.address}")
+        self.console.line(f"[launch] started {record.name}{again} (pid {process.pid}{self._where(record)}) at "
+                          f"{record.address}")
+
+    def _where(self, record: TaskRecord) -> str:
+        """Where the task's process runs, for the console (" on node N" on a backend with several machines)."""
+        return ""
+
+    def _placement(self, record: TaskRecord) -> dict[str, str]:
+        """Where the task's process runs, for its "started" event (nothing more here: this machine)."""
+        return {}
 
     def _open_log(self, record: TaskRecord) -> TextIO | None:
         if self.logdir is None:
@@ -361,15 +384,15 @@ class LocalLauncher:
 
     def stop(self) -> None:
         """Stop every task still running: SIGTERM, then SIGKILL after a grace period; reap them all."""
-        alive = [p for p in self.processes.values() if p.poll() is None]
-        for process in alive:
-            _signal_group(process, signal.SIGTERM)
+        alive = {name: p for name, p in self.processes.items() if p.poll() is None}
+        for name in alive:
+            self.signal_group(name, signal.SIGTERM)
         deadline = time.monotonic() + KILL_GRACE_S
-        while time.monotonic() < deadline and any(p.poll() is None for p in alive):
+        while time.monotonic() < deadline and any(p.poll() is None for p in alive.values()):
             time.sleep(0.05)
-        for process in alive:
+        for name, process in alive.items():
             if process.poll() is None:
-                _signal_group(process, signal.SIGKILL)
+                self.signal_group(name, signal.SIGKILL)
                 process.wait()
         self._reap()
         for name, pump in self._pumps.items():
@@ -530,9 +553,17 @@ def launch(config: JobConfig, *, out: TextIO | None = None, dry_run: bool = Fals
            progress_every_s: float = 10.0) -> int:
     """Run the job of ``config`` as a local cluster (or print what would start); return the exit code."""
     out = out or sys.stdout  # looked up now: a default bound at import would miss a replaced sys.stdout
-    launcher = LocalLauncher(config, out=out, progress_every_s=progress_every_s)
     if dry_run:
-        out.write(launcher.dry_run_text() + "\n")
+        text = LocalLauncher(config, out=out).dry_run_text()
+        if config.backend == "ray":
+            text = (f"backend ray: {config.ray_address or 'a local Ray started for the job'}, placement "
+                    f"{config.ray_placement}, one actor per task (1 CPU each; a worker also its GPUs); the "
+                    "addresses below are placeholders: each task's port is picked on its node\n" + text)
+        out.write(text + "\n")
         return 0
-    return launcher.run()
+    if config.backend == "ray":
+        from tensorfleet.launch.onray import RayLauncher  # Ray loads only for this backend
+
+        return RayLauncher(config, out=out, progress_every_s=progress_every_s).run()
+    return LocalLauncher(config, out=out, progress_every_s=progress_every_s).run()
 

@@ -149,7 +149,9 @@ class Supervisor:
         self.events.append(event)
         return event
 
-    def started(self, name: str, pid: int) -> None:
+    def started(self, name: str, pid: int, **where: Any) -> None:
+        """Task ``name`` started as process ``pid``; ``where``: more about where it runs, for its event (a Ray
+        node)."""
         with self._lock:
             record = self.by_name[name]
             now = self.clock()
@@ -158,7 +160,7 @@ class Supervisor:
             record.last_started = now
             if record.first_started is None:
                 record.first_started = now
-            self._event(record, "started", pid=pid, incarnation=record.restarts)
+            self._event(record, "started", pid=pid, incarnation=record.restarts, **where)
 
     def answered(self, name: str, since: float) -> None:
         """The task answered its Status RPC at ``since`` (clock time): a starting task is now running."""

@@ -51,6 +51,9 @@ SERVICE_SET = {
     "logdir": "the service gives every job its own folder (the job's page names it, for TensorBoard)",
     "dashboard": "the job's page shows the job's dashboard",
     "port": "the service picks free ports for the tasks",
+    "backend": "the service runs every job where it runs its tasks (tensorfleet serve), not per job",
+    "ray_address": "the service runs every job where it runs its tasks (tensorfleet serve), not per job",
+    "ray_placement": "the service runs every job where it runs its tasks (tensorfleet serve), not per job",
 }
 # A call of run_task on a line of code (not its definition, a comment or a doctest), and a __main__ block.
 _CALLS_RUN_TASK = re.compile(r"^(?!\s*(?:#|>>>|\.\.\.))[^\n#]*?(?<!def )\brun_task\(", re.MULTILINE)

@@ -1,0 +1,464 @@
+"""Run a job's tasks on a Ray cluster (``tensorfleet launch --backend ray``): one actor per task, each starting
+the task's process on its node.
+
+Everything else is the local launcher's (``LocalLauncher``): supervision and the restart policy, the console,
+the log files, events.jsonl, the progress line, the dashboard and /metrics, the exit code and the summary. What
+changes is where a task's process runs and how its output reaches the launcher:
+
+* **Placement.** A placement group holds one bundle per task (1 CPU each; a worker also its GPUs), all placed
+  or none: a job that cannot be placed within ``PLACEMENT_TIMEOUT_S`` says which resources it asked for and
+  what the cluster has, and starts nothing. ``--ray-placement spread`` (the default) puts the bundles on as many
+  nodes as it can, so the ps land on other machines than one another; ``pack`` fills few nodes.
+* **Addresses.** Each task's actor picks a free port on its own node; ``TF_CONFIG`` is built from those
+  ``node-ip:port`` addresses before any task starts, as the local launcher's is from free ports on 127.0.0.1.
+* **Processes.** An actor starts ``python SCRIPT ARGS`` on its node (the script at the same path there: a
+  shared file system or the same image), in a session of its own, armed to die with the actor
+  (``with_launcher_death``), which dies with the launcher (Ray ends a driver's actors when it exits, SIGKILL
+  included). The launcher reads the process's output lines from the actor (``RemoteProcess``), writes them to
+  the task's log on the launcher's machine, and signals the process through the actor.
+* **Ray itself.** Without ``--ray-address`` a local Ray is started for the job and stopped after it (the
+  embedded default: the command works on a laptop); with one, the launcher joins that cluster as a driver.
+
+Not yet (issue 31, item 2): a task whose node dies is restarted on its node only; one that would have to move
+to another node, at a new address, fails, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, TextIO
+
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.errors import ConfigError
+from tensorfleet.launch.config import JobConfig
+from tensorfleet.launch.local import LocalLauncher, visible_gpus, with_launcher_death
+from tensorfleet.launch.supervisor import TaskRecord
+
+SUPPORTED_RAY = ((2, 60), (2, 61))  # Ray >= 2.60, < 2.61: the pin of the [ray] extra
+SUPPORTED_TEXT = ">=2.60,<2.61"
+INSTALL_HINT = "pip install 'tensorfleet[ray]'"
+CONNECT_TIMEOUT_S = 30.0  # an address that answers nothing fails within this
+PLACEMENT_TIMEOUT_S = 15.0  # a job the cluster cannot place fails within this
+REPLACE_TIMEOUT_S = 60.0  # a task whose node died waits this long for Ray to place its bundle elsewhere
+PORT_WAIT_S = 15.0  # ... and for its port there, if that is free (its old process may still be going)
+OUTPUT_POLL_S = 0.1  # how soon a task's output is asked for again when none was waiting ...
+OUTPUT_POLL_MAX_S = 1.0  # ... doubling while it stays quiet, up to this
+PLACEMENTS = {"spread": "SPREAD", "pack": "PACK"}
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, of a supported version.
+
+    Raises:
+        ConfigError: Ray is not installed, or its version is outside ``SUPPORTED_TEXT``.
+    """
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError(f"--backend ray needs Ray, which cannot be imported ({exc}): {INSTALL_HINT}") from None
+    version = tuple(int(part) for part in ray.__version__.split(".")[:2] if part.isdigit())
+    if not SUPPORTED_RAY[0] <= version < SUPPORTED_RAY[1]:
+        raise ConfigError(f"Ray {ray.__version__} is installed; tensorfleet supports Ray {SUPPORTED_TEXT}: "
+                          f"{INSTALL_HINT}")
+    return ray
+
+
+def _reachable(address: str, timeout_s: float) -> str | None:
+    """Why a ``host:port`` Ray address cannot be reached within ``timeout_s`` (tried every second), or None."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return None  # "auto", "ray://...", a name: left to Ray
+    deadline, reason = time.monotonic() + timeout_s, "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
+                return None
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+        time.sleep(1.0)
+    return reason
+
+
+class RayConnection:
+    """This launcher as a Ray driver: of a cluster at ``address``, or of a local Ray started for the job."""
+
+    def __init__(self, address: str | None, *, num_cpus: int, num_gpus: int) -> None:
+        self.ray = import_ray()
+        self.owned = address is None
+        if address is not None:
+            reason = _reachable(address, CONNECT_TIMEOUT_S)
+            if reason is not None:
+                raise ConfigError(f"cannot reach the Ray cluster at {address} within {CONNECT_TIMEOUT_S:g} s "
+                                  f"({reason}): start one with 'ray start --head', or give its address (the "
+                                  "head's GCS, host:6379 by default) to --ray-address")
+        options: dict[str, Any] = {"log_to_driver": False, "include_dashboard": False}
+        if self.owned:
+            options.update(num_cpus=num_cpus, num_gpus=num_gpus)
+
+        try:
+            self.ray.init(address=address, **options)
+        except Exception as exc:  # noqa: BLE001 - Ray says why in its own exceptions: in one line, with the way out
+            raise ConfigError(f"cannot join the Ray cluster at {address or 'a new local Ray'}: "
+                              f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        self._guard = _guard_processes(_descendants(os.getpid())) if self.owned else None
+
+    def close(self) -> None:
+        """Leave the cluster (a local Ray started for the job is stopped with it, and its guard with it)."""
+        if self.ray.is_initialized():
+            self.ray.shutdown()
+        if self._guard is not None:
+            self._guard.kill()  # SIGKILL: it goes without killing anything (Ray's processes ended above)
+            self._guard.wait()
+            self._guard = None
+
+
+def _descendants(pid: int) -> list[tuple[int, int]]:
+    """Every process below ``pid``, as (pid, start time in clock ticks): from /proc, so that a pid reused later
+    by another process is told apart."""
+    children: dict[int, list[int]] = {}
+    started: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+        started[int(entry.name)] = int(fields[19])
+    found, pending = [], list(children.get(pid, []))
+    while pending:
+        child = pending.pop()
+        found.append((child, started[child]))
+        pending += children.get(child, [])
+    return found
+
+
+# The guard of a local Ray: it waits; when the launcher dies (SIGKILL included), the parent-death signal
+# (SIGTERM) makes it kill Ray's processes as they were when Ray came up (its agents outlive a killed raylet).
+_GUARD = (
+    "import os, signal, sys\n"
+    "targets = [tuple(map(int, t.split(':'))) for t in sys.argv[1:]]\n"
+    "def started(pid):\n"
+    "    try:\n"
+    "        return int(open(f'/proc/{pid}/stat').read().rpartition(')')[2].split()[19])\n"
+    "    except (OSError, ValueError, IndexError):\n"
+    "        return None\n"
+    "def end(*_):\n"
+    "    for pid, when in targets:\n"
+    "        if started(pid) == when:\n"
+    "            try:\n"
+    "                os.kill(pid, signal.SIGKILL)\n"
+    "            except OSError:\n"
+    "                pass\n"
+    "    os._exit(0)\n"
+    "signal.signal(signal.SIGTERM, end)\n"
+    "while True:\n"
+    "    signal.pause()\n")
+
+
+def _guard_processes(processes: list[tuple[int, int]]) -> subprocess.Popen | None:
+    """A process that kills ``processes`` if this one dies before ``close`` (Linux only; None elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    command = with_launcher_death([sys.executable, "-S", "-c", _GUARD, *(f"{p}:{t}" for p, t in processes)])
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+class TaskActor:
+    """On a task's node: the task's process, started, read and signalled for the launcher (a Ray actor)."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen | None = None
+        self._lines: deque[str] = deque()
+        self._lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+
+    def place(self, port: int = 0, host: str | None = None, wait_s: float = 0.0) -> dict[str, Any]:
+        """This node: its address (``host``, else the node's as Ray knows it), a port free on it now, and Ray's node
+        id. ``port``: that one if it is free within ``wait_s`` (a task placed again after its node died: its old
+        process, on the same address, may still be on its way out)."""
+        import ray
+
+        host = host or ray.util.get_node_ip_address()
+        deadline = time.monotonic() + wait_s
+        while True:
+            for wanted in ([port, 0] if port and time.monotonic() >= deadline else [port or 0]):
+                with socket.socket() as probe:
+                    # As a server binds: a port whose last connections linger in TIME_WAIT is free to listen on.
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    try:
+                        probe.bind((host, wanted))
+                    except OSError:
+                        continue
+                    return {"host": host, "port": probe.getsockname()[1],
+                            "node": ray.get_runtime_context().get_node_id()}
+            time.sleep(0.2)
+
+    def start(self, script_and_args: list[str], env: dict[str, str], cwd: str | None) -> int:
+        """Start ``python SCRIPT ARGS`` here (this node's Python), dying with this actor; return its pid."""
+        self._lines.clear()
+        command = with_launcher_death([sys.executable, *script_and_args])
+        self._process = subprocess.Popen(command, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, cwd=cwd if cwd and Path(cwd).is_dir() else None)
+        self._reader = threading.Thread(target=self._read, args=(self._process,), daemon=True)
+        self._reader.start()
+        return self._process.pid
+
+    def _read(self, process: subprocess.Popen) -> None:
+        assert process.stdout is not None
+        for raw in iter(process.stdout.readline, b""):
+            with self._lock:
+                self._lines.append(raw.decode(errors="replace").rstrip("\n"))
+
+    def poll(self) -> tuple[int | None, list[str]]:
+        """The output lines since the last poll, and the exit code once the process exited and every line of it
+        was handed out (None until then)."""
+        process, reader = self._process, self._reader
+        code = process.poll() if process is not None else None
+        if code is not None and reader is not None:
+            reader.join(timeout=2.0)
+        with self._lock:
+            lines = list(self._lines)
+            self._lines.clear()
+        return code, lines
+
+    def signal(self, sig: int) -> bool:
+        """Send ``sig`` to the process's group; False if it is not running."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            return False
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+class RemoteProcess:
+    """A task's process on a Ray node as the launcher's loop sees a local one: ``pid``, ``poll()``, ``wait()`` and
+    its output as ``stdout.readline()`` (read by the launcher's output pump, which polls the actor).
+
+    A node that dies takes the actor with it: the process counts as killed (-9)."""
+
+    def __init__(self, ray: Any, actor: Any, pid: int) -> None:
+        self._ray, self._actor, self.pid = ray, actor, pid
+        self.returncode: int | None = None
+        self._lines: deque[str] = deque()
+        self.stdout = self
+
+    def readline(self) -> bytes:
+        """The next line of output (b"" once the process exited and every line was read). A quiet task is asked
+        less and less often, up to every ``OUTPUT_POLL_MAX_S``: each ask is a Ray call the machine pays for."""
+        wait = OUTPUT_POLL_S
+        while not self._lines:
+            if self.returncode is not None:
+                return b""
+            self._fetch()
+            if not self._lines and self.returncode is None:
+                time.sleep(wait)
+                wait = min(2 * wait, OUTPUT_POLL_MAX_S)
+        return (self._lines.popleft() + "\n").encode()
+
+    def _fetch(self) -> None:
+        try:
+            code, lines = self._ray.get(self._actor.poll.remote())
+        except self._ray.exceptions.RayError:
+            code, lines = -signal.SIGKILL, ["[launch] the task's Ray actor is gone (its node died?)"]
+        self._lines.extend(lines)
+        if code is not None:
+            self.returncode = code
+
+    def poll(self) -> int | None:
+        """The exit code, once the output pump read the last line (None before)."""
+        return self.returncode if not self._lines else None
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None and (deadline is None or time.monotonic() < deadline):
+            time.sleep(OUTPUT_POLL_S)
+        return self.returncode
+
+    def signal(self, sig: int) -> None:
+        try:
+            self._ray.get(self._actor.signal.remote(sig))
+        except self._ray.exceptions.RayError:
+            pass
+
+
+class RayLauncher(LocalLauncher):
+    """``LocalLauncher`` whose tasks run on a Ray cluster, one actor each (see the module's docstring)."""
+
+    def __init__(self, config: JobConfig, *, out: TextIO | None = None, **kwargs: Any) -> None:
+        tasks = config.ps + config.workers
+        self.connection = RayConnection(config.ray_address, num_cpus=max(os.cpu_count() or 1, tasks),
+                                        num_gpus=visible_gpus())
+        self.ray = self.connection.ray
+        # A local Ray started for the job is this machine alone: its tasks listen on 127.0.0.1, as local ones do.
+        self._host = "127.0.0.1" if self.connection.owned else None
+        self._group = None
+        self._actors: dict[str, Any] = {}
+        self._bundle_of: dict[str, int] = {}  # task -> its bundle in the placement group
+        self.nodes: dict[str, str] = {}  # task -> the Ray node id its process runs on
+        try:
+            super().__init__(config, out=out, **kwargs)
+        except BaseException:
+            self._release()
+            raise
+
+    # --- placement --------------------------------------------------------------------------------
+
+    def _assign_gpus(self) -> list[str] | None:
+        return None  # Ray gives each worker's actor its GPUs (CUDA_VISIBLE_DEVICES), and its process inherits them
+
+    def task_env(self, task: TaskSpec) -> dict[str, str]:
+        env = super().task_env(task)
+        if self.config.gpus_per_worker and task.job_name == "worker":
+            env["TENSORFLEET_GPUS_PER_WORKER"] = str(self.config.gpus_per_worker)
+        return env
+
+    def _bundles(self) -> list[dict[str, float]]:
+        """One bundle per task, ps first then workers: a CPU each, a worker its GPUs."""
+        gpus = self.config.gpus_per_worker
+        return [{"CPU": 1.0}] * self.config.ps + [{"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})}] * \
+            self.config.workers
+
+    def _initial_cluster(self) -> ClusterSpec:
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        if self.config.port is not None:
+            raise ConfigError("--port is for the local backend: on Ray each task's port is picked on its node")
+        bundles = self._bundles()
+        strategy = PLACEMENTS[self.config.ray_placement]
+        if self._short(bundles, self.ray.cluster_resources()):  # the whole cluster lacks it: no need to wait
+            raise ConfigError(self._unplaceable(bundles, strategy))
+        self._group = placement_group(bundles, strategy=strategy, name=f"tensorfleet-{self.config.job_name}")
+        if not self._group.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
+            remove_placement_group(self._group)
+            self._group = None
+            raise ConfigError(self._unplaceable(bundles, strategy))
+        names = [f"ps:{i}" for i in range(self.config.ps)] + [f"worker:{i}" for i in range(self.config.workers)]
+        self._bundle_of = {name: index for index, name in enumerate(names)}
+        for name in names:
+            self._actors[name] = self._new_actor(name)
+        places = dict(zip(names, self.ray.get([self._actors[n].place.remote(0, self._host) for n in names])))
+        self.nodes = {name: place["node"] for name, place in places.items()}
+        return ClusterSpec({job: [f"{places[n]['host']}:{places[n]['port']}" for n in names if n.startswith(job + ":")]
+                            for job in ("ps", "worker")})
+
+    def _new_actor(self, name: str) -> Any:
+        """The actor of task ``name``, in its bundle of the job's placement group (with its GPUs: a worker's)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gpus = self.config.gpus_per_worker if name.startswith("worker:") else 0
+        strategy = PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=self._bundle_of[name])
+        return self.ray.remote(num_cpus=0)(TaskActor).options(num_gpus=gpus, scheduling_strategy=strategy).remote()
+
+    @staticmethod
+    def _short(bundles: list[dict[str, float]], have: dict[str, float]) -> dict[str, float]:
+        """What ``bundles`` need in all of each resource that ``have`` lacks."""
+        wanted: dict[str, float] = {}
+        for bundle in bundles:
+            for key, amount in bundle.items():
+                wanted[key] = wanted.get(key, 0.0) + amount
+        return {key: amount for key, amount in sorted(wanted.items()) if have.get(key, 0.0) < amount}
+
+    def _unplaceable(self, bundles: list[dict[str, float]], strategy: str) -> str:
+        """Why the job cannot be placed: what it asked for against what the cluster has."""
+        total, free = self.ray.cluster_resources(), self.ray.available_resources()
+        short = [f"{key}: needs {amount:g}, the cluster has {total.get(key, 0):g} ({free.get(key, 0):g} free)"
+                 for key, amount in self._short(bundles, free).items()]
+        return (f"the Ray cluster cannot place this job's {len(bundles)} tasks within {PLACEMENT_TIMEOUT_S:g} s "
+                f"(one bundle per task, strategy {strategy}): " + ("; ".join(short) if short else
+                "no node can hold a bundle (each task's resources must fit on one node)") +
+                ". Ask for less (--gpus-per-worker, --workers) or add nodes")
+
+    # --- processes ----------------------------------------------------------------------------------
+
+    def _start_process(self, record: TaskRecord) -> RemoteProcess:
+        script = str(Path(self.config.script).resolve())
+        env = self.task_env(record.task)
+        try:
+            pid = self.ray.get(self._actors[record.name].start.remote([script, *self.config.args], env, os.getcwd()))
+        except self.ray.exceptions.RayActorError:  # its node died: Ray places its bundle again, somewhere
+            self._actors[record.name] = self._replace_actor(record)
+            pid = self.ray.get(self._actors[record.name].start.remote([script, *self.config.args], env, os.getcwd()))
+        return RemoteProcess(self.ray, self._actors[record.name], pid)
+
+    def _replace_actor(self, record: TaskRecord) -> Any:
+        """A new actor for a task whose actor died with its node, at the task's address: on Ray a task that would
+        move to another address fails for now, since its peers know it by the address of its TF_CONFIG."""
+        host, _, port = record.address.rpartition(":")
+        deadline = time.monotonic() + REPLACE_TIMEOUT_S
+        while True:  # until Ray has placed the task's bundle again on a live node
+            actor = self._new_actor(record.name)
+            try:
+                place = self.ray.get(actor.place.remote(int(port), self._host, PORT_WAIT_S),
+                                     timeout=REPLACE_TIMEOUT_S)
+                break
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"{record.name} lost its node, and Ray found no other node for it within "
+                                      f"{REPLACE_TIMEOUT_S:g} s (its bundle: {self._bundles()[self._bundle_of[record.name]]})"
+                                      ) from None
+                time.sleep(1.0)  # the bundle still on the dead node: Ray moves it once it knows the node is gone
+        self.nodes[record.name] = place["node"]
+        if (place["host"], place["port"]) != (host, int(port)):
+            self.ray.kill(actor)
+            raise ConfigError(f"{record.name} lost its node, and Ray can place it again only at "
+                              f"{place['host']}:{place['port']}, not at {record.address}, where its peers know it; "
+                              "moving a task to a new address is not supported yet on the Ray backend")
+        return actor
+
+    def _where(self, record: TaskRecord) -> str:
+        node = self.nodes.get(record.name)
+        return f" on Ray node {node[:8]}" if node else ""
+
+    def _placement(self, record: TaskRecord) -> dict[str, str]:
+        node = self.nodes.get(record.name)
+        return {"node": node, "address": record.address} if node else {}
+
+    def signal_group(self, name: str, sig: int) -> None:
+        process = self.processes.get(name)
+        if isinstance(process, RemoteProcess):
+            process.signal(sig)
+
+    def signal_leave(self, name: str) -> bool:
+        raise ConfigError("scaling a job on Ray is not supported yet: start it with the workers it needs")
+
+    def scale_workers(self, workers: int) -> None:
+        raise ConfigError("scaling a job on Ray is not supported yet: start it with the workers it needs")
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Kill the actors (their processes die with them), remove the placement group, leave Ray."""
+        for actor in self._actors.values():
+            try:
+                self.ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone with its node
+                pass
+        self._actors = {}
+        if self._group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._group)
+            except Exception:  # noqa: BLE001 - the cluster is going away too
+                pass
+            self._group = None
+        self.connection.close()

@@ -1,0 +1,183 @@
+"""``tensorfleet launch --backend ray``: the seed MNIST job's tasks as Ray actors' processes (issue 31), on a
+local Ray started for the job, and on a 3-node Ray cluster of this machine (``ray.cluster_utils.Cluster``; each
+node has a resource naming it, the head none of the CPUs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tensorfleet.testing.fleet import poll
+from tensorfleet.testing.local_cluster import REPO, LauncherProcess
+
+# Ray keeps every address of a cluster of this machine on 127.0.0.1 then (its nodes, its GCS, the tasks, this
+# test as a driver); read when ray is imported, so set before.
+LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+os.environ.update(LOOPBACK)
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'tensorfleet[ray]' (it is in [test])")
+psutil = pytest.importorskip("psutil")
+
+pytestmark = pytest.mark.cluster
+MNIST = REPO / "examples" / "mnist_mlp.py"
+NODE_CPUS = 2
+
+
+def ray_processes() -> set[int]:
+    """Ray's own processes on this machine now (raylets, GCS, agents, workers)."""
+    found = set()
+    for process in psutil.process_iter(["cmdline"]):
+        text = " ".join(process.info["cmdline"] or [])
+        if re.search(r"raylet|gcs_server|ray::|default_worker\.py|dashboard/agent|runtime_env/agent", text):
+            found.add(process.pid)
+    return found
+
+
+def accuracy(output: str) -> float:
+    return float(re.findall(r"\[worker:0\] test accuracy: ([\d.]+)", output)[-1])
+
+
+def started_pids(run: LauncherProcess) -> list[int]:
+    return [e["pid"] for e in run.events() if e["event"] == "started"]
+
+
+def gone(pids: list[int]) -> bool:
+    return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+
+
+@pytest.fixture
+def launches(tmp_path):
+    started: list[LauncherProcess] = []
+
+    def start(flags, script_args, name="job", env=None):
+        run = LauncherProcess(tmp_path / name, ["--progress-every", "1", "--backend", "ray", *flags], MNIST,
+                              script_args, env={**os.environ, **(env or {})})
+        started.append(run)
+        return run
+
+    yield start
+    for run in started:
+        run.kill()
+
+
+# --- a local Ray started for the job (these run before the cluster below exists) ----------------------------
+
+def test_without_an_address_a_local_ray_runs_the_job_and_goes_with_it(launches):
+    before = ray_processes()
+    run = launches(["--ps", "1", "--workers", "2"], ["--train_steps", "300"])
+    code, output = run.wait(timeout_s=240)
+    assert code == 0, output
+    assert accuracy(output) > 0.9, output
+    started = [e for e in run.events() if e["event"] == "started"]
+    assert {e["task"] for e in started} == {"ps:0", "worker:0", "worker:1"}
+    assert all(e["address"].startswith("127.0.0.1:") and e["node"] for e in started)  # one node: this machine
+    poll(lambda: gone(started_pids(run)), 30, "the tasks' processes to be gone")
+    poll(lambda: not (ray_processes() - before), 30, "the job's local Ray to be gone")
+
+
+def test_a_sigkilled_launcher_takes_its_local_ray_and_tasks_with_it(launches):
+    before = ray_processes()
+    run = launches(["--ps", "1", "--workers", "1"], ["--train_steps", "100000"])
+    poll(lambda: run.events_of("worker:0", "running"), 120, "worker:0 to train")
+    pids = started_pids(run)
+    os.kill(run.process.pid, signal.SIGKILL)
+    run.process.wait()
+    poll(lambda: gone(pids), 30, "the tasks' processes to die with the launcher")
+    poll(lambda: not (ray_processes() - before), 30, "the job's local Ray to die with the launcher")
+
+
+# --- a 3-node cluster ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster(keep_processes):
+    from ray.cluster_utils import Cluster
+
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"node0": 1}})
+    kept: set[int] = set()
+    try:
+        nodes = {f"node{i}": made.add_node(num_cpus=NODE_CPUS, resources={f"node{i}": 1}) for i in (1, 2, 3)}
+        made.wait_for_nodes()
+        ray.init(address=made.address, log_to_driver=False)  # this test as a driver: to read the free resources
+        kept = {p.pid for p in psutil.Process().children(recursive=True)}  # the nodes' processes: the module's
+        keep_processes.keep(kept)
+        yield made, nodes
+    finally:
+        ray.shutdown()
+        made.shutdown()
+        keep_processes.release(kept)
+
+
+def free_cpus_back() -> bool:
+    return ray.available_resources().get("CPU", 0) == ray.cluster_resources().get("CPU", -1)
+
+
+def node_name(nodes: dict, node_id: str) -> str:
+    return next(name for name, node in nodes.items() if node.node_id == node_id)
+
+
+@pytest.mark.parametrize("mode", ["--async", "--sync"])
+def test_the_seed_job_runs_with_the_ps_on_one_node_and_the_workers_on_the_others(cluster, launches, mode):
+    made, nodes = cluster
+    run = launches(["--ray-address", made.address, "--ps", "1", "--workers", "2", mode], ["--train_steps", "600"],
+                   env=LOOPBACK)
+    code, output = run.wait(timeout_s=240)
+    assert code == 0, output
+    assert accuracy(output) > 0.9, output
+    where = {e["task"]: node_name(nodes, e["node"]) for e in run.events() if e["event"] == "started"}
+    assert set(where) == {"ps:0", "worker:0", "worker:1"}
+    assert len(set(where.values())) == 3, where  # spread: each task on a node of its own, none on the head
+    assert "started ps:0 (pid" in output and " on Ray node " in output
+    poll(lambda: gone(started_pids(run)), 30, "the tasks' processes to be gone")
+    poll(free_cpus_back, 30, "the job's placement group and actors to be released")
+
+
+def test_a_job_asking_for_gpus_the_cluster_lacks_fails_at_once_saying_so(cluster, launches):
+    made, _ = cluster
+    began = time.monotonic()
+    run = launches(["--ray-address", made.address, "--workers", "2", "--gpus-per-worker", "1"],
+                   ["--train_steps", "10"], env=LOOPBACK)
+    code, output = run.wait(timeout_s=120)
+    assert code == 2, output
+    assert "GPU: needs 2, the cluster has 0" in output, output
+    assert time.monotonic() - began < 30
+    assert not started_pids(run)
+    poll(free_cpus_back, 30, "nothing to be held")
+
+
+def test_a_sigkilled_launcher_leaves_no_task_and_no_actor_on_the_cluster(cluster, launches):
+    made, _ = cluster
+    run = launches(["--ray-address", made.address, "--ps", "1", "--workers", "2"], ["--train_steps", "100000"],
+                   env=LOOPBACK)
+    poll(lambda: run.events_of("worker:1", "running"), 120, "worker:1 to train")
+    pids = started_pids(run)
+    os.kill(run.process.pid, signal.SIGKILL)
+    run.process.wait()
+    poll(lambda: gone(pids), 60, "the tasks' processes to die with the launcher's actors")
+    poll(free_cpus_back, 60, "the launcher's placement group and actors to be released")
+
+
+def test_a_task_whose_node_dies_comes_back_on_another_and_the_job_finishes(cluster, launches, keep_processes):
+    """Last in the module: it takes a node away. The worker's bundle moves to a node with a free CPU; on this
+    machine every node is 127.0.0.1, so the task comes back at its address and its peers find it there."""
+    made, nodes = cluster
+    run = launches(["--ray-address", made.address, "--ps", "1", "--workers", "2", "--async", "--max-restarts", "3"],
+                   ["--train_steps", "4000"], env=LOOPBACK)
+    poll(lambda: run.events_of("worker:1", "running"), 120, "worker:1 to train")
+    first = run.events_of("worker:1", "started")[0]
+    doomed = node_name(nodes, first["node"])
+    made.remove_node(nodes[doomed], allow_graceful=False)  # its raylet killed, and every process of the node
+    poll(lambda: len(run.events_of("worker:1", "started")) == 2, 120, "worker:1 to start again")
+    code, output = run.wait(timeout_s=300)
+    assert code == 0, output
+    again = run.events_of("worker:1", "started")[1]
+    assert again["incarnation"] == 1 and node_name(nodes, again["node"]) != doomed, again
+    assert accuracy(output) > 0.9, output
+    ps = json.loads((Path(run.logdir) / "ps-0.status.json").read_text())
+    assert ps["global_step"] <= ps["applied_updates"], ps  # the step never counts an update that was not applied
+    nodes[doomed] = made.add_node(num_cpus=NODE_CPUS, resources={doomed: 1})  # as it was, for any test after
+    keep_processes.keep({p.pid for p in psutil.Process().children(recursive=True)})
