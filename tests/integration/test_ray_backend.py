@@ -131,7 +131,7 @@ def test_the_seed_job_runs_with_the_ps_on_one_node_and_the_workers_on_the_others
     where = {e["task"]: node_name(nodes, e["node"]) for e in run.events() if e["event"] == "started"}
     assert set(where) == {"ps:0", "worker:0", "worker:1"}
     assert len(set(where.values())) == 3, where  # spread: each task on a node of its own, none on the head
-    assert "started ps:0 (pid" in output and " on Ray node " in output
+    assert "started ps:0 (pid" in output and " on node " in output
     poll(lambda: gone(started_pids(run)), 30, "the tasks' processes to be gone")
     poll(free_cpus_back, 30, "the job's placement group and actors to be released")
 

@@ -232,7 +232,8 @@ class LocalLauncher:
         self.processes[record.name] = process
         self.started_with[record.name] = self.task_env(task)  # a later scale changes TF_CONFIG, not this process's
         self.spawns += 1
-        self.supervisor.started(record.name, process.pid, **self._placement(record))
+        placement = self._placement(record)
+        self.supervisor.started(record.name, process.pid, **placement)
         self.output.started(record.name)
         log = self._open_log(record)
         pump = threading.Thread(target=self._pump, args=(record.name, process, log), daemon=True,
@@ -240,15 +241,12 @@ class LocalLauncher:
         pump.start()
         self._pumps[record.name] = pump
         again = f" (restart {record.restarts})" if record.restarts else ""
-        self.console.line(f"[launch] started {record.name}{again} (pid {process.pid}{self._where(record)}) at "
-                          f"{record.address}")
-
-    def _where(self, record: TaskRecord) -> str:
-        """Where the task's process runs, for the console (" on node N" on a backend with several machines)."""
-        return ""
+        where = f" on node {placement['node'][:8]}" if "node" in placement else ""
+        self.console.line(f"[launch] started {record.name}{again} (pid {process.pid}{where}) at {record.address}")
 
     def _placement(self, record: TaskRecord) -> dict[str, str]:
-        """Where the task's process runs, for its "started" event (nothing more here: this machine)."""
+        """Where the task's process runs, for its "started" event and the console ({"node": ...} on a backend of
+        several machines; nothing here: this machine)."""
         return {}
 
     def _open_log(self, record: TaskRecord) -> TextIO | None:

@@ -420,10 +420,6 @@ class RayLauncher(LocalLauncher):
                               "moving a task to a new address is not supported yet on the Ray backend")
         return actor
 
-    def _where(self, record: TaskRecord) -> str:
-        node = self.nodes.get(record.name)
-        return f" on Ray node {node[:8]}" if node else ""
-
     def _placement(self, record: TaskRecord) -> dict[str, str]:
         node = self.nodes.get(record.name)
         return {"node": node, "address": record.address} if node else {}
