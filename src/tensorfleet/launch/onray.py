@@ -102,13 +102,12 @@ class RayConnection:
         options: dict[str, Any] = {"log_to_driver": False, "include_dashboard": False}
         if self.owned:
             options.update(num_cpus=num_cpus, num_gpus=num_gpus)
-
         try:
             self.ray.init(address=address, **options)
         except Exception as exc:  # noqa: BLE001 - Ray says why in its own exceptions: in one line, with the way out
             raise ConfigError(f"cannot join the Ray cluster at {address or 'a new local Ray'}: "
                               f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
-        self._guard = _guard_processes(_descendants(os.getpid())) if self.owned else None
+        self._guard = _guard_processes(os.getpid()) if self.owned else None  # Ray's processes are ours now
 
     def close(self) -> None:
         """Leave the cluster (a local Ray started for the job is stopped with it, and its guard with it)."""
@@ -165,10 +164,12 @@ _GUARD = (
     "    signal.pause()\n")
 
 
-def _guard_processes(processes: list[tuple[int, int]]) -> subprocess.Popen | None:
-    """A process that kills ``processes`` if this one dies before ``close`` (Linux only; None elsewhere)."""
+def _guard_processes(parent: int) -> subprocess.Popen | None:
+    """A process that kills every process below ``parent`` now if ``parent`` dies before ``close`` (Linux only,
+    where /proc and parent-death signals are; None elsewhere)."""
     if not sys.platform.startswith("linux"):
         return None
+    processes = _descendants(parent)
     command = with_launcher_death([sys.executable, "-S", "-c", _GUARD, *(f"{p}:{t}" for p, t in processes)])
     return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
