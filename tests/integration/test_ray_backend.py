@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -161,9 +162,28 @@ def test_a_sigkilled_launcher_leaves_no_task_and_no_actor_on_the_cluster(cluster
     poll(free_cpus_back, 60, "the launcher's placement group and actors to be released")
 
 
-def test_a_task_whose_node_dies_comes_back_on_another_and_the_job_finishes(cluster, launches, keep_processes):
-    """Last in the module: it takes a node away. The worker's bundle moves to a node with a free CPU; on this
-    machine every node is 127.0.0.1, so the task comes back at its address and its peers find it there."""
+def taken(address: str) -> socket.socket:
+    """A listener on ``address`` (bound as soon as the port is free: the task that had it may still be dying)."""
+    host, _, port = address.rpartition(":")
+
+    def bind():
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((host, int(port)))
+        except OSError:
+            listener.close()
+            return None
+        listener.listen()
+        return listener
+    return poll(bind, 30, f"{address} to be free")
+
+
+@pytest.mark.parametrize("port", ["free", "taken"])
+def test_a_task_whose_node_dies_comes_back_on_another_and_the_job_finishes(cluster, launches, keep_processes, port):
+    """Last in the module: it takes nodes away. The worker's bundle moves to a node with a free CPU. On this
+    machine every node is 127.0.0.1: the worker comes back at its address, or, that port taken, at a new one
+    (a worker may move: no task dials a worker)."""
     made, nodes = cluster
     run = launches(["--ray-address", made.address, "--ps", "1", "--workers", "2", "--async", "--max-restarts", "3"],
                    ["--train_steps", "4000"], env=LOOPBACK)
@@ -171,11 +191,20 @@ def test_a_task_whose_node_dies_comes_back_on_another_and_the_job_finishes(clust
     first = run.events_of("worker:1", "started")[0]
     doomed = node_name(nodes, first["node"])
     made.remove_node(nodes[doomed], allow_graceful=False)  # its raylet killed, and every process of the node
-    poll(lambda: len(run.events_of("worker:1", "started")) == 2, 120, "worker:1 to start again")
-    code, output = run.wait(timeout_s=300)
+    listener = taken(first["address"]) if port == "taken" else None
+    try:
+        poll(lambda: len(run.events_of("worker:1", "started")) == 2, 120, "worker:1 to start again")
+        code, output = run.wait(timeout_s=300)
+    finally:
+        if listener is not None:
+            listener.close()
     assert code == 0, output
     again = run.events_of("worker:1", "started")[1]
     assert again["incarnation"] == 1 and node_name(nodes, again["node"]) != doomed, again
+    if port == "taken":
+        assert again["address"] != first["address"] and f"worker:1 moves from {first['address']}" in output, output
+    else:
+        assert again["address"] == first["address"], again
     assert accuracy(output) > 0.9, output
     ps = json.loads((Path(run.logdir) / "ps-0.status.json").read_text())
     assert ps["global_step"] <= ps["applied_updates"], ps  # the step never counts an update that was not applied

@@ -19,8 +19,9 @@ changes is where a task's process runs and how its output reaches the launcher:
 * **Ray itself.** Without ``--ray-address`` a local Ray is started for the job and stopped after it (the
   embedded default: the command works on a laptop); with one, the launcher joins that cluster as a driver.
 
-Not yet (issue 31, item 2): a task whose node dies is restarted on its node only; one that would have to move
-to another node, at a new address, fails, saying so.
+Not yet (issue 31, item 2): a task whose node dies is placed again by Ray, at its old address when that is
+free there; a worker may move to a new address (no task dials a worker), a ps that would have to fails, saying
+so, since the workers know it by the address in their TF_CONFIG.
 """
 
 from __future__ import annotations
@@ -397,8 +398,9 @@ class RayLauncher(LocalLauncher):
         return RemoteProcess(self.ray, self._actors[record.name], pid)
 
     def _replace_actor(self, record: TaskRecord) -> Any:
-        """A new actor for a task whose actor died with its node, at the task's address: on Ray a task that would
-        move to another address fails for now, since its peers know it by the address of its TF_CONFIG."""
+        """A new actor for a task whose actor died with its node, at the task's address if that is free where Ray
+        placed it. A worker may move to another address; a ps that would have to fails for now, since the workers
+        know it by the address of their TF_CONFIG."""
         host, _, port = record.address.rpartition(":")
         deadline = time.monotonic() + REPLACE_TIMEOUT_S
         while True:  # until Ray has placed the task's bundle again on a live node
@@ -414,12 +416,26 @@ class RayLauncher(LocalLauncher):
                                       ) from None
                 time.sleep(1.0)  # the bundle still on the dead node: Ray moves it once it knows the node is gone
         self.nodes[record.name] = place["node"]
-        if (place["host"], place["port"]) != (host, int(port)):
-            self.ray.kill(actor)
-            raise ConfigError(f"{record.name} lost its node, and Ray can place it again only at "
-                              f"{place['host']}:{place['port']}, not at {record.address}, where its peers know it; "
-                              "moving a task to a new address is not supported yet on the Ray backend")
+        address = f"{place['host']}:{place['port']}"
+        if address != record.address:
+            if record.task.job_name == "ps":
+                self.ray.kill(actor)
+                raise ConfigError(f"{record.name} lost its node, and Ray can place it again only at {address}, not "
+                                  f"at {record.address}, where the workers know it; a ps that moves to a new address "
+                                  "is not supported yet on the Ray backend")
+            self._move(record, address)
         return actor
+
+    def _move(self, record: TaskRecord, address: str) -> None:
+        """A worker placed again at a new address: the cluster follows it (the TF_CONFIG of the tasks started from
+        now on, the monitor). The other tasks need not know: no task dials a worker (workers call the ps; only
+        the launcher's monitor asks a worker for its Status)."""
+        jobs = self.cluster.as_dict()
+        jobs["worker"][record.task.index] = address
+        self.scaler.cluster = ClusterSpec.from_dict(jobs)
+        self.console.line(f"[launch] {record.name} moves from {record.address} to {address} (its node died)")
+        record.address = address
+        self.fleet_changed()
 
     def _placement(self, record: TaskRecord) -> dict[str, str]:
         node = self.nodes.get(record.name)
