@@ -377,10 +377,6 @@ class PsClient:
         """``fetch``, each table's rows in the order of its ``ids`` (a copy of them where that is not shard order)."""
         return self._fetch(ids, inline=inline, in_asked_order=True).result()
 
-    def lookup_async(self, ids: Mapping[str, torch.Tensor]) -> Gathered:
-        """``lookup`` on the shards' threads; ``result()`` is the rows."""
-        return self._fetch(ids, inline=False, in_asked_order=True)
-
     def route(self, table: str, ids: torch.Tensor) -> Route:
         """Where each of a table's ``ids`` lives. Hashed once per step: the lookup keeps the route, both of the
         ids it was given and of the same ids in shard order, and the push of the step's row gradients comes
