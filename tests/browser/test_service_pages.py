@@ -416,6 +416,8 @@ def test_the_job_page_follows_a_scale_without_a_reload(browser_page: Page, servi
     page.evaluate("window.notReloaded = true")  # gone if the page loads again
     expect(page.locator('#task-rows tr[data-task="worker:2"]')).to_be_visible(timeout=90_000)
     expect(page.locator('#log-tabs button[data-task="worker:2"]')).to_have_text("worker:2")
+    poll(lambda: "worker:2 starts at global step" in api.call("GET", f"/api/jobs/{job}/logs/worker:2")["text"],
+         90, "worker:2 to join before it is scaled away", interval_s=0.2)
 
     api.call("POST", f"/api/jobs/{job}/scale", {"workers": 1})
     for name in ("worker:1", "worker:2"):
