@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tensorfleet.errors import TensorfleetError
 from tensorfleet.testing.fleet import poll
 from tensorfleet.testing.local_cluster import REPO, LauncherProcess
+from tensorfleet.testing.service import start_service, stop_runners
 
 # Ray keeps every address of a cluster of this machine on 127.0.0.1 then (its nodes, its GCS, the tasks, this
 # test as a driver); read when ray is imported, so set before.
@@ -162,6 +164,53 @@ def test_a_sigkilled_launcher_leaves_no_task_and_no_actor_on_the_cluster(cluster
     poll(free_cpus_back, 60, "the launcher's placement group and actors to be released")
 
 
+def log_of(api, job: int, task: str) -> str:
+    """A task's log through the service ("" while the job does not list the task yet)."""
+    try:
+        return api.call("GET", f"/api/jobs/{job}/logs/{task}")["text"]
+    except TensorfleetError:
+        return ""
+
+
+def test_the_job_service_runs_jobs_on_the_cluster_as_its_free_resources_allow(cluster, tmp_path):
+    """``tensorfleet serve --ray-address``: a job waits for the cluster's room (6 CPUs here, where this machine has
+    2 cores), and the service shows, scales and stops a Ray job as a local one."""
+    made, nodes = cluster
+    service = start_service(tmp_path / "home", REPO, ray_address=made.address)
+    try:
+        api = service.client()
+        first = api.call("POST", "/api/jobs", {"script": "examples/mnist_mlp.py", "ps": 1, "workers": 2,
+                                               "mode": "async", "backend": "ray",
+                                               "args": ["--train_steps", "1000000"]})["id"]
+        poll(lambda: "training begins" in log_of(api, first, "worker:1"), 120, "worker:1 to train")
+        tasks = {t["name"]: t for t in api.call("GET", f"/api/jobs/{first}/tasks")["tasks"]}
+        assert set(tasks) == {"ps:0", "worker:0", "worker:1"}, tasks
+        assert json.loads(tasks["worker:1"]["env"]["TF_CONFIG"])["task"] == {"type": "worker", "index": 1}
+
+        second = api.call("POST", "/api/jobs", {"script": "examples/mnist_mlp.py", "ps": 1, "workers": 3,
+                                                "mode": "async", "backend": "ray",
+                                                "args": ["--train_steps", "300"]})["id"]
+        api.call("POST", f"/api/jobs/{first}/scale", {"workers": 3})  # 4 of the 6 CPUs: the second needs 4 too
+        poll(lambda: "training begins" in log_of(api, first, "worker:2"), 120,
+             "worker:2, added on the cluster, to train")
+        assert service.job(second)["state"] == "queued", service.job(second)  # seen by many ticks since it came
+
+        api.call("POST", f"/api/jobs/{first}/scale", {"workers": 1})
+        poll(lambda: {t["name"]: t["state"] for t in api.call("GET", f"/api/jobs/{first}/tasks")["tasks"]}
+             .get("worker:2") == "removed", 120, "worker:2 to leave")
+        assert service.job(second)["state"] == "queued"  # 2 CPUs of the first job's are free, not 4
+        api.call("POST", f"/api/jobs/{first}/stop", {})
+        poll(lambda: service.job(first)["state"] == "stopped", 60, "the first job to stop")
+        poll(lambda: service.job(second)["state"] == "succeeded", 240, "the second job, admitted now, to finish")
+        where = [json.loads(line)["node"] for line in (Path(service.job(second)["logdir"]) / "events.jsonl")
+                 .read_text().splitlines() if json.loads(line).get("event") == "started"]
+        assert len(where) == 4 and all(node in {n.node_id for n in nodes.values()} for node in where), where
+        poll(free_cpus_back, 60, "both jobs' placement groups and actors to be released")
+    finally:
+        service.service.close()
+        stop_runners(tmp_path / "home")
+
+
 def taken(address: str) -> socket.socket:
     """A listener on ``address`` (bound as soon as the port is free: the task that had it may still be dying)."""
     host, _, port = address.rpartition(":")
@@ -179,34 +228,44 @@ def taken(address: str) -> socket.socket:
     return poll(bind, 30, f"{address} to be free")
 
 
-@pytest.mark.parametrize("port", ["free", "taken"])
-def test_a_task_whose_node_dies_comes_back_on_another_and_the_job_finishes(cluster, launches, keep_processes, port):
-    """Last in the module: it takes nodes away. The worker's bundle moves to a node with a free CPU. On this
-    machine every node is 127.0.0.1: the worker comes back at its address, or, that port taken, at a new one
-    (a worker may move: no task dials a worker)."""
+@pytest.mark.parametrize(("task", "port"), [("worker:1", "free"), ("ps:0", "taken")])
+def test_a_task_whose_node_dies_comes_back_on_another_and_the_job_finishes(cluster, launches, keep_processes, tmp_path,
+                                                                           task, port):
+    """Last in the module: it takes nodes away. The task's bundle moves to a node with a free CPU. On this machine
+    every node is 127.0.0.1: the task comes back at its address, or, that port taken, at a new one, which the job's
+    cluster follows: the workers find a moved ps there (its cluster file), and the chief restores it."""
     made, nodes = cluster
     run = launches(["--ray-address", made.address, "--ps", "1", "--workers", "2", "--async", "--max-restarts", "3"],
-                   ["--train_steps", "4000"], env=LOOPBACK)
+                   ["--train_steps", "4000", "--checkpoint_dir", str(tmp_path / "ckpt"),
+                    "--save_checkpoint_steps", "200"], env=LOOPBACK)
     poll(lambda: run.events_of("worker:1", "running"), 120, "worker:1 to train")
-    first = run.events_of("worker:1", "started")[0]
+    poll(lambda: any(not p.name.startswith("model.ckpt-0.") for p in (tmp_path / "ckpt").glob("model.ckpt-*")), 120,
+         "a checkpoint of trained values")  # the ps, once moved, is restored from it
+    first = run.events_of(task, "started")[0]
     doomed = node_name(nodes, first["node"])
     made.remove_node(nodes[doomed], allow_graceful=False)  # its raylet killed, and every process of the node
     listener = taken(first["address"]) if port == "taken" else None
     try:
-        poll(lambda: len(run.events_of("worker:1", "started")) == 2, 120, "worker:1 to start again")
+        poll(lambda: len(run.events_of(task, "started")) == 2, 120, f"{task} to start again")
         code, output = run.wait(timeout_s=300)
     finally:
         if listener is not None:
             listener.close()
     assert code == 0, output
-    again = run.events_of("worker:1", "started")[1]
+    again = run.events_of(task, "started")[1]
     assert again["incarnation"] == 1 and node_name(nodes, again["node"]) != doomed, again
     if port == "taken":
-        assert again["address"] != first["address"] and f"worker:1 moves from {first['address']}" in output, output
+        assert again["address"] != first["address"] and f"{task} moves from {first['address']}" in output, output
     else:
         assert again["address"] == first["address"], again
     assert accuracy(output) > 0.9, output
     ps = json.loads((Path(run.logdir) / "ps-0.status.json").read_text())
-    assert ps["global_step"] <= ps["applied_updates"], ps  # the step never counts an update that was not applied
+    if task == "ps:0":
+        for worker in ("worker-0", "worker-1"):  # each found it at its new address, and trained on
+            log = (Path(run.logdir) / f"{worker}.log").read_text()
+            assert f"moved from {first['address']} to {again['address']}" in log, log
+        assert "restarted empty; every shard restored to global step" in output, output
+    else:
+        assert ps["global_step"] <= ps["applied_updates"], ps  # the step never counts an update not applied
     nodes[doomed] = made.add_node(num_cpus=NODE_CPUS, resources={doomed: 1})  # as it was, for any test after
     keep_processes.keep({p.pid for p in psutil.Process().children(recursive=True)})

@@ -1,8 +1,9 @@
 """``tensorfleet serve``, ``tensorfleet jobs`` and ``tensorfleet users``: the job service's commands.
 
     tensorfleet serve [--host 127.0.0.1] [--port 8470] [--home DIR] [--workspace DIR] [--slots N]
-                      [--k8s-image IMG [--k8s-namespace NS] [--kubeconfig FILE]] [--tls-cert F --tls-key F]
-    tensorfleet jobs submit JOBFILE [--name NAME] [--backend local|kubernetes]
+                      [--k8s-image IMG [--k8s-namespace NS] [--kubeconfig FILE]] [--ray-address ADDR]
+                      [--tls-cert F --tls-key F]
+    tensorfleet jobs submit JOBFILE [--name NAME] [--backend local|kubernetes|ray]
     tensorfleet jobs ls [--state STATE]
     tensorfleet jobs logs JOB [TASK] [--follow]
     tensorfleet jobs stop|restart JOB
@@ -58,8 +59,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "serve", help="run the job service: a web app to create, watch, stop and restart jobs",
         description="Serve the job service on HOST:PORT (127.0.0.1 by default: only this machine). Jobs run as "
                     "local processes (the same supervisor as 'tensorfleet launch'), at most as many tasks at once as "
-                    "--slots, the rest queued; or on Kubernetes with --k8s-image. The first start creates the user "
-                    "'admin'. Running jobs survive a restart of the service.")
+                    "--slots, the rest queued; or on Kubernetes with --k8s-image; or on a Ray cluster with "
+                    "--ray-address. The first start creates the user 'admin'. Running jobs survive a restart of the "
+                    "service.")
     serve.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1); another "
                        "address needs --tls-cert/--tls-key, or --insecure-http to send passwords in clear")
     serve.add_argument("--port", type=port_number, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
@@ -73,6 +75,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
                        help="enable the Kubernetes backend: the image holding the workspace")
     serve.add_argument("--k8s-namespace", dest="k8s_namespace", default="default")
     serve.add_argument("--kubeconfig", default=None, help="the kubeconfig (default: $KUBECONFIG or ~/.kube/config)")
+    serve.add_argument("--ray-address", dest="ray_address", default=None,
+                       help="enable the Ray backend: jobs whose backend is 'ray' run on this Ray cluster (host:port "
+                       "of its head), admitted as its free resources allow (needs pip install 'tensorfleet[ray]')")
     serve.add_argument("--tls-cert", dest="tls_cert", default=None, help="serve HTTPS with this certificate (PEM)")
     serve.add_argument("--tls-key", dest="tls_key", default=None, help="... and this private key (PEM)")
     serve.add_argument("--insecure-http", dest="insecure_http", action="store_true",
@@ -98,7 +103,7 @@ def _add_jobs(commands: argparse._SubParsersAction) -> None:
                     "it); logdir, dashboard and port are the service's to choose, and are named when not used.")
     submit.add_argument("job_file", metavar="JOBFILE")
     submit.add_argument("--name", default=None, help="the job's name (default: the file's, else the script's)")
-    submit.add_argument("--backend", default="local", choices=("local", "kubernetes"))
+    submit.add_argument("--backend", default="local", choices=("local", "kubernetes", "ray"))
     ls = actions.add_parser("ls", help="list jobs, newest first")
     ls.add_argument("--state", default=None, help="only jobs in this state (queued, running, succeeded, ...)")
     logs = actions.add_parser("logs", help="print a task's log (default worker:0)")
@@ -167,6 +172,7 @@ def run_serve(args: argparse.Namespace, line: CommandLine) -> int:
     # folder made and no admin password printed for a service that never ran.
     service = Service(home, workspace, host=args.host, port=args.port, slots=args.slots,
                       k8s_image=args.k8s_image, k8s_namespace=args.k8s_namespace, kubeconfig=args.kubeconfig,
+                      ray_address=args.ray_address,
                       tls_cert=args.tls_cert, tls_key=args.tls_key)
     if not service.accounts.has_users():
         password, show = _first_password()

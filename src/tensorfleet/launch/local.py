@@ -421,7 +421,8 @@ class LocalLauncher:
         self.scaler.scale_to(workers)
 
     def _check_scalable(self, workers: int) -> None:
-        """What this job's settings allow (the scaler checks the count and the chief); reserves the GPUs."""
+        """What this job's settings allow (the scaler checks the count and the chief); reserves what the
+        added workers need."""
         if self.config.mode != "async":
             raise ConfigError(f"scaling workers needs an asynchronous job (--async); this one's mode is "
                               f"{self.config.mode or 'the script default'}: synchronous replicas aggregate a fixed "
@@ -431,6 +432,10 @@ class LocalLauncher:
         if workers < self.cluster.num_tasks("worker") and towers not in ("", "1"):
             raise ConfigError(f"workers with towers (TENSORFLEET_TOWERS={towers}) cannot leave a running job yet: "
                               "scale it up only")
+        self._reserve_for_workers(workers)
+
+    def _reserve_for_workers(self, workers: int) -> None:
+        """Room for ``workers`` workers, or ConfigError: here, each worker's GPUs of this machine."""
         if self.config.gpus_per_worker:
             self._gpus = gpu_assignment(self.config.gpus_per_worker, max(workers, self.cluster.num_tasks("worker")),
                                         self._visible_gpus())

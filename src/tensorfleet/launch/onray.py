@@ -19,9 +19,10 @@ changes is where a task's process runs and how its output reaches the launcher:
 * **Ray itself.** Without ``--ray-address`` a local Ray is started for the job and stopped after it (the
   embedded default: the command works on a laptop); with one, the launcher joins that cluster as a driver.
 
-Not yet (issue 31, item 2): a task whose node dies is placed again by Ray, at its old address when that is
-free there; a worker may move to a new address (no task dials a worker), a ps that would have to fails, saying
-so, since the workers know it by the address in their TF_CONFIG.
+* **Moves.** A task whose node dies is placed again by Ray on a live node, at its old address when that is free
+  there, else at a new one: the job's cluster goes one version on, and every task's actor writes it to the
+  task's cluster file, where a worker whose ps stopped answering looks for the ps's address
+  (``cluster/registry.py``). A ps restarted empty is restored by the chief as after any ps restart.
 """
 
 from __future__ import annotations
@@ -31,17 +32,21 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any, TextIO
 
+from tensorfleet.cluster.registry import CLUSTER_FILE_ENV, write_cluster
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch.config import JobConfig
-from tensorfleet.launch.local import LocalLauncher, visible_gpus, with_launcher_death
+from tensorfleet.launch.local import LocalLauncher, free_ports, visible_gpus, with_launcher_death
 from tensorfleet.launch.supervisor import TaskRecord
+from tensorfleet.worker.leave import LEAVE_SIGNAL
 
 SUPPORTED_RAY = ((2, 60), (2, 61))  # Ray >= 2.60, < 2.61: the pin of the [ray] extra
 SUPPORTED_TEXT = ">=2.60,<2.61"
@@ -94,6 +99,11 @@ class RayConnection:
     def __init__(self, address: str | None, *, num_cpus: int, num_gpus: int) -> None:
         self.ray = import_ray()
         self.owned = address is None
+        self._guard = None
+        self.joined = self.ray.is_initialized()  # this process is a driver already (a test, a notebook): kept
+        if self.joined:
+            self.owned = False
+            return
         if address is not None:
             reason = _reachable(address, CONNECT_TIMEOUT_S)
             if reason is not None:
@@ -111,8 +121,9 @@ class RayConnection:
         self._guard = _guard_processes(os.getpid()) if self.owned else None  # Ray's processes are ours now
 
     def close(self) -> None:
-        """Leave the cluster (a local Ray started for the job is stopped with it, and its guard with it)."""
-        if self.ray.is_initialized():
+        """Leave the cluster (a local Ray started for the job is stopped with it, and its guard with it); a
+        connection this process had before is left as it was."""
+        if self.ray.is_initialized() and not self.joined:
             self.ray.shutdown()
         if self._guard is not None:
             self._guard.kill()  # SIGKILL: it goes without killing anything (Ray's processes ended above)
@@ -176,6 +187,17 @@ def _guard_processes(parent: int) -> subprocess.Popen | None:
                             start_new_session=True)
 
 
+def _node_dir() -> Path:
+    """Where this node's actors keep their tasks' cluster files: in Ray's session directory, which goes with the
+    Ray session (the system's temporary directory if Ray does not say)."""
+    try:
+        from ray._private import worker
+
+        return Path(worker._global_node.get_session_dir_path()) / "tensorfleet"
+    except Exception:  # noqa: BLE001 - a private API: any failure means "not known"
+        return Path(tempfile.gettempdir()) / "tensorfleet"
+
+
 class TaskActor:
     """On a task's node: the task's process, started, read and signalled for the launcher (a Ray actor)."""
 
@@ -184,6 +206,7 @@ class TaskActor:
         self._lines: deque[str] = deque()
         self._lock = threading.Lock()
         self._reader: threading.Thread | None = None
+        self._cluster_file = _node_dir() / f"cluster-{uuid.uuid4().hex}.json"  # the task's registry, see set_cluster
 
     def place(self, port: int = 0, host: str | None = None, wait_s: float = 0.0) -> dict[str, Any]:
         """This node: its address (``host``, else the node's as Ray knows it), a port free on it now, and Ray's node
@@ -206,11 +229,20 @@ class TaskActor:
                             "node": ray.get_runtime_context().get_node_id()}
             time.sleep(0.2)
 
-    def start(self, script_and_args: list[str], env: dict[str, str], cwd: str | None) -> int:
-        """Start ``python SCRIPT ARGS`` here (this node's Python), dying with this actor; return its pid."""
+    def set_cluster(self, cluster: dict[str, list[str]], version: int) -> None:
+        """The job's cluster as of ``version``, for the task to read when a peer it dials is gone (it may have
+        moved: ``cluster/registry.py``)."""
+        write_cluster(self._cluster_file, cluster, version)
+
+    def start(self, script_and_args: list[str], env: dict[str, str], cwd: str | None,
+              cluster: dict[str, list[str]], version: int) -> int:
+        """Start ``python SCRIPT ARGS`` here (this node's Python), dying with this actor; return its pid. The task
+        finds the job's current ``cluster`` in the file its environment names."""
         self._lines.clear()
+        self.set_cluster(cluster, version)
         command = with_launcher_death([sys.executable, *script_and_args])
-        self._process = subprocess.Popen(command, env={**os.environ, **env}, stdout=subprocess.PIPE,
+        env = {**os.environ, **env, CLUSTER_FILE_ENV: str(self._cluster_file)}
+        self._process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, cwd=cwd if cwd and Path(cwd).is_dir() else None)
         self._reader = threading.Thread(target=self._read, args=(self._process,), daemon=True)
@@ -235,13 +267,17 @@ class TaskActor:
             self._lines.clear()
         return code, lines
 
-    def signal(self, sig: int) -> bool:
-        """Send ``sig`` to the process's group; False if it is not running."""
+    def signal(self, sig: int, group: bool = True) -> bool:
+        """Send ``sig`` to the process's group (``group``), else to the process alone; False if it is not
+        running."""
         process = self._process
         if process is None or process.poll() is not None:
             return False
         try:
-            os.killpg(process.pid, sig)
+            if group:
+                os.killpg(process.pid, sig)
+            else:
+                os.kill(process.pid, sig)
         except ProcessLookupError:
             return False
         return True
@@ -291,11 +327,12 @@ class RemoteProcess:
             time.sleep(OUTPUT_POLL_S)
         return self.returncode
 
-    def signal(self, sig: int) -> None:
+    def signal(self, sig: int, group: bool = True) -> bool:
+        """``TaskActor.signal``; False as well when the actor is gone."""
         try:
-            self._ray.get(self._actor.signal.remote(sig))
+            return self._ray.get(self._actor.signal.remote(sig, group))
         except self._ray.exceptions.RayError:
-            pass
+            return False
 
 
 class RayLauncher(LocalLauncher):
@@ -312,11 +349,16 @@ class RayLauncher(LocalLauncher):
         self._actors: dict[str, Any] = {}
         self._bundle_of: dict[str, int] = {}  # task -> its bundle in the placement group
         self.nodes: dict[str, str] = {}  # task -> the Ray node id its process runs on
+        self.cluster_version = 0  # one more each time a task moves to a new address
+        self._added: dict[str, Any] = {}  # a worker added by a scale-up beyond the group's bundles -> its own group
         try:
             super().__init__(config, out=out, **kwargs)
         except BaseException:
             self._release()
             raise
+        # A worker added by a scale-up gets its address where Ray places it (start_worker); until then the
+        # scaler's cluster holds a placeholder, a port free here (the worker's host may not be this machine).
+        self.scaler.free_ports = lambda count, _host: free_ports(count)
 
     # --- placement --------------------------------------------------------------------------------
 
@@ -331,9 +373,11 @@ class RayLauncher(LocalLauncher):
 
     def _bundles(self) -> list[dict[str, float]]:
         """One bundle per task, ps first then workers: a CPU each, a worker its GPUs."""
+        return [{"CPU": 1.0}] * self.config.ps + [self._worker_bundle()] * self.config.workers
+
+    def _worker_bundle(self) -> dict[str, float]:
         gpus = self.config.gpus_per_worker
-        return [{"CPU": 1.0}] * self.config.ps + [{"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})}] * \
-            self.config.workers
+        return {"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})}
 
     def _initial_cluster(self) -> ClusterSpec:
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -363,7 +407,8 @@ class RayLauncher(LocalLauncher):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         gpus = self.config.gpus_per_worker if name.startswith("worker:") else 0
-        strategy = PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=self._bundle_of[name])
+        group, index = (self._group, self._bundle_of[name]) if name in self._bundle_of else (self._added[name], 0)
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
         return self.ray.remote(num_cpus=0)(TaskActor).options(num_gpus=gpus, scheduling_strategy=strategy).remote()
 
     @staticmethod
@@ -388,19 +433,23 @@ class RayLauncher(LocalLauncher):
     # --- processes ----------------------------------------------------------------------------------
 
     def _start_process(self, record: TaskRecord) -> RemoteProcess:
-        script = str(Path(self.config.script).resolve())
-        env = self.task_env(record.task)
         try:
-            pid = self.ray.get(self._actors[record.name].start.remote([script, *self.config.args], env, os.getcwd()))
+            pid = self._start_on_actor(record)
         except self.ray.exceptions.RayActorError:  # its node died: Ray places its bundle again, somewhere
             self._actors[record.name] = self._replace_actor(record)
-            pid = self.ray.get(self._actors[record.name].start.remote([script, *self.config.args], env, os.getcwd()))
+            pid = self._start_on_actor(record)
         return RemoteProcess(self.ray, self._actors[record.name], pid)
+
+    def _start_on_actor(self, record: TaskRecord) -> int:
+        """Start the task's process through its actor, with the cluster as it is now (the task may have moved)."""
+        script = str(Path(self.config.script).resolve())
+        start = self._actors[record.name].start.remote([script, *self.config.args], self.task_env(record.task),
+                                                       os.getcwd(), self.cluster.as_dict(), self.cluster_version)
+        return self.ray.get(start)
 
     def _replace_actor(self, record: TaskRecord) -> Any:
         """A new actor for a task whose actor died with its node, at the task's address if that is free where Ray
-        placed it. A worker may move to another address; a ps that would have to fails for now, since the workers
-        know it by the address of their TF_CONFIG."""
+        placed it, else at a new one (``_move``)."""
         host, _, port = record.address.rpartition(":")
         deadline = time.monotonic() + REPLACE_TIMEOUT_S
         while True:  # until Ray has placed the task's bundle again on a live node
@@ -412,29 +461,37 @@ class RayLauncher(LocalLauncher):
             except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
                 if time.monotonic() > deadline:
                     raise ConfigError(f"{record.name} lost its node, and Ray found no other node for it within "
-                                      f"{REPLACE_TIMEOUT_S:g} s (its bundle: {self._bundles()[self._bundle_of[record.name]]})"
+                                      f"{REPLACE_TIMEOUT_S:g} s (its bundle: {self._bundle_of_task(record.name)})"
                                       ) from None
                 time.sleep(1.0)  # the bundle still on the dead node: Ray moves it once it knows the node is gone
         self.nodes[record.name] = place["node"]
         address = f"{place['host']}:{place['port']}"
         if address != record.address:
-            if record.task.job_name == "ps":
-                self.ray.kill(actor)
-                raise ConfigError(f"{record.name} lost its node, and Ray can place it again only at {address}, not "
-                                  f"at {record.address}, where the workers know it; a ps that moves to a new address "
-                                  "is not supported yet on the Ray backend")
             self._move(record, address)
         return actor
 
-    def _move(self, record: TaskRecord, address: str) -> None:
-        """A worker placed again at a new address: the cluster follows it (the TF_CONFIG of the tasks started from
-        now on, the monitor). The other tasks need not know: no task dials a worker (workers call the ps; only
-        the launcher's monitor asks a worker for its Status)."""
+    def _bundle_of_task(self, name: str) -> dict[str, float]:
+        return self._worker_bundle() if name.startswith("worker:") else {"CPU": 1.0}
+
+    def _move(self, record: TaskRecord, address: str, why: str = "its node died") -> None:
+        """A task placed again at a new address: the cluster follows it, one version on. The TF_CONFIG of the
+        tasks started from now on and the monitor use it; every running task's actor gets it for the task's
+        cluster file, where a worker whose ps stopped answering finds the ps's new address
+        (``PsClient._follow``)."""
         jobs = self.cluster.as_dict()
-        jobs["worker"][record.task.index] = address
+        jobs[record.task.job_name][record.task.index] = address
         self.scaler.cluster = ClusterSpec.from_dict(jobs)
-        self.console.line(f"[launch] {record.name} moves from {record.address} to {address} (its node died)")
+        self.cluster_version += 1
+        self.console.line(f"[launch] {record.name} moves from {record.address} to {address} ({why}); "
+                          f"the cluster is now version {self.cluster_version}")
         record.address = address
+        told = [actor.set_cluster.remote(jobs, self.cluster_version)
+                for name, actor in self._actors.items() if name != record.name]
+        for answer in told:
+            try:
+                self.ray.get(answer, timeout=PORT_WAIT_S)
+            except (self.ray.exceptions.RayError, self.ray.exceptions.GetTimeoutError):
+                pass  # that actor's node is gone too: it gets the cluster when its task starts again
         self.fleet_changed()
 
     def _placement(self, record: TaskRecord) -> dict[str, str]:
@@ -446,11 +503,68 @@ class RayLauncher(LocalLauncher):
         if isinstance(process, RemoteProcess):
             process.signal(sig)
 
-    def signal_leave(self, name: str) -> bool:
-        raise ConfigError("scaling a job on Ray is not supported yet: start it with the workers it needs")
+    # --- scaling (the Scaler decides, as for local jobs; these place and release the workers) ------------------
 
-    def scale_workers(self, workers: int) -> None:
-        raise ConfigError("scaling a job on Ray is not supported yet: start it with the workers it needs")
+    def _reserve_for_workers(self, workers: int) -> None:
+        """Refuse at once a scale-up the cluster has no room for now: a bundle per added worker that has none
+        held for it (the job's group keeps the bundles of workers that left)."""
+        added = len([i for i in range(self.cluster.num_tasks("worker"), workers)
+                     if f"worker:{i}" not in self._bundle_of and f"worker:{i}" not in self._added])
+        if added <= 0:
+            return
+        short = self._short([self._worker_bundle()] * added, self.ray.available_resources())
+        if short:
+            free = self.ray.available_resources()
+            raise ConfigError(f"the Ray cluster has no room for {added} more worker(s) now: " + "; ".join(
+                f"{key}: needs {amount:g}, {free.get(key, 0):g} free" for key, amount in short.items()) +
+                ". Add nodes, or scale by fewer")
+
+    def start_worker(self, record: TaskRecord) -> None:
+        """An added worker: its actor in a bundle of the job's group (one a leaver freed) or of a group of its
+        own, on the node Ray picks; the worker's address is the one picked there."""
+        if record.name not in self._bundle_of and record.name not in self._added:
+            from ray.util.placement_group import placement_group, remove_placement_group
+
+            group = placement_group([self._worker_bundle()], name=f"tensorfleet-{self.config.job_name}-{record.name}")
+            if not group.wait(timeout_seconds=REPLACE_TIMEOUT_S):
+                remove_placement_group(group)
+                raise ConfigError(f"Ray could not place {record.name} (added by a scale-up) within "
+                                  f"{REPLACE_TIMEOUT_S:g} s: {self._unplaceable([self._worker_bundle()], 'PACK')}")
+            self._added[record.name] = group
+        if record.name not in self._actors:
+            actor = self._new_actor(record.name)
+            self._actors[record.name] = actor
+            place = self.ray.get(actor.place.remote(0, self._host))
+            self.nodes[record.name] = place["node"]
+            address = f"{place['host']}:{place['port']}"
+            if address != record.address:
+                self._move(record, address, why="placed by Ray for the scale-up")
+        self._spawn(record)
+
+    def signal_leave(self, name: str) -> bool:
+        process = self.processes.get(name)
+        if not isinstance(process, RemoteProcess) or process.poll() is not None:
+            return False
+        return process.signal(LEAVE_SIGNAL, group=False)  # the task's own process (tower 0), as locally
+
+    def fleet_changed(self) -> None:
+        """After a scale-down: the leavers' actors go, and the groups of added workers with them (a bundle of
+        the job's own group stays, for a later scale-up)."""
+        super().fleet_changed()
+        current = {task.short for task in self.tasks}
+        for name in [n for n in self._actors if n not in current]:
+            self._kill_actor(self._actors.pop(name))
+            group = self._added.pop(name, None)
+            if group is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(group)
+
+    def _kill_actor(self, actor: Any) -> None:
+        try:
+            self.ray.kill(actor)
+        except Exception:  # noqa: BLE001 - already gone with its node
+            pass
 
     def stop(self) -> None:
         try:
@@ -461,17 +575,16 @@ class RayLauncher(LocalLauncher):
     def _release(self) -> None:
         """Kill the actors (their processes die with them), remove the placement group, leave Ray."""
         for actor in self._actors.values():
-            try:
-                self.ray.kill(actor)
-            except Exception:  # noqa: BLE001 - already gone with its node
-                pass
+            self._kill_actor(actor)
         self._actors = {}
-        if self._group is not None:
+        groups = [self._group, *self._added.values()] if self._group is not None else list(self._added.values())
+        if groups:
             from ray.util.placement_group import remove_placement_group
 
-            try:
-                remove_placement_group(self._group)
-            except Exception:  # noqa: BLE001 - the cluster is going away too
-                pass
-            self._group = None
+            for group in groups:
+                try:
+                    remove_placement_group(group)
+                except Exception:  # noqa: BLE001 - the cluster is going away too
+                    pass
+        self._group, self._added = None, {}
         self.connection.close()

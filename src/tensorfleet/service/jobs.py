@@ -11,8 +11,9 @@ service sets itself named and not used.
 The loop (``tick``, every ``TICK_S`` in a thread of ``serve``) observes active jobs through their
 backend and admits queued ones first come, first served while the machine has room: a local job
 takes a core per task and its GPUs; the head of the queue waits until it fits, and a job is always
-admitted when nothing else runs (a 3-task job on a 2-core machine must run at all). Kubernetes jobs
-are not bound here: the cluster's scheduler queues them.
+admitted when nothing else runs (a 3-task job on a 2-core machine must run at all). A Ray job waits
+for the Ray cluster's free resources (``service/onray.py``). Kubernetes jobs are not bound here: the
+cluster's scheduler queues them.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ SERVICE_SET = {
     "logdir": "the service gives every job its own folder (the job's page names it, for TensorBoard)",
     "dashboard": "the job's page shows the job's dashboard",
     "port": "the service picks free ports for the tasks",
-    "backend": "the service runs every job where it runs its tasks (tensorfleet serve), not per job",
-    "ray_address": "the service runs every job where it runs its tasks (tensorfleet serve), not per job",
-    "ray_placement": "the service runs every job where it runs its tasks (tensorfleet serve), not per job",
+    "backend": "a job's backend is the form's choice, the API's \"backend\" or 'jobs submit --backend', among "
+               "those the service runs",
+    "ray_address": "the service's Ray jobs run on the cluster of 'tensorfleet serve --ray-address'",
+    "ray_placement": "the service's Ray jobs spread their tasks over the cluster's nodes",
 }
 # A call of run_task on a line of code (not its definition, a comment or a doctest), and a __main__ block.
 _CALLS_RUN_TASK = re.compile(r"^(?!\s*(?:#|>>>|\.\.\.))[^\n#]*?(?<!def )\brun_task\(", re.MULTILINE)
@@ -153,6 +155,10 @@ class JobService:
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        for backend in self.backends.values():
+            close = getattr(backend, "close", None)
+            if close is not None:  # a backend holding a connection (Ray)
+                close()
 
     def recover(self) -> list[JobRecord]:
         """Active jobs left by a previous service: those still running are re-attached (returned), the
@@ -228,6 +234,9 @@ class JobService:
             self._start(job)
 
     def _fits(self, job: JobRecord) -> bool:
+        fits = getattr(self.backends.get(job.backend), "fits", None)
+        if fits is not None:  # a backend that knows its own room (Ray: the cluster's free resources)
+            return fits(job, [j for state in ACTIVE for j in self.store.list(state=state) if j.backend == job.backend])
         if job.backend != "local":
             return True
         running = [j for state in ACTIVE for j in self.store.list(state=state) if j.backend == "local"]

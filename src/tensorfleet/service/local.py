@@ -67,11 +67,15 @@ class LocalBackend:
         self._children: dict[int, subprocess.Popen] = {}  # runners this service started: reaped by poll()
         self._lock = threading.Lock()
 
+    def runner_env(self) -> dict[str, str]:
+        """What a runner gets on top of the service's environment (another backend's settings)."""
+        return {}
+
     def start(self, job: JobRecord, jobdir: Path) -> None:
         with open(jobdir / LAUNCHER_LOG, "ab") as log:
             process = subprocess.Popen(runner_command(self.store.path, job.id), stdin=subprocess.DEVNULL,
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                       cwd=jobdir)
+                                       cwd=jobdir, env={**os.environ, **self.runner_env()})
         with self._lock:
             self._children[process.pid] = process
         try:

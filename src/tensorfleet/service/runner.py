@@ -68,7 +68,8 @@ def last_traceback(log: Path, limit: int = TRACEBACK_LINES) -> str | None:
 
 
 class JobRunner:
-    """Runs job ``job_id`` of ``store`` with a LocalLauncher, keeping the store and the job's folder current."""
+    """Runs job ``job_id`` of ``store`` with a LocalLauncher (a RayLauncher for the Ray backend's jobs), keeping
+    the store and the job's folder current."""
 
     def __init__(self, store: JobStore, job_id: int) -> None:
         self.store = store
@@ -106,9 +107,18 @@ class JobRunner:
         config.logdir = str(self.jobdir)
         config.dashboard = None
         config.env.setdefault("GRPC_VERBOSITY", "ERROR")
+        launcher_class = LocalLauncher
+        if self.job.backend == "ray":  # the service's Ray backend: the cluster its runners were given
+            from tensorfleet.launch.onray import RayLauncher
+            from tensorfleet.service.onray import RAY_ADDRESS_ENV
+
+            config.backend, config.ray_address, launcher_class = "ray", os.environ.get(RAY_ADDRESS_ENV), RayLauncher
+            if not config.ray_address:  # never a local Ray in the runner's place: the job belongs on the cluster
+                self._finish(JobState.FAILED, f"cannot start: the runner of a Ray job has no {RAY_ADDRESS_ENV}")
+                return 1
         with open(self.jobdir / LAUNCHER_LOG, "a", encoding="utf-8", buffering=1) as out:
             try:
-                launcher = LocalLauncher(config, out=out, interactive=False, on_tick=self._tick)
+                launcher = launcher_class(config, out=out, interactive=False, on_tick=self._tick)
             except TensorfleetError as exc:
                 out.write(f"[launch] cannot start: {exc}\n")
                 self._finish(JobState.FAILED, f"cannot start: {exc}")

@@ -45,7 +45,8 @@ class Service:
 
     def __init__(self, home: Path, workspace: Path, *, host: str = "127.0.0.1", port: int = 0,
                  slots: int | None = None, k8s_image: str | None = None, k8s_namespace: str = "default",
-                 kubeconfig: str | None = None, tls_cert: str | None = None, tls_key: str | None = None) -> None:
+                 kubeconfig: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 ray_address: str | None = None) -> None:
         self.host, self.port = host, port
         self._tls = (tls_cert, tls_key)
         self._server: ThreadServer | None = None
@@ -68,6 +69,10 @@ class Service:
                 from tensorfleet.service.kubernetes import KubernetesBackend  # needs the 'kubernetes' package
                 backends["kubernetes"] = KubernetesBackend(image=k8s_image, namespace=k8s_namespace,
                                                            workspace=workspace, kubeconfig=kubeconfig)
+            if ray_address:
+                from tensorfleet.service.onray import RayBackend  # needs the 'ray' package
+
+                backends["ray"] = RayBackend(self.store, ray_address)
             capacity = Capacity.of_machine()
             if slots is not None:
                 capacity = Capacity(slots, capacity.gpus)

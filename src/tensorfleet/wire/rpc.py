@@ -348,6 +348,12 @@ class Channel:
         self._channel.close()
         self._open()
 
+    def set_address(self, address: str) -> None:
+        """Dial ``address`` from now on: the task moved (a backend started it again elsewhere)."""
+        self._channel.close()
+        self.address = address
+        self._open()
+
     def call_async(self, method: str, meta: Mapping[str, Any] | None = None,
                    tensors: Mapping[str, torch.Tensor] | None = None, *,
                    timeout: float | None = None, wait_for_ready: bool = False) -> RpcFuture:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, overload
 import numpy as np
 import torch
 
+from tensorfleet.cluster import registry
 from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.cluster.spec import ClusterSpec, parse_address
 from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
@@ -165,16 +166,17 @@ class PsClient:
     def wait_for_shards(self, timeout_s: float) -> list[PsStatus]:
         """Wait until every shard answers Status (it may still be starting); return their statuses."""
         deadline = time.monotonic() + timeout_s
-        statuses = [self._status_when_up(channel, deadline, timeout_s) for channel in self.channels]
+        statuses = [self._status_when_up(shard, deadline, timeout_s) for shard in range(len(self.channels))]
         for data, host, status in zip(self.data, self._hosts, statuses):
             data.set_address(host, status.data_port)  # a restarted ps listens on a new data port
         return statuses
 
-    @staticmethod
-    def _status_when_up(channel: Channel, deadline: float, timeout_s: float) -> PsStatus:
+    def _status_when_up(self, shard: int, deadline: float, timeout_s: float) -> PsStatus:
         """Status, asked in short attempts: a call can ride a connection to a ps that just died (UNAVAILABLE
-        at once) or wait on one that never recovers, so each failed attempt starts a fresh connection.
-        Every ``WAIT_SAY_S`` the wait is logged: what it waits for, how long so far, and until when."""
+        at once) or wait on one that never recovers, so each failed attempt starts a fresh connection, to the
+        ps's current address (``_follow``: a backend may have moved it). Every ``WAIT_SAY_S`` the wait is
+        logged: what it waits for, how long so far, and until when."""
+        channel = self.channels[shard]
         started = time.monotonic()
         next_say = started + WAIT_SAY_S
         while True:
@@ -191,8 +193,21 @@ class PsClient:
                     log.warning("still waiting for ps %s at %s to answer (%.0f s so far; giving up after %.0f s): "
                                 "is it running?", channel.task, channel.address, now - started, timeout_s)
                     next_say = now + WAIT_SAY_S
-                channel.reconnect()
+                if not self._follow(shard):
+                    channel.reconnect()
                 time.sleep(0.05)
+
+    def _follow(self, shard: int) -> bool:
+        """Dial ps ``shard`` at its current address if the job's cluster file says it moved (a ps started again on
+        another Ray node, see ``cluster/registry.py``); True if it did."""
+        address = registry.current_address("ps", shard)
+        channel = self.channels[shard]
+        if address is None or address == channel.address:
+            return False
+        log.warning("ps %s moved from %s to %s: dialling it there", channel.task, channel.address, address)
+        channel.set_address(address)
+        self._hosts[shard] = parse_address(address)[0]
+        return True
 
     def initialize(self, values: Mapping[str, torch.Tensor], optimizer: OptimizerSpec,
                    sync: SyncOptions | None = None, average_decay: float | None = None,
