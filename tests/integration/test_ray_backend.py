@@ -267,5 +267,9 @@ def test_a_task_whose_node_dies_comes_back_on_another_and_the_job_finishes(clust
         assert "restarted empty; every shard restored to global step" in output, output
     else:
         assert ps["global_step"] <= ps["applied_updates"], ps  # the step never counts an update not applied
+        # While Ray placed worker:1 again, the launcher's loop went on: the progress line followed worker:0.
+        between = output.split(f"[worker:1] [launch] the task's Ray actor is gone", 1)[1]
+        between = between.split("[launch] started worker:1 (restart 1)", 1)[0]
+        assert between.count("[launch] step ") >= 5, between  # once a second: Ray took ~15 s
     nodes[doomed] = made.add_node(num_cpus=NODE_CPUS, resources={doomed: 1})  # as it was, for any test after
     keep_processes.keep({p.pid for p in psutil.Process().children(recursive=True)})

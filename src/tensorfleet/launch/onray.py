@@ -37,8 +37,9 @@ import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from tensorfleet.cluster.registry import CLUSTER_FILE_ENV, write_cluster
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
@@ -289,8 +290,9 @@ class RemoteProcess:
 
     A node that dies takes the actor with it: the process counts as killed (-9)."""
 
-    def __init__(self, ray: Any, actor: Any, pid: int) -> None:
+    def __init__(self, ray: Any, actor: Any, pid: int, on_gone: Callable[[], None] | None = None) -> None:
         self._ray, self._actor, self.pid = ray, actor, pid
+        self._on_gone = on_gone  # called once, from the output pump, when the actor is found gone
         self.returncode: int | None = None
         self._lines: deque[str] = deque()
         self.stdout = self
@@ -313,6 +315,9 @@ class RemoteProcess:
             code, lines = self._ray.get(self._actor.poll.remote())
         except self._ray.exceptions.RayError:
             code, lines = -signal.SIGKILL, ["[launch] the task's Ray actor is gone (its node died?)"]
+            if self._on_gone is not None:
+                self._on_gone()
+                self._on_gone = None
         self._lines.extend(lines)
         if code is not None:
             self.returncode = code
@@ -351,6 +356,9 @@ class RayLauncher(LocalLauncher):
         self.nodes: dict[str, str] = {}  # task -> the Ray node id its process runs on
         self.cluster_version = 0  # one more each time a task moves to a new address
         self._added: dict[str, Any] = {}  # a worker added by a scale-up beyond the group's bundles -> its own group
+        self._placing: dict[str, Future] = {}  # task -> its new actor being placed (its node died)
+        self._closing = False
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ray-place")
         try:
             super().__init__(config, out=out, **kwargs)
         except BaseException:
@@ -432,13 +440,32 @@ class RayLauncher(LocalLauncher):
 
     # --- processes ----------------------------------------------------------------------------------
 
+    def _spawn(self, record: TaskRecord) -> None:
+        """Start the task, unless its actor is still being placed again (its node died): then it is due again in
+        a moment, and the loop goes on meanwhile (Ray takes ~15 s to give up on a node)."""
+        placing = self._placing.get(record.name)
+        if placing is not None:
+            if not placing.done():
+                record.restart_at = time.monotonic() + OUTPUT_POLL_S * 5
+                return
+            del self._placing[record.name]
+            self._adopt(record, *placing.result())  # ConfigError: no node took it in REPLACE_TIMEOUT_S
+        super()._spawn(record)
+
+    def _actor_gone(self, name: str) -> None:
+        """A task's actor died (its node with it): start placing a new one now, while its restart waits."""
+        record = self.supervisor.by_name.get(name)
+        if record is not None and name not in self._placing:
+            self._placing[name] = self._pool.submit(self._place_again, name, record.address)
+
     def _start_process(self, record: TaskRecord) -> RemoteProcess:
         try:
             pid = self._start_on_actor(record)
-        except self.ray.exceptions.RayActorError:  # its node died: Ray places its bundle again, somewhere
-            self._actors[record.name] = self._replace_actor(record)
+        except self.ray.exceptions.RayActorError:  # its node died just now: place it again, here and now
+            self._adopt(record, *self._place_again(record.name, record.address))
             pid = self._start_on_actor(record)
-        return RemoteProcess(self.ray, self._actors[record.name], pid)
+        return RemoteProcess(self.ray, self._actors[record.name], pid,
+                             on_gone=lambda name=record.name: self._actor_gone(name))
 
     def _start_on_actor(self, record: TaskRecord) -> int:
         """Start the task's process through its actor, with the cluster as it is now (the task may have moved)."""
@@ -447,28 +474,33 @@ class RayLauncher(LocalLauncher):
                                                        os.getcwd(), self.cluster.as_dict(), self.cluster_version)
         return self.ray.get(start)
 
-    def _replace_actor(self, record: TaskRecord) -> Any:
-        """A new actor for a task whose actor died with its node, at the task's address if that is free where Ray
-        placed it, else at a new one (``_move``)."""
-        host, _, port = record.address.rpartition(":")
+    def _place_again(self, name: str, address: str) -> tuple[Any, dict[str, Any]]:
+        """A new actor for a task whose actor died with its node, and where it is: at the task's ``address`` if
+        that is free where Ray placed it, else at a new one. Changes nothing of the launcher's (it may run in a
+        thread of its own): ``_adopt`` does, in the loop."""
+        host, _, port = address.rpartition(":")
         deadline = time.monotonic() + REPLACE_TIMEOUT_S
-        while True:  # until Ray has placed the task's bundle again on a live node
-            actor = self._new_actor(record.name)
+        while not self._closing:  # until Ray has placed the task's bundle again on a live node
+            actor = self._new_actor(name)
             try:
-                place = self.ray.get(actor.place.remote(int(port), self._host, PORT_WAIT_S),
-                                     timeout=REPLACE_TIMEOUT_S)
-                break
+                return actor, self.ray.get(actor.place.remote(int(port), self._host, PORT_WAIT_S),
+                                           timeout=PORT_WAIT_S + 5.0)
             except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+                self._kill_actor(actor)
                 if time.monotonic() > deadline:
-                    raise ConfigError(f"{record.name} lost its node, and Ray found no other node for it within "
-                                      f"{REPLACE_TIMEOUT_S:g} s (its bundle: {self._bundle_of_task(record.name)})"
+                    raise ConfigError(f"{name} lost its node, and Ray found no other node for it within "
+                                      f"{REPLACE_TIMEOUT_S:g} s (its bundle: {self._bundle_of_task(name)})"
                                       ) from None
                 time.sleep(1.0)  # the bundle still on the dead node: Ray moves it once it knows the node is gone
+        raise ConfigError(f"{name} was not placed again: the job is stopping")
+
+    def _adopt(self, record: TaskRecord, actor: Any, place: dict[str, Any]) -> None:
+        """The task's new actor and where it is; the cluster follows if that is a new address."""
+        self._actors[record.name] = actor
         self.nodes[record.name] = place["node"]
         address = f"{place['host']}:{place['port']}"
         if address != record.address:
             self._move(record, address)
-        return actor
 
     def _bundle_of_task(self, name: str) -> dict[str, float]:
         return self._worker_bundle() if name.startswith("worker:") else {"CPU": 1.0}
@@ -574,6 +606,12 @@ class RayLauncher(LocalLauncher):
 
     def _release(self) -> None:
         """Kill the actors (their processes die with them), remove the placement group, leave Ray."""
+        self._closing = True  # a placement under way gives up at its next try
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for placing in self._placing.values():  # an actor placed for a task that will not start now
+            if placing.done() and placing.exception() is None:
+                self._kill_actor(placing.result()[0])
+        self._placing = {}
         for actor in self._actors.values():
             self._kill_actor(actor)
         self._actors = {}
