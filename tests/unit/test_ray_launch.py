@@ -19,8 +19,8 @@ def test_ray_settings_without_the_ray_backend_are_refused():
         JobConfig(script=SCRIPT, ray_address="10.0.0.1:6379").validate()
     with pytest.raises(ConfigError, match="ray_address and ray_placement are for backend ray"):
         JobConfig(script=SCRIPT, ray_placement="pack").validate()
-    with pytest.raises(ConfigError, match="backend 'slurm' is not valid: use one of local, ray"):
-        JobConfig(script=SCRIPT, backend="slurm").validate()
+    with pytest.raises(ConfigError, match="backend 'lsf' is not valid: use one of local, ray, slurm"):
+        JobConfig(script=SCRIPT, backend="lsf").validate()
     with pytest.raises(ConfigError, match="ray_placement 'strict' is not valid: use one of spread, pack"):
         JobConfig(script=SCRIPT, backend="ray", ray_placement="strict").validate()
     assert JobConfig(script=SCRIPT, backend="ray", ray_address="10.0.0.1:6379", ray_placement="pack").validate()

@@ -106,7 +106,8 @@ def _main(argv: Sequence[str] | None) -> int:
     if head[:1] == ["launch"]:  # '--dashboard train.py': the script is not the dashboard's port
         parsed = head[:1] + bare_optional_flags(subcommand_parser(parser, "launch"), head[1:])
     args, extras = parser.parse_known_args(parsed)
-    path = [args.command] + ([args.k8s_command] if args.command == "k8s" else [])
+    path = [args.command] + ([args.k8s_command] if args.command == "k8s" else []) + \
+        ([args.slurm_command] if args.command == "slurm" else [])
     command = subcommand_parser(parser, *path)
     if extras:
         unknown_flags(command, extras)

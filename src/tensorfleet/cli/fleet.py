@@ -2,7 +2,8 @@
 
     tensorfleet launch [--ps N] [--workers M] [--sync|--async] [--restart on-failure|never]
                        [--max-restarts R] [--logdir DIR] [--dashboard [PORT]] [--dry-run]
-                       [--backend local|ray [--ray-address ADDR] [--ray-placement spread|pack]] SCRIPT [-- ARGS]
+                       [--backend local|ray [--ray-address ADDR] [--ray-placement spread|pack]]
+                       [--backend slurm [--slurm-partition P] [--slurm-nodes N] [--slurm-time T]] SCRIPT [-- ARGS]
     tensorfleet launch [flags that override the file] job.yaml|job.toml
     tensorfleet dashboard --cluster SPEC [--port PORT]
     tensorfleet ckpt ls DIR
@@ -10,6 +11,7 @@
     tensorfleet data fetch movielens [--cache DIR]
     tensorfleet serve-model CHECKPOINT_DIR --model SCRIPT [--port PORT] [--no-reload] [-- ARGS]
     tensorfleet k8s render --ps N --workers M --image IMG [options] SCRIPT [-- ARGS]
+    tensorfleet slurm render [launch flags] SCRIPT [-- ARGS] > job.sbatch
 
 Every launch setting can also come from a ``TENSORFLEET_*`` variable (``TENSORFLEET_WORKERS=4``,
 ``TENSORFLEET_MODE=sync``); a flag on the command line wins. Each command imports what it runs (the
@@ -24,8 +26,9 @@ import sys
 from pathlib import Path
 
 from tensorfleet.cli.parsing import Command, CommandLine, non_negative_int, port_number, positive_int
+from tensorfleet.errors import ConfigError
 from tensorfleet.launch import k8s
-from tensorfleet.launch.config import is_job_file, job_config
+from tensorfleet.launch.config import JobConfig, is_job_file, job_config
 from tensorfleet.launch.supervisor import RESTART_MODES
 
 GRPC_VERBOSITY = "GRPC_VERBOSITY"
@@ -43,7 +46,13 @@ def _add_launch(commands: argparse._SubParsersAction) -> None:
                     "is the training script, or a YAML/TOML job file with the same fields as these flags (flags "
                     "given here override it). FLAGS go before SCRIPT|JOBFILE; SCRIPT_ARGS, after '--', go to "
                     "SCRIPT. Flags are never abbreviated. Every flag can also be set as TENSORFLEET_<FLAG>, "
-                    "e.g. TENSORFLEET_WORKERS=4 or TENSORFLEET_MODE=sync.")
+                    "e.g. TENSORFLEET_WORKERS=4 or TENSORFLEET_MODE=sync. With --backend ray or slurm the tasks "
+                    "run on that cluster.")
+    _add_job_flags(run)
+
+
+def _add_job_flags(run: argparse.ArgumentParser) -> None:
+    """The flags of a job, for ``launch`` and ``slurm render``."""
     # Defaults are None so that a job file's values show through; JobConfig holds the real defaults.
     run.add_argument("--ps", type=positive_int, metavar="N", help="number of ps tasks (env TENSORFLEET_PS; default 1)")
     run.add_argument("--workers", type=positive_int, metavar="M",
@@ -71,15 +80,22 @@ def _add_launch(commands: argparse._SubParsersAction) -> None:
                      default=float(os.environ.get("TENSORFLEET_PROGRESS_EVERY", 10.0)),
                      metavar="S", help="when the output is not a terminal, print the progress line every S "
                      "seconds (default 10; on a terminal it stays at the bottom)")
-    run.add_argument("--backend", choices=("local", "ray"),
-                     help="where the tasks run: processes of this machine (local, the default) or a Ray cluster "
-                     "(ray: one actor per task; pip install 'tensorfleet[ray]')")
+    run.add_argument("--backend", choices=("local", "ray", "slurm"),
+                     help="where the tasks run: processes of this machine (local, the default), a Ray cluster "
+                     "(ray: one actor per task; pip install 'tensorfleet[ray]') or a Slurm cluster (slurm: one "
+                     "batch job, a rank per task)")
     run.add_argument("--ray-address", dest="ray_address", metavar="ADDR",
                      help="with --backend ray: the Ray cluster to join (host:port of its head); default: a local "
                      "Ray started for the job and stopped after it")
     run.add_argument("--ray-placement", dest="ray_placement", choices=("spread", "pack"),
                      help="with --backend ray: spread the tasks over the nodes (default: the ps on different "
                      "nodes) or pack them on few")
+    run.add_argument("--slurm-partition", dest="slurm_partition", metavar="P", help="with --backend slurm: the "
+                     "partition (sbatch --partition; default: the cluster's default)")
+    run.add_argument("--slurm-nodes", dest="slurm_nodes", type=positive_int, metavar="N",
+                     help="with --backend slurm: the nodes to spread the tasks over (sbatch --nodes)")
+    run.add_argument("--slurm-time", dest="slurm_time", metavar="T",
+                     help="with --backend slurm: the time limit (sbatch --time, e.g. 2:00:00)")
     run.add_argument("--dry-run", dest="dry_run", action="store_true",
                      help="print the tasks, ports and environment that would start, and start nothing")
     # Optional for argparse so that a missing one is our message (launch says what to give, with the usage line).
@@ -92,21 +108,35 @@ def _add_launch(commands: argparse._SubParsersAction) -> None:
 def run_launch(args: argparse.Namespace, line: CommandLine) -> int:
     if args.target is None:
         line.parser.error(f"a SCRIPT or a job file (job.yaml / job.toml) is needed; usage: {line.parser.usage}")
-    extra = line.script_args(args, args.target)
+    config = _job_config(args, line)
+    # The tasks' gRPC errors are worth keeping: the launcher routes them to the task's log file.
+    config.env.setdefault(GRPC_VERBOSITY, line.task_grpc_verbosity)
+    if config.backend == "slurm":
+        from tensorfleet.launch.slurm import SlurmLauncher, check_slurm_config
+
+        check_slurm_config(config)
+        launcher = SlurmLauncher(config)
+        if args.dry_run:
+            print(launcher.script_text(), end="")
+            return 0
+        return launcher.run()
     from tensorfleet.launch.local import launch, usable_cores  # the launcher's imports: paid by this command only
+    _warn_if_oversubscribed(config.ps, config.workers, usable_cores())
+    return launch(config, dry_run=args.dry_run, progress_every_s=args.progress_every)
+
+
+def _job_config(args: argparse.Namespace, line: CommandLine) -> JobConfig:
+    """The job of ``launch``'s (or ``slurm render``'s) flags, script or job file."""
+    extra = line.script_args(args, args.target)
     flags = {name: getattr(args, name) for name in ("ps", "workers", "gpus_per_worker", "mode", "restart",
                                                     "max_restarts", "restart_backoff", "logdir", "dashboard",
-                                                    "port", "name", "backend", "ray_address", "ray_placement")}
+                                                    "port", "name", "backend", "ray_address", "ray_placement",
+                                                    "slurm_partition", "slurm_nodes", "slurm_time")}
     if is_job_file(args.target):
         if extra:
             flags["args"] = extra
-        config = job_config(args.target, None, flags)
-    else:
-        config = job_config(None, args.target, {**flags, "args": extra})
-    # The tasks' gRPC errors are worth keeping: the launcher routes them to the task's log file.
-    config.env.setdefault(GRPC_VERBOSITY, line.task_grpc_verbosity)
-    _warn_if_oversubscribed(config.ps, config.workers, usable_cores())
-    return launch(config, dry_run=args.dry_run, progress_every_s=args.progress_every)
+        return job_config(args.target, None, flags)
+    return job_config(None, args.target, {**flags, "args": extra})
 
 
 def _warn_if_oversubscribed(ps: int, workers: int, cores: int) -> None:
@@ -216,6 +246,33 @@ def run_k8s(args: argparse.Namespace, line: CommandLine) -> int:
     return k8s.main(args)
 
 
+def _add_slurm(commands: argparse._SubParsersAction) -> None:
+    slurm = commands.add_parser("slurm", help="write the Slurm batch script of a job")
+    actions = slurm.add_subparsers(dest="slurm_command", required=True, metavar="ACTION")
+    render = actions.add_parser(
+        "render", help="print the batch script of a job (sbatch it yourself, or use launch --backend slurm)",
+        usage="tensorfleet slurm render [FLAGS] SCRIPT|JOBFILE [-- SCRIPT_ARGS ...] > job.sbatch",
+        description="Print the Slurm batch script that runs the job: one task per ps and worker in one srun step, "
+                    "roles by rank, the step run again from the last checkpoint when a rank dies (up to "
+                    "--max-restarts). The flags are launch's; --backend is slurm.")
+    _add_job_flags(render)
+
+
+def run_slurm(args: argparse.Namespace, line: CommandLine) -> int:
+    from tensorfleet.launch.slurm import SlurmLauncher, check_slurm_config
+
+    if args.target is None:
+        line.parser.error(f"a SCRIPT or a job file (job.yaml / job.toml) is needed; usage: {line.parser.usage}")
+    if args.backend not in (None, "slurm"):
+        raise ConfigError(f"slurm render writes a Slurm job: --backend {args.backend} is not for it")
+    args.backend = "slurm"
+    config = _job_config(args, line)
+    config.env.setdefault(GRPC_VERBOSITY, line.task_grpc_verbosity)
+    check_slurm_config(config)
+    print(SlurmLauncher(config).script_text(), end="")
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "launch": Command(_add_launch, run_launch),
     "dashboard": Command(_add_dashboard, run_dashboard),
@@ -223,4 +280,5 @@ COMMANDS: dict[str, Command] = {
     "data": Command(_add_data, run_data),
     "serve-model": Command(_add_serve_model, run_serve_model),
     "k8s": Command(k8s.add_parser, run_k8s),
+    "slurm": Command(_add_slurm, run_slurm),
 }

@@ -222,6 +222,10 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--worker_hosts", default=None, help="comma-separated host:port of the worker tasks")
     group.add_argument("--job_name", default=None, help="'ps' or 'worker'")
     group.add_argument("--task_index", type=int, default=None, help="index of this task within its job")
+    group.add_argument("--slurm_ps", "--slurm-ps", dest="slurm_ps", default=None, metavar="N|per-node",
+                       help="in a Slurm step (srun) without the flags above or TF_CONFIG: the first N ranks are "
+                            "the ps, or 'per-node': the first rank of each node (also: TENSORFLEET_SLURM_PS; "
+                            "default 1)")
     parser.add_argument("--insecure", action="store_true", default=False,
                         help="on a non-loopback address with no job token (TENSORFLEET_TOKEN), let a ps start "
                              "anyway and accept unauthenticated calls: only on a trusted network "
@@ -268,10 +272,11 @@ def insecure_from_flags(args: argparse.Namespace, environ: Mapping[str, str] | N
 
 def cluster_from_flags(args: argparse.Namespace,
                        environ: Mapping[str, str] | None = None) -> tuple[ClusterSpec, TaskSpec]:
-    """Resolve the cluster from the classic flags, or from TF_CONFIG when no flag is given.
+    """Resolve the cluster from the classic flags, or from TF_CONFIG when no flag is given, or else from Slurm's
+    environment in a job step (``cluster/slurm.py``).
 
     Raises:
-        ClusterSpecError: a flag is missing or wrong, or neither flags nor TF_CONFIG are set.
+        ClusterSpecError: a flag is missing or wrong, or no cluster is given at all.
     """
     environ = os.environ if environ is None else environ
     names = ("ps_hosts", "worker_hosts", "job_name", "task_index")
@@ -279,8 +284,13 @@ def cluster_from_flags(args: argparse.Namespace,
     if all(value is None for value in given.values()):
         if environ.get("TF_CONFIG"):
             return from_tf_config(environ["TF_CONFIG"])
+        from tensorfleet.cluster import slurm  # it builds on this module
+
+        if slurm.in_step(environ):
+            return slurm.slurm_cluster(environ, getattr(args, "slurm_ps", None))
         raise ClusterSpecError("no cluster given: pass --ps_hosts, --worker_hosts, --job_name and --task_index, "
-                               "or set TF_CONFIG, or start the job with 'tensorfleet launch'")
+                               "or set TF_CONFIG, or run the ranks with srun in a Slurm allocation, or start the "
+                               "job with 'tensorfleet launch'")
     missing = [f"--{name}" for name in ("worker_hosts", "job_name", "task_index") if given[name] is None]
     if missing:
         raise ClusterSpecError(f"missing flag(s) {', '.join(missing)}: all of --ps_hosts --worker_hosts "

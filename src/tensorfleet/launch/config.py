@@ -57,9 +57,12 @@ class JobConfig:
     port: int | None = None  # first task port (tasks take port, port+1, ...); None: free ports
     name: str | None = None  # None: the script's file name without .py
     env: dict[str, str] = field(default_factory=dict)
-    backend: str = "local"  # where the tasks run: "local" (processes of this machine) or "ray" (a Ray cluster)
+    backend: str = "local"  # where the tasks run: "local" (processes of this machine), "ray" or "slurm" (clusters)
     ray_address: str | None = None  # backend ray: the cluster to join (None: a local Ray started for the job)
     ray_placement: str = "spread"  # backend ray: "spread" the tasks over the nodes, or "pack" them on few
+    slurm_partition: str | None = None  # backend slurm: sbatch --partition
+    slurm_nodes: int | None = None  # backend slurm: sbatch --nodes (None: as Slurm places the tasks)
+    slurm_time: str | None = None  # backend slurm: sbatch --time, e.g. "2:00:00"
 
     @property
     def job_name(self) -> str:
@@ -107,13 +110,25 @@ class JobConfig:
         if self.backend != "ray" and (self.ray_address is not None or self.ray_placement != "spread"):
             raise ConfigError("ray_address and ray_placement are for backend ray: add --backend ray (or "
                               "'backend: ray' in the job file)")
+        slurm = {"slurm_partition": self.slurm_partition, "slurm_nodes": self.slurm_nodes,
+                 "slurm_time": self.slurm_time}
+        if self.backend != "slurm" and any(value is not None for value in slurm.values()):
+            raise ConfigError(f"{', '.join(k for k, v in slurm.items() if v is not None)}: for backend slurm: add "
+                              "--backend slurm (or 'backend: slurm' in the job file)")
+        if self.slurm_nodes is not None:
+            _check_int("slurm_nodes", self.slurm_nodes, minimum=1, maximum=self.ps + self.workers)
+        for name in ("slurm_partition", "slurm_time"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[\w:.,+-]+", value)):
+                raise ConfigError(f"{name} {value!r} is not valid: a Slurm {name[6:]} such as "
+                                  f"{'gpu' if name == 'slurm_partition' else '2:00:00'}")
         if self.name is not None and not NAME_PATTERN.match(self.name):
             raise ConfigError(f"name {self.name!r} is not valid: use lowercase letters, digits, '-', '_' and '.'")
         return self
 
 
 FIELDS = {f.name for f in dataclasses.fields(JobConfig)}
-BACKENDS = ("local", "ray")
+BACKENDS = ("local", "ray", "slurm")
 RAY_PLACEMENTS = ("spread", "pack")
 
 
@@ -163,7 +178,8 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
 # Every launch setting can also come from TENSORFLEET_<FIELD> (TENSORFLEET_WORKERS=4, TENSORFLEET_MODE=sync).
 ENV_FIELDS = {"ps": int, "workers": int, "gpus_per_worker": int, "mode": str, "restart": str, "max_restarts": int,
               "restart_backoff": float, "logdir": str, "dashboard": int, "port": int, "name": str, "backend": str,
-              "ray_address": str, "ray_placement": str}
+              "ray_address": str, "ray_placement": str, "slurm_partition": str, "slurm_nodes": int,
+              "slurm_time": str}
 
 
 def env_overrides(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:

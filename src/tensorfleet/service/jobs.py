@@ -56,6 +56,9 @@ SERVICE_SET = {
                "those the service runs",
     "ray_address": "the service's Ray jobs run on the cluster of 'tensorfleet serve --ray-address'",
     "ray_placement": "the service's Ray jobs spread their tasks over the cluster's nodes",
+    "slurm_partition": "the service runs no Slurm jobs: use 'tensorfleet launch --backend slurm'",
+    "slurm_nodes": "the service runs no Slurm jobs: use 'tensorfleet launch --backend slurm'",
+    "slurm_time": "the service runs no Slurm jobs: use 'tensorfleet launch --backend slurm'",
 }
 # A call of run_task on a line of code (not its definition, a comment or a doctest), and a __main__ block.
 _CALLS_RUN_TASK = re.compile(r"^(?!\s*(?:#|>>>|\.\.\.))[^\n#]*?(?<!def )\brun_task\(", re.MULTILINE)

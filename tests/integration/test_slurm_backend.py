@@ -1,0 +1,119 @@
+"""A live one-node Slurm cluster (munged, slurmctld, slurmd on 127.0.0.1): the seed job through sbatch, a rank
+killed mid-run, and a cancelled job; nothing left after each."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tensorfleet.testing import slurm
+from tensorfleet.testing.fleet import poll
+from tensorfleet.testing.local_cluster import REPO, LauncherProcess
+
+psutil = pytest.importorskip("psutil")
+
+pytestmark = pytest.mark.cluster
+MNIST = REPO / "examples" / "mnist_mlp.py"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, keep_processes):
+    reason = slurm.unavailable()
+    if reason:
+        if os.environ.get("CI") == "true" and "not installed" in reason:
+            pytest.fail(f"{reason}: CI installs it (.ci/run)")
+        pytest.skip(reason)
+    made = slurm.SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    kept = {d.pid for d in made.daemons}
+    keep_processes.keep(kept)
+    try:
+        yield made
+    finally:
+        made.stop()
+        keep_processes.release(kept)
+
+
+def launch(cluster, tmp_path: Path, flags: list[str], script_args: list[str]) -> LauncherProcess:
+    return LauncherProcess(tmp_path / "job", ["--backend", "slurm", "--ps", "1", "--workers", "2", *flags], MNIST,
+                           script_args, env=cluster.env)
+
+
+def ranks() -> dict[int, int]:
+    """The ranks of the seed script running now: SLURM_PROCID -> pid."""
+    found = {}
+    for process in psutil.process_iter(["cmdline", "environ"]):
+        try:
+            if str(MNIST) in (process.info["cmdline"] or []) and "SLURM_PROCID" in (process.info["environ"] or {}):
+                found[int(process.info["environ"]["SLURM_PROCID"])] = process.pid
+        except (psutil.Error, ValueError):
+            continue
+    return found
+
+
+def accuracy(output: str) -> float:
+    return float(re.findall(r"\[worker:0\] test accuracy: ([\d.]+)", output)[-1])
+
+
+def test_the_seed_job_runs_through_sbatch_and_leaves_nothing(cluster, tmp_path):
+    run = launch(cluster, tmp_path, ["--sync"], ["--train_steps", "600"])
+    code, output = run.wait(timeout_s=180)
+    assert code == 0, output
+    assert accuracy(output) > 0.9, output
+    assert re.search(r"\[launch\] submitted job \d+ \(1 ps \+ 2 workers", output), output
+    assert "[slurm] every rank finished" in output and "ended COMPLETED" in output, output
+    assert re.search(r"initialized \d+ variable\(s\), optimizer .*, sync", (run.logdir / "ps-0.log").read_text())
+    for task in ("ps-0", "worker-0", "worker-1"):  # each rank's lines in its task's log, as locally
+        assert (run.logdir / f"{task}.log").read_text().strip(), task
+    assert "#SBATCH --ntasks=3" in (run.logdir / "job.sbatch").read_text()
+    assert not cluster.jobs() and not ranks()
+
+
+def test_a_rendered_script_runs_under_sbatch_itself(cluster, tmp_path):
+    logdir = tmp_path / "by-hand"
+    rendered = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "slurm", "render", "--ps", "1", "--workers",
+                               "2", "--logdir", str(logdir), str(MNIST), "--", "--train_steps", "300"],
+                              cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=60)
+    assert rendered.returncode == 0, rendered.stderr
+    (tmp_path / "job.sbatch").write_text(rendered.stdout)
+    logdir.mkdir()
+    job = subprocess.run(["sbatch", "--parsable", str(tmp_path / "job.sbatch")], env=cluster.env,
+                         capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    poll(lambda: job not in cluster.jobs(), 180, f"job {job} to end")
+    output = (logdir / f"slurm-{job}.out").read_text()
+    assert "[slurm] every rank finished" in output, output
+    assert float(re.findall(r"^\d+: test accuracy: ([\d.]+)", output, re.M)[-1]) > 0.85, output
+
+
+def test_a_rank_killed_mid_run_runs_the_step_again_from_the_last_checkpoint(cluster, tmp_path):
+    run = launch(cluster, tmp_path, ["--async", "--max-restarts", "2"],
+                 ["--train_steps", "3000", "--checkpoint_dir", str(tmp_path / "ckpt"), "--save_checkpoint_steps",
+                  "200"])
+    poll(lambda: len(ranks()) == 3 and any(p.name != "model.ckpt-0.safetensors"
+                                           for p in (tmp_path / "ckpt").glob("model.ckpt-*")), 120,
+         "the job to train and checkpoint")
+    os.kill(ranks()[2], signal.SIGKILL)  # worker:1
+    code, output = run.wait(timeout_s=240)
+    assert code == 0, output
+    assert re.search(r"\[slurm\] the step ended with code \d+ \(a rank died\): running it again .*restart 1 of 2",
+                     output), output
+    restored = re.findall(r"\[worker:0\].*restor\w* .*?step (\d+)", output)
+    assert restored and int(restored[-1]) >= 200, output  # from the checkpoint, not from the start
+    assert accuracy(output) > 0.9, output
+    assert not cluster.jobs() and not ranks()
+
+
+def test_ctrl_c_cancels_the_job_and_every_rank_goes(cluster, tmp_path):
+    run = launch(cluster, tmp_path, ["--async"], ["--train_steps", "1000000"])
+    poll(lambda: len(ranks()) == 3, 120, "the ranks to run")
+    run.process.send_signal(signal.SIGINT)
+    code, output = run.wait(timeout_s=90)
+    assert code == 130, output
+    assert re.search(r"received SIGINT; cancelling job \d+", output) and "ended CANCELLED" in output, output
+    poll(lambda: not ranks(), 30, "every rank to be gone")
+    assert not cluster.jobs()
