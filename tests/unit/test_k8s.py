@@ -71,10 +71,12 @@ def token_of(docs):
 
 
 def containers_of(docs):
-    """Every container template: one per Job, one per TFJob replica type."""
+    """Every container template: one per Job, one per TFJob replica type, one per JobSet replicated job."""
     templates = [d["spec"]["template"] for d in of_kind(docs, "Job")]
     for tfjob in of_kind(docs, "TFJob"):
         templates += [r["template"] for r in tfjob["spec"]["tfReplicaSpecs"].values()]
+    for jobset in of_kind(docs, "JobSet"):
+        templates += [r["template"]["spec"]["template"] for r in jobset["spec"]["replicatedJobs"]]
     return [container_of(t) for t in templates]
 
 

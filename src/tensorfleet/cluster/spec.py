@@ -190,12 +190,27 @@ class ClusterSpec:
         return json.dumps({"cluster": self.as_dict(), "task": {"type": task.job_name, "index": task.index}})
 
 
-def from_tf_config(text: str) -> tuple[ClusterSpec, TaskSpec]:
-    """Parse a TF_CONFIG JSON string into the cluster and this process's task."""
+TASK_TYPE_ENV = "TENSORFLEET_TASK_TYPE"
+TASK_INDEX_ENV = "TENSORFLEET_TASK_INDEX"
+
+
+def from_tf_config(text: str, environ: Mapping[str, str] | None = None) -> tuple[ClusterSpec, TaskSpec]:
+    """Parse a TF_CONFIG JSON string into the cluster and this process's task.
+
+    A TF_CONFIG without ``"task"`` takes it from ``TENSORFLEET_TASK_TYPE`` and ``TENSORFLEET_TASK_INDEX``: a
+    JobSet's pods share one template per replicated job, and learn their index from the downward API.
+    """
     try:
         config = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ClusterSpecError(f"TF_CONFIG is not valid JSON ({exc.msg} at char {exc.pos})") from None
+    environ = os.environ if environ is None else environ
+    if isinstance(config, dict) and "task" not in config and environ.get(TASK_TYPE_ENV):
+        index = environ.get(TASK_INDEX_ENV, "")
+        if not index.isdigit():
+            raise ClusterSpecError(f"{TASK_INDEX_ENV}={index!r} must be a task index (0, 1, ...), with "
+                                   f"{TASK_TYPE_ENV}={environ[TASK_TYPE_ENV]!r} and a TF_CONFIG without \"task\"")
+        config["task"] = {"type": environ[TASK_TYPE_ENV], "index": int(index)}
     if not isinstance(config, dict) or "cluster" not in config or "task" not in config:
         raise ClusterSpecError('TF_CONFIG must look like {"cluster": {...}, "task": {"type": "worker", "index": 0}}')
     cluster = ClusterSpec.from_dict(config["cluster"])
@@ -283,7 +298,7 @@ def cluster_from_flags(args: argparse.Namespace,
     given = {name: getattr(args, name, None) for name in names}
     if all(value is None for value in given.values()):
         if environ.get("TF_CONFIG"):
-            return from_tf_config(environ["TF_CONFIG"])
+            return from_tf_config(environ["TF_CONFIG"], environ)
         from tensorfleet.cluster import slurm  # it builds on this module
 
         if slurm.in_step(environ):

@@ -34,7 +34,7 @@ def cluster_of(args: argparse.Namespace, environ: dict[str, str]) -> ClusterSpec
         return ClusterSpec.from_dict({"ps": split_hosts(args.ps_hosts or ""),
                                       "worker": split_hosts(args.worker_hosts)})
     if environ.get("TF_CONFIG"):
-        return from_tf_config(environ["TF_CONFIG"])[0]
+        return from_tf_config(environ["TF_CONFIG"], environ)[0]
     raise ConfigError("no fleet given: pass --cluster JSON|FILE, or --ps_hosts and --worker_hosts, or set TF_CONFIG")
 
 

@@ -2,7 +2,7 @@
 
 Kubernetes is the engine for fleets that outgrow one machine; this module only
 writes YAML (no cluster access), so what it renders can be reviewed, diffed and
-applied with ``kubectl``.  Two formats:
+applied with ``kubectl``.  Three formats:
 
 * ``manifests`` (plain Kubernetes, no operator needed).  Every task
   (``ps:0..N-1``, ``worker:0..M-1``) gets a headless Service and a ``batch/v1``
@@ -18,9 +18,16 @@ applied with ``kubectl``.  Two formats:
   restart takes its place); one whose Job gives up (``never``, or ``backoffLimit``
   spent) leaves the ps Jobs running: delete the job's objects (``kubectl delete
   -f``) to end them.
+* ``jobset``: one ``JobSet`` (``jobset.x-k8s.io/v1alpha2``, the base of Kubeflow
+  Trainer v2) with two replicated jobs, ``ps`` and ``worker``, a one-pod Job per
+  task. JobSet makes the headless Service and the pods' stable names
+  (``NAME-ps-0-0.NAME``); the pods of a replicated job share one template, so
+  TF_CONFIG holds the cluster and each pod learns its index from JobSet's
+  ``job-index`` annotation (downward API, ``TENSORFLEET_TASK_INDEX``).
 * ``tfjob``: one Kubeflow ``TFJob``; the training operator creates the pods and
   Services and injects ``TF_CONFIG`` itself (its names follow the same
-  ``NAME-ps-0`` pattern).
+  ``NAME-ps-0`` pattern). Kubeflow's v1 training operator is deprecated: use
+  ``jobset`` with Trainer v2.
 
 Restart policy mirrors the local supervisor: ``on-failure`` restarts a failed
 task in place up to ``max_restarts`` times (pod ``OnFailure``, Job
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import sys
@@ -46,12 +54,12 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.cluster.spec import TASK_INDEX_ENV, TASK_TYPE_ENV, ClusterSpec, TaskSpec
 from tensorfleet.errors import ConfigError
 from tensorfleet.wire.auth import TOKEN_ENV, new_token
 
 RESTART_POLICIES = {"on-failure": "OnFailure", "never": "Never"}
-FORMATS = ("manifests", "tfjob")
+FORMATS = ("manifests", "tfjob", "jobset")
 GPU_RESOURCE = "nvidia.com/gpu"
 PORT_NAME = "grpc"
 CONTAINER_NAME = "tensorfleet"
@@ -247,8 +255,55 @@ def render_tfjob(job: K8sJob) -> dict[str, Any]:
                      "tfReplicaSpecs": {"PS": replica("ps", job.num_ps), "Worker": replica("worker", job.num_workers)}}}
 
 
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+JOB_INDEX_ANNOTATION = "jobset.sigs.k8s.io/job-index"  # JobSet sets it on every Job and pod it makes
+
+
+def jobset_cluster(job: K8sJob) -> ClusterSpec:
+    """The cluster as a JobSet's pods see it: JobSet's stable pod names, ``NAME-ps-0-0.NAME.NAMESPACE.svc``
+    (replicated job ``ps``, Job index 0, pod index 0, in the JobSet's headless Service ``NAME``)."""
+    hosts = {kind: [f"{job.name}-{kind}-{i}-0.{job.name}.{job.namespace}.svc:{job.port}" for i in range(count)]
+             for kind, count in (("ps", job.num_ps), ("worker", job.num_workers))}
+    return ClusterSpec.from_dict(hosts)
+
+
+def render_jobset(job: K8sJob) -> dict[str, Any]:
+    """One JobSet (Kubeflow Trainer v2's base) with two replicated jobs, ``ps`` and ``worker``: one Job of one pod
+    per task. JobSet makes the headless Service (``network``), names the pods stably, and tells each pod its Job
+    index (an annotation), which reaches the task as ``TENSORFLEET_TASK_INDEX`` beside the shared TF_CONFIG's
+    cluster. Restarts as in ``manifests``: a failed pod is restarted in place up to ``max_restarts`` times (Job
+    ``backoffLimit``); a Job that gives up fails the JobSet (``failurePolicy.maxRestarts: 0``, since a restart of
+    the whole set would restart every ps empty). The JobSet succeeds when every worker Job has completed."""
+    longest = f"{job.name}-worker-{job.num_workers - 1}-0"
+    if len(longest) > MAX_NAME_LENGTH:
+        raise ConfigError(f"name {job.name!r} is too long for a JobSet: its pods' host names, such as {longest!r}, "
+                          f"must stay within {MAX_NAME_LENGTH} characters")
+    cluster = json.dumps({"cluster": jobset_cluster(job).as_dict()})
+
+    def replicated(kind: str, count: int) -> dict[str, Any]:
+        container = _container(job, kind, name=CONTAINER_NAME, port_name=PORT_NAME, tf_config=cluster)
+        container["env"][1:1] = [
+            {"name": TASK_TYPE_ENV, "value": kind},
+            {"name": TASK_INDEX_ENV,
+             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{JOB_INDEX_ANNOTATION}']"}}}]
+        pod_labels = {**labels(job), "tensorfleet.io/replica-type": kind}
+        return {"name": kind, "replicas": count,
+                "template": {"metadata": {"labels": dict(pod_labels)},
+                             "spec": {"completions": 1, "parallelism": 1, "backoffLimit": _backoff_limit(job),
+                                      "template": {"metadata": {"labels": dict(pod_labels)},
+                                                   "spec": {"restartPolicy": RESTART_POLICIES[job.restart],
+                                                            "containers": [container]}}}}}
+
+    return {"apiVersion": JOBSET_API, "kind": "JobSet", "metadata": _metadata(job, job.name),
+            "spec": {"network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+                     "failurePolicy": {"maxRestarts": 0},
+                     "successPolicy": {"operator": "All", "targetReplicatedJobs": ["worker"]},
+                     "replicatedJobs": [replicated("ps", job.num_ps), replicated("worker", job.num_workers)]}}
+
+
 RENDERERS: dict[str, Callable[[K8sJob], list[dict[str, Any]]]] = {
-    "manifests": render_manifests, "tfjob": lambda job: [*_secrets(job), render_tfjob(job)]}
+    "manifests": render_manifests, "tfjob": lambda job: [*_secrets(job), render_tfjob(job)],
+    "jobset": lambda job: [*_secrets(job), render_jobset(job)]}
 
 
 def to_yaml(docs: Sequence[dict[str, Any]]) -> str:
@@ -298,7 +353,8 @@ _OPTIONS: tuple[tuple[str, str, Callable[[str], Any], Any, str, str], ...] = (
     ("--cpu", "TENSORFLEET_CPU", str, "1", "C", "CPU request of every task"),
     ("--memory", "TENSORFLEET_MEMORY", str, "2Gi", "MEM", "memory request of every task"),
     ("--format", "TENSORFLEET_FORMAT", _choice(FORMATS), "manifests", "FORMAT",
-     "manifests (a token Secret, Services, Jobs) or tfjob (the Secret and one Kubeflow TFJob)"),
+     "manifests (a token Secret, Services, Jobs), jobset (the Secret and one JobSet: Kubeflow Trainer v2's "
+     "base) or tfjob (the Secret and one TFJob of Kubeflow's v1 training operator, deprecated)"),
 )
 
 
