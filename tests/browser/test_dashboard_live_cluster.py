@@ -24,14 +24,16 @@ def cell(page: Page, task: str, field: str):
 
 @pytest.fixture
 def job(tmp_path):
+    # --stop_file: the test ends training once it has seen the restart (the job would go on to step 1500)
     run = LauncherProcess(tmp_path / "logs", ["--ps", "1", "--workers", "2", "--dashboard", "--restart-backoff", "3"],
-                          PACED, ["--last_step", "1500", "--step_sleep_s", "0.01"])
+                          PACED, ["--last_step", "1500", "--step_sleep_s", "0.01",
+                                  "--stop_file", str(tmp_path / "stop")])
     yield run
     run.kill()
 
 
 def test_a_running_cluster_is_shown_and_a_killed_worker_restarts_on_the_page(browser_page: Page, job,
-                                                                              save_screenshot):
+                                                                              save_screenshot, tmp_path):
     url = poll(lambda: next(iter(re.findall(r"dashboard at (http://127\.0\.0\.1:\d+/)", job.output)), None), 60,
                "the launcher to print the dashboard's address")
     page = browser_page
@@ -56,5 +58,6 @@ def test_a_running_cluster_is_shown_and_a_killed_worker_restarts_on_the_page(bro
     metrics = urllib.request.urlopen(url + "metrics", timeout=10).read().decode()
     assert re.search(r'tensorfleet_task_restarts_total\{[^}]*task="worker:1"[^}]*\} 1\.0', metrics), metrics
     assert re.search(r"tensorfleet_global_step \d+", metrics)
+    (tmp_path / "stop").touch()
     code, output = job.wait()
     assert code == 0, output

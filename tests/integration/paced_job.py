@@ -3,7 +3,8 @@
 A tiny linear model on random data; each worker sleeps ``--step_sleep_s`` per step so
 the job lasts seconds without loading the CPU, and reports loss and examples like a
 real script.  ``--fail`` makes the named task exit 1 at once (a script that crashes at start-up), or
-after ``--fail_after_s`` seconds of training (a crash mid-run).
+after ``--fail_after_s`` seconds of training (a crash mid-run).  ``--stop_file`` ends training early once that file
+exists: a test that has seen what it wanted of a running job lets it finish instead of waiting for ``--last_step``.
 """
 
 import argparse
@@ -27,7 +28,7 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
     with replica:
         replica.report(target_step=args.last_step)
         print(f"{task.short} starts at global step {replica.global_step}", flush=True)
-        while replica.pull() < args.last_step:
+        while replica.pull() < args.last_step and not (args.stop_file and os.path.exists(args.stop_file)):
             x = torch.randn(16, 8, generator=generator)
             loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
             loss.backward()
@@ -48,6 +49,7 @@ def main() -> int:
     parser.add_argument("--step_sleep_s", type=float, default=0.01)
     parser.add_argument("--fail", default=None, help="a task (worker:1) that exits 1 at once")
     parser.add_argument("--fail_after_s", type=float, default=0.0, help="--fail's task exits after this much training")
+    parser.add_argument("--stop_file", default=None, help="every worker stops training once this file exists")
     args = parser.parse_args()
     if args.fail and not args.fail_after_s and "TF_CONFIG" in os.environ and _this_task() == args.fail:
         print(f"{args.fail}: failing on purpose", flush=True)

@@ -40,8 +40,9 @@ def started_addresses(job: LauncherProcess, count: int) -> dict[str, str]:
 def test_attached_dashboard_shows_a_fleet_started_elsewhere(tmp_path):
     token = auth.new_token()  # the launcher uses the token it is given; the dashboard needs the same one
     env = {**os.environ, auth.TOKEN_ENV: token}
+    stop = tmp_path / "stop"  # written once the dashboard has been checked: the job ends then, not at step 1200
     job = LauncherProcess(tmp_path / "logs", ["--ps", "1", "--workers", "2"], PACED,
-                          ["--last_step", "1200", "--step_sleep_s", "0.01"], env=env)
+                          ["--last_step", "1200", "--step_sleep_s", "0.01", "--stop_file", str(stop)], env=env)
     board = None
     try:
         addresses = started_addresses(job, 3)
@@ -62,6 +63,7 @@ def test_attached_dashboard_shows_a_fleet_started_elsewhere(tmp_path):
         assert picture["job"]["target_step"] == 1200
         metrics = urllib.request.urlopen(url + "metrics", timeout=10).read().decode()
         assert re.search(r'tensorfleet_task_up\{[^}]*task="worker:1"[^}]*\} 1\.0', metrics), metrics
+        stop.touch()
         code, output = job.wait()
         assert code == 0, output
         # The fleet is gone: the attached dashboard shows its tasks unreachable (or done), and keeps serving.
