@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
+import jsonschema
 import kubernetes
 import kubernetes_validate
 import pytest
@@ -42,6 +43,7 @@ PODS_PATH = f"/api/v1/namespaces/{NS}/pods"
 SERVICES_PATH = f"/api/v1/namespaces/{NS}/services"
 SECRETS_PATH = f"/api/v1/namespaces/{NS}/secrets"
 JOB_SELECTOR = f"app.kubernetes.io/name=tensorfleet,app.kubernetes.io/instance={NAME}"
+JOBSETS_PATH = f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets"
 
 
 # ----- the stand-in API server
@@ -63,6 +65,7 @@ class FakeApiServer:
     jobs: list[dict] = field(default_factory=list)
     pods: list[dict] = field(default_factory=list)
     logs: dict[str, bytes] = field(default_factory=dict)  # pod name -> its log
+    jobsets: dict[str, dict] = field(default_factory=dict)  # name -> the JobSet as the API answers it
     fail: Callable[[Request], tuple[int, str] | None] = lambda request: None  # (status, message) to refuse with
 
     def of(self, method: str, path: str | None = None) -> list[Request]:
@@ -78,6 +81,12 @@ class FakeApiServer:
             return 201, "application/json", json.dumps(request.body).encode()
         if request.method == "DELETE":
             return 200, "application/json", b'{"kind": "Status", "apiVersion": "v1", "status": "Success"}'
+        if request.path.startswith(f"{JOBSETS_PATH}/"):  # a GET of one JobSet
+            found = self.jobsets.get(request.path.rsplit("/", 1)[1])
+            if found is None:
+                gone = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "not found", "code": 404}
+                return 404, "application/json", json.dumps(gone).encode()
+            return 200, "application/json", json.dumps(found).encode()
         if request.path.endswith("/log"):
             pod = request.path.split("/")[-2]
             data = self.logs[pod][:int(request.query.get("limitBytes", 1 << 62))]
@@ -443,3 +452,88 @@ def test_the_job_service_runs_a_kubernetes_job_from_submit_to_success_and_stops_
         assert (stopped.state, stopped.reason) == (JobState.STOPPED, "stopped by ann")
         assert {r.path for r in api.of("DELETE")} >= {f"{JOBS_PATH}/tf-{third}-mnist-worker-0",
                                                       f"{SECRETS_PATH}/tf-{third}-mnist-token"}
+
+
+# ----- the JobSet format (serve --k8s-format jobset)
+
+@pytest.fixture
+def jobset_backend(api, workspace):
+    configuration = kubernetes.client.Configuration()
+    configuration.host = api.url
+    client = kubernetes.client.ApiClient(configuration)
+    yield KubernetesBackend(image="repo/train:1", namespace=NS, workspace=workspace, api_client=client,
+                            format="jobset")
+    client.close()
+
+
+def jobset_child(task: str, *conditions: dict) -> dict:
+    """A Job (or pod) the JobSet controller made: our template's labels and JobSet's job index."""
+    made = job_object(task, *conditions)
+    labels = made["metadata"]["labels"]
+    labels["jobset.sigs.k8s.io/job-index"] = labels.pop("tensorfleet.io/replica-index")
+    return made
+
+
+def test_a_jobset_job_is_the_secret_and_one_jobset_valid_for_the_pinned_crd(api, jobset_backend, workspace, tmp_path):
+    jobset_backend.start(make_record(workspace), tmp_path)
+    assert [(r.method, r.path) for r in api.requests] == [("POST", SECRETS_PATH), ("POST", JOBSETS_PATH)]
+    token = api.requests[0].body["stringData"]["token"]
+    jobset = api.requests[1].body
+    assert token not in json.dumps(jobset) and jobset["metadata"]["name"] == NAME
+    crd = yaml.safe_load((Path(__file__).parents[1] / "data" / "jobset" / "jobset.x-k8s.io_jobsets.yaml").read_text())
+    schema = next(v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2")["schema"]["openAPIV3Schema"]
+    errors = list(jsonschema.Draft7Validator(schema).iter_errors(jobset))
+    assert not errors, [e.message for e in errors]
+    for replicated in jobset["spec"]["replicatedJobs"]:
+        (container,) = replicated["template"]["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+        assert env["OMP_NUM_THREADS"] == "1" and env["TENSORFLEET_MODE"] == "sync"
+        assert env["TENSORFLEET_TASK_TYPE"] == replicated["name"]
+        assert len(container["env"]) == len(env)  # the user's TF_CONFIG did not add a second one
+        assert container["command"] == ["python", "train/mnist.py", "--steps", "5"]
+
+
+def test_a_jobset_job_is_observed_through_the_jobset_and_its_jobs(api, jobset_backend, workspace):
+    record = make_record(workspace)
+    assert jobset_backend.observe(record).state is JobState.LOST  # no JobSet
+    api.jobsets[NAME] = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": {"name": NAME},
+                         "status": {}}
+    assert jobset_backend.observe(record).state is JobState.RUNNING  # its controller has not made the Jobs yet
+    api.jobs = [jobset_child(t) for t in TASKS]
+    api.pods = [dict(jobset_child("worker:1"), metadata={**jobset_child("worker:1")["metadata"], "name": "w1",
+                                                          "creationTimestamp": "2026-01-01T00:00:00Z"},
+                     status={"containerStatuses": [{"name": "tensorfleet", "restartCount": 2, "image": "i",
+                                                    "imageID": "", "ready": True}]})]
+    running = jobset_backend.observe(record)
+    assert running.state is JobState.RUNNING and running.restarts == 2
+    api.jobsets[NAME]["status"] = {"conditions": [{"type": "Failed", "status": "True",
+                                                   "message": "jobset failed due to one or more job failures"}]}
+    failed = jobset_backend.observe(record)
+    assert failed.state is JobState.FAILED and "one or more job failures" in failed.reason
+    api.jobsets[NAME]["status"] = {"conditions": [{"type": "Completed", "status": "True"}]}
+    assert jobset_backend.observe(record).state is JobState.SUCCEEDED
+
+
+def test_a_jobset_jobs_tasks_logs_and_stop(api, jobset_backend, workspace):
+    record = make_record(workspace)
+    views = jobset_backend.tasks(record)
+    assert [(v.name, v.role, v.env["TENSORFLEET_TASK_INDEX"]) for v in views] == [
+        ("ps:0", "ps", "0"), ("worker:0", "chief", "0"), ("worker:1", "worker", "1")]
+    cluster, me = from_tf_config(views[2].env["TF_CONFIG"], views[2].env)
+    assert me.short == "worker:1" and cluster.task_address("worker", 1) == f"{NAME}-worker-1-0.{NAME}.{NS}.svc:2222"
+    assert TOKEN_ENV not in views[0].env
+    api.pods = [{**jobset_child("worker:1"), "metadata": {**jobset_child("worker:1")["metadata"], "name": "w1",
+                                                          "creationTimestamp": "2026-01-01T00:00:00Z"}}]
+    api.logs = {"w1": b"hello\n"}
+    assert jobset_backend.log(record, "worker:1").text == "hello\n"
+    assert api.of("GET", PODS_PATH)[0].query["labelSelector"] == (
+        f"{JOB_SELECTOR},tensorfleet.io/replica-type=worker,jobset.sigs.k8s.io/job-index=1")
+    api.requests.clear()
+    jobset_backend.stop(record)
+    assert [(r.path, r.query) for r in api.of("DELETE")] == [
+        (f"{JOBSETS_PATH}/{NAME}", {"propagationPolicy": "Background"}), (f"{SECRETS_PATH}/{NAME}-token", {})]
+
+
+def test_an_unknown_kubernetes_format_fails_the_backend(workspace):
+    with pytest.raises(ConfigError, match="Kubernetes format 'tfjob' is not valid: use one of manifests, jobset"):
+        KubernetesBackend(image="repo/train:1", namespace=NS, workspace=workspace, format="tfjob")

@@ -1,7 +1,8 @@
 """``tensorfleet serve``, ``tensorfleet jobs`` and ``tensorfleet users``: the job service's commands.
 
     tensorfleet serve [--host 127.0.0.1] [--port 8470] [--home DIR] [--workspace DIR] [--slots N]
-                      [--k8s-image IMG [--k8s-namespace NS] [--kubeconfig FILE]] [--ray-address ADDR]
+                      [--k8s-image IMG [--k8s-namespace NS] [--kubeconfig FILE] [--k8s-format manifests|jobset]]
+                      [--ray-address ADDR]
                       [--tls-cert F --tls-key F]
     tensorfleet jobs submit JOBFILE [--name NAME] [--backend local|kubernetes|ray]
     tensorfleet jobs ls [--state STATE]
@@ -74,6 +75,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--k8s-image", dest="k8s_image", default=None,
                        help="enable the Kubernetes backend: the image holding the workspace")
     serve.add_argument("--k8s-namespace", dest="k8s_namespace", default="default")
+    serve.add_argument("--k8s-format", dest="k8s_format", choices=("manifests", "jobset"), default="manifests",
+                       help="what a Kubernetes job becomes: per-task Services and Jobs (manifests, the default), or "
+                       "one JobSet (jobset: needs JobSet installed, as Kubeflow Trainer v2 has it)")
     serve.add_argument("--kubeconfig", default=None, help="the kubeconfig (default: $KUBECONFIG or ~/.kube/config)")
     serve.add_argument("--ray-address", dest="ray_address", default=None,
                        help="enable the Ray backend: jobs whose backend is 'ray' run on this Ray cluster (host:port "
@@ -172,7 +176,7 @@ def run_serve(args: argparse.Namespace, line: CommandLine) -> int:
     # folder made and no admin password printed for a service that never ran.
     service = Service(home, workspace, host=args.host, port=args.port, slots=args.slots,
                       k8s_image=args.k8s_image, k8s_namespace=args.k8s_namespace, kubeconfig=args.kubeconfig,
-                      ray_address=args.ray_address,
+                      ray_address=args.ray_address, k8s_format=args.k8s_format,
                       tls_cert=args.tls_cert, tls_key=args.tls_key)
     if not service.accounts.has_users():
         password, show = _first_password()

@@ -2,7 +2,10 @@
 
 ``start`` renders the job with ``launch/k8s.py`` (a Secret holding a new token, then a headless
 Service and a one-pod ``batch/v1`` Job per task) and creates them in that order, so that every
-task's DNS name exists before any pod dials it. Everything carries ``k8s.labels``, which is how
+task's DNS name exists before any pod dials it. With ``format="jobset"`` (``serve --k8s-format
+jobset``) it creates the Secret and one JobSet instead, whose controller makes the Service, the
+Jobs and the pods; the JobSet's own conditions say when it ended, and its Jobs and pods are found by
+the same labels (their index in JobSet's ``job-index`` label). Everything carries ``k8s.labels``, which is how
 ``observe``, ``stop`` and ``log`` find a job again after a service restart: the backend keeps no
 state of its own, only the record and the cluster.
 
@@ -29,7 +32,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from tensorfleet.cluster.spec import TaskSpec
+from tensorfleet.cluster.spec import TASK_INDEX_ENV, TaskSpec
 from tensorfleet.errors import ConfigError, LaunchError, TensorfleetError, UnavailableError
 from tensorfleet.launch import k8s
 from tensorfleet.service.backend import LogChunk, Observed, TaskNotFoundError, TaskView
@@ -38,6 +41,9 @@ from tensorfleet.service.store import JobRecord, JobState
 REQUEST_TIMEOUT_S = 30.0  # every call to the API server has a deadline: the service's threads never hang
 DEFAULT_PORT = 2222  # each task has its own pod IP, so all can share one port
 MODE_ENV = "TENSORFLEET_MODE"  # what `tensorfleet launch --sync/--async` sets for the script's default
+FORMATS = ("manifests", "jobset")  # what a job becomes: per-task Services and Jobs, or one JobSet
+JOBSET_RESOURCE = ("jobset.x-k8s.io", "v1alpha2", "jobsets")  # group, version, plural
+JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"  # JobSet's label (and annotation) on its Jobs and pods
 _NOT_DNS = re.compile(r"[^a-z0-9-]+")
 
 
@@ -59,19 +65,24 @@ class KubernetesBackend:
     name = "kubernetes"
 
     def __init__(self, *, image: str, namespace: str = "default", workspace: Path,
-                 kubeconfig: str | None = None, context: str | None = None, api_client: Any = None) -> None:
+                 kubeconfig: str | None = None, context: str | None = None, api_client: Any = None,
+                 format: str = "manifests") -> None:
         # The same checks a job gets at start, done now: a bad setting fails the service, not every job.
         k8s.K8sJob(name="probe", num_ps=1, num_workers=1, image=image, script="probe.py", namespace=namespace)
+        if format not in FORMATS:
+            raise ConfigError(f"Kubernetes format {format!r} is not valid: use one of {', '.join(FORMATS)}")
         import kubernetes  # here, not at the top: see the module docstring
 
         self.image = image
         self.namespace = namespace
         self.workspace = Path(workspace)
+        self.format = format
         self._client = kubernetes.client
         if api_client is None:
             api_client = kubernetes.config.new_client_from_config(config_file=kubeconfig, context=context)
         self._core = kubernetes.client.CoreV1Api(api_client)
         self._batch = kubernetes.client.BatchV1Api(api_client)
+        self._custom = kubernetes.client.CustomObjectsApi(api_client)
 
     # ----- the Backend protocol
 
@@ -98,10 +109,16 @@ class KubernetesBackend:
     def observe(self, job: JobRecord) -> Observed:
         """RUNNING, or SUCCEEDED / FAILED / LOST read from the job's Jobs (see the module docstring)."""
         kjob = self._k8s_job(job)
+        if self.format == "jobset":
+            ended = self._jobset_ended(kjob)
+            if ended is not None:
+                return ended
         found = self._call(self._batch.list_namespaced_job, self.namespace, label_selector=_selector(k8s.labels(kjob)),
                            _request_timeout=REQUEST_TIMEOUT_S).items
         by_task = {_task_of(item): item for item in found}
         missing = [_task_name(t) for t in kjob.tasks if _task_name(t) not in by_task]
+        if missing and self.format == "jobset":  # the JobSet is there: its controller makes (or remakes) them
+            return Observed(JobState.RUNNING, None, self._restarts(kjob))
         if missing:
             what = "every Kubernetes Job of the job" if len(missing) == len(kjob.tasks) else \
                 f"the Kubernetes Jobs of {', '.join(missing)}"
@@ -117,6 +134,24 @@ class KubernetesBackend:
                 why = failed.message or failed.reason or "no reason given"
                 return Observed(JobState.FAILED, f"task {_task_name(task)} failed: {why}", restarts)
         return Observed(JobState.RUNNING, None, restarts)
+
+    def _jobset_ended(self, kjob: k8s.K8sJob) -> Observed | None:
+        """LOST when the JobSet is gone, SUCCEEDED or FAILED when its controller says it ended, else None."""
+        try:
+            jobset = self._call(self._custom.get_namespaced_custom_object, *JOBSET_RESOURCE[:2], self.namespace,
+                                JOBSET_RESOURCE[2], kjob.name, _request_timeout=REQUEST_TIMEOUT_S)
+        except _NotFound:
+            return Observed(JobState.LOST, f"the JobSet {kjob.name!r} disappeared from namespace "
+                                           f"{self.namespace!r} (deleted outside the service?)")
+        for item in (jobset.get("status") or {}).get("conditions") or []:
+            if item.get("status") != "True":
+                continue
+            if item.get("type") == "Completed":
+                return Observed(JobState.SUCCEEDED, "every worker finished", self._restarts(kjob))
+            if item.get("type") == "Failed":
+                why = item.get("message") or item.get("reason") or "no reason given"
+                return Observed(JobState.FAILED, f"the JobSet failed: {why}", self._restarts(kjob))
+        return None
 
     def stop(self, job: JobRecord) -> None:
         """Delete the job's Jobs (their pods with them), Services and Secret; what is already gone is fine.
@@ -136,13 +171,10 @@ class KubernetesBackend:
     def tasks(self, job: JobRecord) -> list[TaskView]:
         """Each task's command and plain environment, as rendered (the token, from its Secret, is left out)."""
         views = []
-        for doc in self._render(job):
-            if doc["kind"] != "Job":
-                continue
-            labels = doc["metadata"]["labels"]
-            task = TaskSpec(labels["tensorfleet.io/replica-type"], int(labels["tensorfleet.io/replica-index"]))
-            (container,) = doc["spec"]["template"]["spec"]["containers"]
+        for task, container in _containers(self._render(job)):
             env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+            if TASK_INDEX_ENV in {e["name"] for e in container["env"]}:  # a JobSet's: the index from the pod's
+                env[TASK_INDEX_ENV] = str(task.index)
             role = "chief" if (task.job_name, task.index) == ("worker", 0) else task.job_name
             views.append(TaskView(_task_name(task), role, list(container["command"]), env))
         return views
@@ -156,8 +188,10 @@ class KubernetesBackend:
         """
         kjob = self._k8s_job(job)
         spec = _parse_task(task, kjob)
+        selector = k8s.labels(kjob, spec) if self.format == "manifests" else \
+            {**k8s.labels(kjob), "tensorfleet.io/replica-type": spec.job_name, JOB_INDEX_LABEL: str(spec.index)}
         pods = self._call(self._core.list_namespaced_pod, self.namespace,
-                          label_selector=_selector(k8s.labels(kjob, spec)), _request_timeout=REQUEST_TIMEOUT_S).items
+                          label_selector=_selector(selector), _request_timeout=REQUEST_TIMEOUT_S).items
         if not pods:
             return LogChunk("", offset)
         newest = max(pods, key=lambda pod: (pod.metadata.creation_timestamp is not None,
@@ -181,7 +215,9 @@ class KubernetesBackend:
         """The job as ``k8s.py`` renders it. Names depend only on the record, so every call finds the same
         objects; the token is new each time and used only by ``start`` (the others never read it)."""
         config = job.job_config
-        return k8s.K8sJob(name=kubernetes_name(job.id, job.name, workers=config.workers, ps=config.ps),
+        pod_index = "-0" if self.format == "jobset" else ""  # a JobSet's pod host name: NAME-worker-<i>-0
+        return k8s.K8sJob(name=kubernetes_name(job.id, job.name, workers=config.workers, ps=config.ps,
+                                               more=pod_index),
                           num_ps=config.ps, num_workers=config.workers, image=self.image,
                           script=self._script(config.script), script_args=tuple(config.args),
                           gpus_per_worker=config.gpus_per_worker, namespace=self.namespace,
@@ -191,15 +227,13 @@ class KubernetesBackend:
     def _render(self, job: JobRecord) -> list[dict[str, Any]]:
         """The job's objects, each Job's pod with the job's own environment and mode added."""
         config = job.job_config
-        docs = k8s.render_manifests(self._k8s_job(job))
+        docs = k8s.RENDERERS[self.format](self._k8s_job(job))
         extra = dict(config.env)
         if config.mode is not None:
             extra[MODE_ENV] = config.mode
-        for doc in docs:
-            if doc["kind"] == "Job":
-                (container,) = doc["spec"]["template"]["spec"]["containers"]
-                ours = {e["name"] for e in container["env"]}  # TF_CONFIG, the token: the renderer's, not the user's
-                container["env"][-1:-1] = [{"name": k, "value": v} for k, v in extra.items() if k not in ours]
+        for _, container in _containers(docs, each_task=False):
+            ours = {e["name"] for e in container["env"]}  # TF_CONFIG, the token: the renderer's, not the user's
+            container["env"][-1:-1] = [{"name": k, "value": v} for k, v in extra.items() if k not in ours]
         return docs
 
     def _script(self, script: str) -> str:
@@ -215,6 +249,10 @@ class KubernetesBackend:
 
     def _create(self, doc: dict[str, Any]) -> Any:
         body = _quantities_as_text(doc)
+        if doc["kind"] == "JobSet":
+            return self._custom.create_namespaced_custom_object(*JOBSET_RESOURCE[:2], self.namespace,
+                                                                JOBSET_RESOURCE[2], body,
+                                                                _request_timeout=REQUEST_TIMEOUT_S)
         if doc["kind"] == "Job":
             return self._batch.create_namespaced_job(self.namespace, body, _request_timeout=REQUEST_TIMEOUT_S)
         create = {"Secret": self._core.create_namespaced_secret, "Service": self._core.create_namespaced_service}
@@ -223,7 +261,11 @@ class KubernetesBackend:
     def _delete(self, doc: dict[str, Any]) -> None:
         # The answer (the object or a Status, depending on the kind and the server) is not read.
         name, options = doc["metadata"]["name"], {"_request_timeout": REQUEST_TIMEOUT_S, "_preload_content": False}
-        if doc["kind"] == "Job":  # Background: the garbage collector removes the Job's pods too
+        if doc["kind"] == "JobSet":  # its Jobs, their pods and its Service go with it
+            response = self._custom.delete_namespaced_custom_object(
+                *JOBSET_RESOURCE[:2], self.namespace, JOBSET_RESOURCE[2], name, propagation_policy="Background",
+                **options)
+        elif doc["kind"] == "Job":  # Background: the garbage collector removes the Job's pods too
             response = self._batch.delete_namespaced_job(name, self.namespace, propagation_policy="Background",
                                                          **options)
         elif doc["kind"] == "Service":
@@ -293,15 +335,16 @@ def _api_error(exc: Any) -> TensorfleetError:
     return LaunchError(text)
 
 
-def kubernetes_name(job_id: int, name: str, *, workers: int, ps: int) -> str:
-    """``tf-<id>-<name>``, DNS-safe and short enough for ``k8s.py``'s longest task name (``-worker-<M-1>``).
+def kubernetes_name(job_id: int, name: str, *, workers: int, ps: int, more: str = "") -> str:
+    """``tf-<id>-<name>``, DNS-safe and short enough for ``k8s.py``'s longest task name (``-worker-<M-1>``, and
+    ``more`` after it: a JobSet's pod index).
 
     Example:
         >>> kubernetes_name(7, "MNIST_mlp.v2", workers=2, ps=1)
         'tf-7-mnist-mlp-v2'
     """
     prefix = f"tf-{job_id}"
-    suffix = max(len(f"-ps-{ps - 1}"), len(f"-worker-{workers - 1}"))
+    suffix = max(len(f"-ps-{ps - 1}"), len(f"-worker-{workers - 1}")) + len(more)
     room = k8s.MAX_NAME_LENGTH - suffix
     tail = _NOT_DNS.sub("-", name.lower()).strip("-")
     full = f"{prefix}-{tail}" if tail else prefix
@@ -313,10 +356,30 @@ def _task_name(task: TaskSpec) -> str:
 
 
 def _task_of(item: Any) -> str:
-    """``worker:1`` from an object's labels (its name when the labels were changed by hand)."""
+    """``worker:1`` from an object's labels (its name when the labels were changed by hand); a JobSet's Jobs and
+    pods have their index in JobSet's label."""
     labels = item.metadata.labels or {}
-    kind, index = labels.get("tensorfleet.io/replica-type"), labels.get("tensorfleet.io/replica-index")
+    kind = labels.get("tensorfleet.io/replica-type")
+    index = labels.get("tensorfleet.io/replica-index") or labels.get(JOB_INDEX_LABEL)
     return f"{kind}:{index}" if kind and index else item.metadata.name
+
+
+def _containers(docs: list[dict[str, Any]], *, each_task: bool = True) -> list[tuple[TaskSpec, dict[str, Any]]]:
+    """Each task's container in rendered ``docs``: a Job's, or a JobSet replicated job's (the same for each of its
+    replicas; once for all of them unless ``each_task``), with the task (the first replica's when not
+    ``each_task``)."""
+    found = []
+    for doc in docs:
+        if doc["kind"] == "Job":
+            labels = doc["metadata"]["labels"]
+            task = TaskSpec(labels["tensorfleet.io/replica-type"], int(labels["tensorfleet.io/replica-index"]))
+            found.append((task, doc["spec"]["template"]["spec"]["containers"][0]))
+        elif doc["kind"] == "JobSet":
+            for replicated in doc["spec"]["replicatedJobs"]:
+                container = replicated["template"]["spec"]["template"]["spec"]["containers"][0]
+                for index in range(replicated["replicas"] if each_task else 1):
+                    found.append((TaskSpec(replicated["name"], index), container))
+    return found
 
 
 def _parse_task(task: str, kjob: k8s.K8sJob) -> TaskSpec:
