@@ -116,4 +116,38 @@ def test_ctrl_c_cancels_the_job_and_every_rank_goes(cluster, tmp_path):
     assert code == 130, output
     assert re.search(r"received SIGINT; cancelling job \d+", output) and "ended CANCELLED" in output, output
     poll(lambda: not ranks(), 30, "every rank to be gone")
-    assert not cluster.jobs()
+    poll(lambda: not cluster.jobs(), 30, "Slurm to forget the job (COMPLETING for a moment)")
+
+
+def test_the_job_service_runs_stops_and_shows_slurm_jobs(cluster, tmp_path, monkeypatch):
+    """``tensorfleet serve --slurm``: a job submitted with backend slurm runs on the cluster, its tasks' logs
+    through the service; a stopped one is cancelled in Slurm, every rank gone."""
+    from tensorfleet.errors import TensorfleetError
+    from tensorfleet.testing.service import start_service, stop_runners
+
+    monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])  # the service's runners submit with it
+    service = start_service(tmp_path / "home", REPO, slurm=True)
+    try:
+        api = service.client()
+        done = api.call("POST", "/api/jobs", {"script": "examples/mnist_mlp.py", "ps": 1, "workers": 2,
+                                              "mode": "async", "backend": "slurm",
+                                              "args": ["--train_steps", "300"]})["id"]
+        poll(lambda: service.job(done)["state"] in ("succeeded", "failed"), 180, "the Slurm job to end")
+        assert service.job(done)["state"] == "succeeded", api.call("GET", f"/api/jobs/{done}/logs/launcher")
+        assert "test accuracy" in api.call("GET", f"/api/jobs/{done}/logs/worker:0")["text"]
+        tasks = {t["name"]: t for t in api.call("GET", f"/api/jobs/{done}/tasks")["tasks"]}
+        assert set(tasks) == {"ps:0", "worker:0", "worker:1"} and tasks["worker:1"]["env"]["SLURM_PROCID"] == "2"
+
+        stopped = api.call("POST", "/api/jobs", {"script": "examples/mnist_mlp.py", "ps": 1, "workers": 2,
+                                                 "mode": "async", "backend": "slurm",
+                                                 "args": ["--train_steps", "1000000"]})["id"]
+        poll(lambda: len(ranks()) == 3, 120, "the second job's ranks to run")
+        with pytest.raises(TensorfleetError, match="fixed number of ranks"):
+            api.call("POST", f"/api/jobs/{stopped}/scale", {"workers": 3})
+        api.call("POST", f"/api/jobs/{stopped}/stop", {})
+        poll(lambda: service.job(stopped)["state"] == "stopped", 90, "the second job to stop")
+        poll(lambda: not ranks(), 30, "every rank to be gone")
+        poll(lambda: not cluster.jobs(), 30, "Slurm to forget the job (COMPLETING for a moment)")
+    finally:
+        service.service.close()
+        stop_runners(tmp_path / "home")

@@ -3,6 +3,7 @@ tests/integration/test_slurm_backend.py)."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +76,29 @@ def test_the_cli_renders_and_refuses_another_backend(tmp_path):
     assert refused.returncode == 2 and "--backend ray is not for it" in refused.stderr
     dry = cli("launch", "--backend", "slurm", "--dry-run", "--logdir", str(tmp_path), MNIST)
     assert dry.returncode == 0 and dry.stdout.startswith("#!/bin/bash") and not Path(tmp_path / "job.sbatch").exists()
+
+
+def test_the_output_is_split_into_task_logs_and_step_restarts_are_reported(tmp_path):
+    restarts = []
+    out = io.StringIO()
+    launcher = SlurmLauncher(config(logdir=str(tmp_path)), out=out, on_restart=restarts.append)
+    for line in ["0: serving", "2: step 10", "[slurm] the step ended with code 9 (a rank died): running it again in "
+                 "1 s, every rank afresh, from the last checkpoint (restart 1 of 3)", "[slurm] the step ended with "
+                 "code 9; not run again: 3 of 3 restarts used", "srun: error: a message of Slurm's"]:
+        launcher._line(line)
+    for log in launcher._logs.values():
+        log.close()
+    assert (tmp_path / "ps-0.log").read_text() == "serving\n" and (tmp_path / "worker-1.log").read_text() == "step 10\n"
+    assert out.getvalue().splitlines()[:2] == ["[ps:0] serving", "[worker:1] step 10"]
+    assert "[slurm] srun: error: a message of Slurm's" in out.getvalue()
+    assert len(restarts) == 1 and "restart 1 of 3" in restarts[0]
+
+
+def test_the_service_refuses_a_slurm_backend_where_slurm_is_not(tmp_path, monkeypatch):
+    from tensorfleet.service.onslurm import SlurmBackend
+    from tensorfleet.service.store import JobStore
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with JobStore(tmp_path / "jobs.sqlite") as store, \
+            pytest.raises(ConfigError, match="--slurm needs Slurm's commands on the PATH .*serve from a Slurm login"):
+        SlurmBackend(store)

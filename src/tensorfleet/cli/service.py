@@ -2,9 +2,9 @@
 
     tensorfleet serve [--host 127.0.0.1] [--port 8470] [--home DIR] [--workspace DIR] [--slots N]
                       [--k8s-image IMG [--k8s-namespace NS] [--kubeconfig FILE] [--k8s-format manifests|jobset]]
-                      [--ray-address ADDR]
+                      [--ray-address ADDR] [--slurm]
                       [--tls-cert F --tls-key F]
-    tensorfleet jobs submit JOBFILE [--name NAME] [--backend local|kubernetes|ray]
+    tensorfleet jobs submit JOBFILE [--name NAME] [--backend local|kubernetes|ray|slurm]
     tensorfleet jobs ls [--state STATE]
     tensorfleet jobs logs JOB [TASK] [--follow]
     tensorfleet jobs stop|restart JOB
@@ -82,6 +82,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--ray-address", dest="ray_address", default=None,
                        help="enable the Ray backend: jobs whose backend is 'ray' run on this Ray cluster (host:port "
                        "of its head), admitted as its free resources allow (needs pip install 'tensorfleet[ray]')")
+    serve.add_argument("--slurm", action="store_true",
+                       help="enable the Slurm backend: jobs whose backend is 'slurm' are submitted to the Slurm "
+                       "cluster this machine submits to (sbatch on the PATH: a login node)")
     serve.add_argument("--tls-cert", dest="tls_cert", default=None, help="serve HTTPS with this certificate (PEM)")
     serve.add_argument("--tls-key", dest="tls_key", default=None, help="... and this private key (PEM)")
     serve.add_argument("--insecure-http", dest="insecure_http", action="store_true",
@@ -107,7 +110,7 @@ def _add_jobs(commands: argparse._SubParsersAction) -> None:
                     "it); logdir, dashboard and port are the service's to choose, and are named when not used.")
     submit.add_argument("job_file", metavar="JOBFILE")
     submit.add_argument("--name", default=None, help="the job's name (default: the file's, else the script's)")
-    submit.add_argument("--backend", default="local", choices=("local", "kubernetes", "ray"))
+    submit.add_argument("--backend", default="local", choices=("local", "kubernetes", "ray", "slurm"))
     ls = actions.add_parser("ls", help="list jobs, newest first")
     ls.add_argument("--state", default=None, help="only jobs in this state (queued, running, succeeded, ...)")
     logs = actions.add_parser("logs", help="print a task's log (default worker:0)")
@@ -176,7 +179,7 @@ def run_serve(args: argparse.Namespace, line: CommandLine) -> int:
     # folder made and no admin password printed for a service that never ran.
     service = Service(home, workspace, host=args.host, port=args.port, slots=args.slots,
                       k8s_image=args.k8s_image, k8s_namespace=args.k8s_namespace, kubeconfig=args.kubeconfig,
-                      ray_address=args.ray_address, k8s_format=args.k8s_format,
+                      ray_address=args.ray_address, k8s_format=args.k8s_format, slurm=args.slurm,
                       tls_cert=args.tls_cert, tls_key=args.tls_key)
     if not service.accounts.has_users():
         password, show = _first_password()

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 from tensorfleet.cluster.environment import LOGDIR_ENV, STATUS_DIR_ENV
 from tensorfleet.cluster.slurm import PS_ENV
@@ -42,6 +42,8 @@ from tensorfleet.errors import ConfigError, LaunchError
 from tensorfleet.launch.config import JobConfig
 
 SCRIPT_FILE = "job.sbatch"
+JOB_ID_FILE = "slurm.jobid"  # the submitted job's id, in the job's folder
+RESTART_WORDS = "(a rank died): running it again"  # the batch script's line when it runs the step again
 OUTPUT_FILE = "slurm-%j.out"
 POLL_S = 1.0  # how often squeue is asked, and the output file read
 CANCEL_WAIT_S = 60.0  # after scancel, how long Slurm may take to end the job
@@ -154,10 +156,14 @@ def job_state(job_id: str) -> tuple[str | None, str | None]:
 class SlurmLauncher:
     """Submits ``config``'s job to Slurm and follows it to its end (see the module's docstring)."""
 
-    def __init__(self, config: JobConfig, *, out: TextIO | None = None) -> None:
+    def __init__(self, config: JobConfig, *, out: TextIO | None = None,
+                 on_restart: Callable[[str], None] | None = None) -> None:
+        """``on_restart``: called with the batch script's line each time it runs the step again (the job
+        service counts them)."""
         self.config = config
         self.out = out or sys.stdout
         self.logdir = Path(config.logdir) if config.logdir else default_logdir(config)
+        self.on_restart = on_restart
         self.job_id: str | None = None
         self._interrupted: str | None = None
         self._logs: dict[str, TextIO] = {}
@@ -172,6 +178,7 @@ class SlurmLauncher:
         script = self.logdir / SCRIPT_FILE
         script.write_text(self.script_text())
         self.job_id = _run(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
+        (self.logdir / JOB_ID_FILE).write_text(self.job_id + "\n")  # who else must cancel it finds it here
         self.say(f"submitted job {self.job_id} ({self.config.ps} ps + {self.config.workers} workers, one step of "
                  f"{self.config.ps + self.config.workers} tasks); output: {self.output_path}")
         return self.job_id
@@ -247,6 +254,8 @@ class SlurmLauncher:
             if line:
                 self.out.write(line if line.startswith("[slurm]") else f"[slurm] {line}")
                 self.out.write("\n")
+            if RESTART_WORDS in line and self.on_restart is not None:
+                self.on_restart(line)
             return
         task = task_of_rank(int(labelled.group(1)), self.config.ps)
         self.out.write(f"[{task}] {labelled.group(2)}\n")

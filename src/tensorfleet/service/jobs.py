@@ -12,8 +12,8 @@ The loop (``tick``, every ``TICK_S`` in a thread of ``serve``) observes active j
 backend and admits queued ones first come, first served while the machine has room: a local job
 takes a core per task and its GPUs; the head of the queue waits until it fits, and a job is always
 admitted when nothing else runs (a 3-task job on a 2-core machine must run at all). A Ray job waits
-for the Ray cluster's free resources (``service/onray.py``). Kubernetes jobs are not bound here: the
-cluster's scheduler queues them.
+for the Ray cluster's free resources (``service/onray.py``). Kubernetes and Slurm jobs are not bound
+here: the cluster's scheduler queues them.
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ SERVICE_SET = {
                "those the service runs",
     "ray_address": "the service's Ray jobs run on the cluster of 'tensorfleet serve --ray-address'",
     "ray_placement": "the service's Ray jobs spread their tasks over the cluster's nodes",
-    "slurm_partition": "the service runs no Slurm jobs: use 'tensorfleet launch --backend slurm'",
-    "slurm_nodes": "the service runs no Slurm jobs: use 'tensorfleet launch --backend slurm'",
-    "slurm_time": "the service runs no Slurm jobs: use 'tensorfleet launch --backend slurm'",
+    "slurm_partition": "the service's Slurm jobs go to the cluster's default partition, nodes and time limit",
+    "slurm_nodes": "the service's Slurm jobs go to the cluster's default partition, nodes and time limit",
+    "slurm_time": "the service's Slurm jobs go to the cluster's default partition, nodes and time limit",
 }
 # A call of run_task on a line of code (not its definition, a comment or a doctest), and a __main__ block.
 _CALLS_RUN_TASK = re.compile(r"^(?!\s*(?:#|>>>|\.\.\.))[^\n#]*?(?<!def )\brun_task\(", re.MULTILINE)

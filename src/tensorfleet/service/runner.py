@@ -34,6 +34,7 @@ from tensorfleet.errors import TensorfleetError
 from tensorfleet.service.store import JobState, JobStore
 
 if TYPE_CHECKING:
+    from tensorfleet.launch.config import JobConfig
     from tensorfleet.launch.local import LocalLauncher
 
 MODULE = "tensorfleet.service.runner"
@@ -107,6 +108,8 @@ class JobRunner:
         config.logdir = str(self.jobdir)
         config.dashboard = None
         config.env.setdefault("GRPC_VERBOSITY", "ERROR")
+        if self.job.backend == "slurm":
+            return self._run_on_slurm(config)
         launcher_class = LocalLauncher
         if self.job.backend == "ray":  # the service's Ray backend: the cluster its runners were given
             from tensorfleet.launch.onray import RayLauncher
@@ -127,6 +130,41 @@ class JobRunner:
             code = launcher.run()
             self._tick(launcher, force=True)
         self._finish(*self._outcome(launcher, code))
+        return code
+
+    def _run_on_slurm(self, config: JobConfig) -> int:
+        """The service's Slurm backend: submit the job's batch script and follow it (``launch/slurm.py``). The
+        tasks' logs land in the job's folder as a local job's do; there is no dashboard picture."""
+        from tensorfleet.launch.slurm import SlurmLauncher, check_slurm_config, task_of_rank
+
+        config.backend = "slurm"
+        with open(self.jobdir / LAUNCHER_LOG, "a", encoding="utf-8", buffering=1) as out:
+            try:
+                check_slurm_config(config)
+                launcher = SlurmLauncher(config, out=out,
+                                         on_restart=lambda line: self.store.count_restart(self.job_id, line))
+                command = [sys.executable, str(Path(config.script).resolve()), *config.args]
+                write_json(self.jobdir / TASKS_FILE, [
+                    {"name": task, "role": "chief" if task == "worker:0" else task.split(":")[0], "command": command,
+                     "env": {"TENSORFLEET_SLURM_PS": str(config.ps), "SLURM_PROCID": str(rank), **config.env},
+                     "removed": False}
+                    for rank, task in enumerate(task_of_rank(r, config.ps) for r in range(config.ps + config.workers))])
+                code = launcher.run()
+            except TensorfleetError as exc:
+                out.write(f"[launch] cannot run on Slurm: {exc}\n")
+                self._finish(JobState.FAILED, f"cannot run on Slurm: {exc}")
+                return 1
+        job = self.store.get(self.job_id)
+        if job.stop_requested:
+            self._finish(JobState.STOPPED, f"stopped by {job.stop_requested}")
+        elif code == 0:
+            self._finish(JobState.SUCCEEDED, "every worker finished")
+        elif code == 130:
+            self._finish(JobState.STOPPED, f"Slurm job {launcher.job_id} was cancelled")
+        else:
+            tracebacks = [t for t in (last_traceback(path) for path in sorted(self.jobdir.glob("*-*.log"))) if t]
+            self._finish(JobState.FAILED, f"Slurm job {launcher.job_id} failed (see launcher.log)" +
+                         (f"\n{tracebacks[0]}" if tracebacks else ""))
         return code
 
     # --- every second while the job runs -----------------------------------------------------

@@ -46,7 +46,7 @@ class Service:
     def __init__(self, home: Path, workspace: Path, *, host: str = "127.0.0.1", port: int = 0,
                  slots: int | None = None, k8s_image: str | None = None, k8s_namespace: str = "default",
                  kubeconfig: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 ray_address: str | None = None, k8s_format: str = "manifests") -> None:
+                 ray_address: str | None = None, k8s_format: str = "manifests", slurm: bool = False) -> None:
         self.host, self.port = host, port
         self._tls = (tls_cert, tls_key)
         self._server: ThreadServer | None = None
@@ -70,6 +70,10 @@ class Service:
                 backends["kubernetes"] = KubernetesBackend(image=k8s_image, namespace=k8s_namespace,
                                                            workspace=workspace, kubeconfig=kubeconfig,
                                                            format=k8s_format)
+            if slurm:
+                from tensorfleet.service.onslurm import SlurmBackend
+
+                backends["slurm"] = SlurmBackend(self.store)
             if ray_address:
                 from tensorfleet.service.onray import RayBackend  # needs the 'ray' package
 

@@ -61,7 +61,7 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 }
 TERMINAL = frozenset(state for state, nexts in TRANSITIONS.items() if not nexts)
 ACTIVE = (_S.STARTING, _S.RUNNING)  # a supervisor process may exist
-BACKENDS = ("local", "kubernetes", "ray")
+BACKENDS = ("local", "kubernetes", "ray", "slurm")
 
 
 class JobNotFoundError(TensorfleetError):
