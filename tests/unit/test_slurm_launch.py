@@ -27,7 +27,7 @@ def test_the_script_asks_for_a_task_per_ps_and_worker_and_keeps_the_token_out_of
                                 slurm_time="1:30:00", gpus_per_worker=1, env={"NOTE": "it's here"},
                                 args=["--train_steps", "50"]), tmp_path)
     for line in ("#SBATCH --ntasks=5", "#SBATCH --nodes=2", "#SBATCH --partition=gpu", "#SBATCH --time=1:30:00",
-                 "#SBATCH --gpus-per-task=1", f"#SBATCH --output={tmp_path.resolve()}/slurm-%j.out",
+                 "#SBATCH --gpus-per-task=1", "export TENSORFLEET_GPUS_PER_WORKER=1", f"#SBATCH --output={tmp_path.resolve()}/slurm-%j.out",
                  "export TENSORFLEET_SLURM_PS=2", "export TENSORFLEET_MODE=sync", "max_restarts=3",
                  f"--kill-on-bad-exit=1 --distribution=block {sys.executable} {MNIST} --train_steps 50"):
         assert line in text, line

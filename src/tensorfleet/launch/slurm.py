@@ -91,6 +91,8 @@ def render_sbatch(config: JobConfig, logdir: Path, *, python: str = sys.executab
               TOKEN_LINE % shlex.quote(python)]
     if config.mode is not None:
         lines.append(f"export TENSORFLEET_MODE={config.mode}")
+    if config.gpus_per_worker:  # Slurm sets each rank's CUDA_VISIBLE_DEVICES (--gpus-per-task)
+        lines.append(f"export TENSORFLEET_GPUS_PER_WORKER={config.gpus_per_worker}")
     for name, value in sorted(config.env.items()):
         lines.append(f"export {name}={shlex.quote(value)}")
     command = shlex.join([python, str(Path(config.script).resolve()), *config.args])
