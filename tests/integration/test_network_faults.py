@@ -22,7 +22,7 @@ from tensorfleet.train.checkpoint import latest_checkpoint, load
 pytestmark = pytest.mark.cluster
 JOB = Path(__file__).parents[1] / "multiprocess" / "recovery_job.py"
 TASKS = ["ps:0", "worker:0", "worker:1"]
-DEADLINE_S = 5.0  # the workers' RPC deadline: a 10 s partition is twice as long
+DEADLINE_S = 3.0  # the workers' RPC deadline: a 6 s partition is twice as long
 
 
 @pytest.fixture
