@@ -3,9 +3,11 @@
 Playwright never downloads a browser here: it is pointed at ``/usr/bin/chromium``.
 Without that binary the tests are skipped, except on CI (``CI=true``), where
 ``.ci/run`` installs it first: a browser missing there fails, unless ``.ci/run``
-said it could not be installed (``TENSORFLEET_NO_BROWSER``, loudly, in the CI log).  Each test gets its own Playwright
-driver and browser, closed before the root conftest checks for leftover
-processes.  Every wait is bounded: Playwright's default timeouts are set here.
+said it could not be installed (``TENSORFLEET_NO_BROWSER``, loudly, in the CI log).  One Playwright driver and
+browser serve every test of a module (starting them costs ~0.7 s a test); each test gets a fresh browser context of its
+own (no cookie, no storage of another test), closed when it ends.  The root conftest's check for leftover processes
+leaves the module's driver and browser out (``keep_processes``); they are closed when the module ends.  Every wait is
+bounded: Playwright's default timeouts are set here.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
 from playwright.sync_api import Error as PlaywrightError
-from playwright.sync_api import Page, expect, sync_playwright
 
 from tensorfleet.dashboard import Dashboard
 from tensorfleet.testing.fake_monitor import FakeMonitor, serving
@@ -42,26 +45,67 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.browser)
 
 
+class _SharedBrowser:
+    """The module's chromium, started at the first test that asks, started again if it went away."""
+
+    def __init__(self, keeper) -> None:
+        self.keeper = keeper
+        self.playwright = self.browser = None
+        self.kept: set[int] = set()
+
+    def get(self) -> Browser:
+        if self.browser is not None and self.browser.is_connected():
+            return self.browser
+        self.close()
+        before = {p.pid for p in psutil.Process().children()}
+        self.playwright = sync_playwright().start()
+        try:
+            self.browser = self.playwright.chromium.launch(
+                executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True, timeout=LAUNCH_TIMEOUT_MS)
+        finally:  # the driver (and chromium under it) outlives each test of the module: not a leftover
+            self.kept = {p.pid for p in psutil.Process().children()} - before
+            self.keeper.keep(self.kept)
+        return self.browser
+
+    def close(self) -> None:
+        try:
+            if self.browser is not None:
+                self.browser.close()
+            if self.playwright is not None:
+                self.playwright.stop()
+        finally:
+            self.keeper.release(self.kept)
+            self.playwright = self.browser = None
+            self.kept = set()
+
+
+@pytest.fixture(scope="module")
+def _shared_browser(keep_processes) -> Iterator[_SharedBrowser]:
+    shared = _SharedBrowser(keep_processes)
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
 @pytest.fixture
-def browser_page() -> Iterator[Page]:
-    """A fresh page in headless chromium, 1440x1000; uncaught JavaScript errors fail the test."""
+def browser_page(request: pytest.FixtureRequest) -> Iterator[Page]:
+    """A fresh page in a fresh context of headless chromium, 1440x1000; uncaught JavaScript errors fail the test."""
     if not os.path.exists(CHROMIUM):
         message = f"{CHROMIUM} is missing: apt-get install chromium"
         if os.environ.get("CI") == "true" and not os.environ.get("TENSORFLEET_NO_BROWSER"):
             pytest.fail(message)
         pytest.skip(message)
     errors: list[str] = []
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True, timeout=LAUNCH_TIMEOUT_MS)
-        try:
-            page = browser.new_page(viewport=VIEWPORT)
-            page.set_default_timeout(ACTION_TIMEOUT_MS)
-            page.set_default_navigation_timeout(ACTION_TIMEOUT_MS)
-            page.on("pageerror", lambda error: errors.append(str(error)))
-            yield page
-        finally:
-            browser.close()
+    context = request.getfixturevalue("_shared_browser").get().new_context(viewport=VIEWPORT)
+    try:
+        page = context.new_page()
+        page.set_default_timeout(ACTION_TIMEOUT_MS)
+        page.set_default_navigation_timeout(ACTION_TIMEOUT_MS)
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        yield page
+    finally:
+        context.close()
     assert not errors, f"uncaught JavaScript errors on the page: {errors}"
 
 
