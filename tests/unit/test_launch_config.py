@@ -41,7 +41,7 @@ def test_flags_beat_environment_which_beats_the_job_file(script):
 
 
 @pytest.mark.parametrize("text, says", [
-    ("script: train.py\nworker: 2\n", "unknown field(s) worker; valid fields: args, backend, dashboard"),
+    ("script: train.py\nworker: 2\n", "unknown field(s) worker; valid fields: args, backend, coordinator, dashboard"),
     ("script: train.py\nworkers: 0\n", "workers must be at least 1, got 0"),
     ("script: train.py\nworkers: two\n", "workers must be an integer, got 'two'"),
     ("script: train.py\nmode: semi\n", "mode 'semi' is not valid: use 'sync' or 'async'"),

@@ -41,7 +41,8 @@ PACKAGE = SRC / "tensorfleet"
 #   layer         may import
 #   -----------   -------------------------------------------------------------
 ALL_LAYERS = frozenset({"errors", "cluster", "data", "wire", "protocol", "ps", "worker", "train", "parallel",
-                        "web", "dashboard", "serving", "launch", "service", "cli", "testing", "tensorfleet"})
+                        "coordinator", "web", "dashboard", "serving", "launch", "service", "cli", "testing",
+                        "tensorfleet"})
 ALLOWED: dict[str, frozenset[str]] = {
     "errors":      frozenset(),
     "cluster":     frozenset({"errors", "cluster"}),
@@ -52,6 +53,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "worker":      frozenset({"errors", "cluster", "wire", "protocol", "worker"}),  # of the ps: the protocol only
     "train":       frozenset({"errors", "cluster", "wire", "protocol", "worker", "train"}),
     "parallel":    frozenset({"errors", "cluster", "wire", "protocol", "worker", "train", "parallel"}),
+    # in-graph replication: the coordinator and its workers' side (a task's entry serves a ps as run_task does)
+    "coordinator": frozenset({"errors", "cluster", "wire", "protocol", "ps", "worker", "train", "coordinator"}),
     "web":         frozenset({"errors", "web"}),  # the HTTP toolkit the web apps share
     "dashboard":   frozenset({"errors", "web", "dashboard"}),
     "serving":     frozenset({"errors", "cluster", "wire", "protocol", "ps", "worker", "train", "web",

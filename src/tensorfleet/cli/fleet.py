@@ -90,6 +90,9 @@ def _add_job_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--ray-placement", dest="ray_placement", choices=("spread", "pack"),
                      help="with --backend ray: spread the tasks over the nodes (default: the ps on different "
                      "nodes) or pack them on few")
+    run.add_argument("--coordinator", action="store_const", const=True, default=None,
+                     help="in-graph replication: one more task, the chief, runs SCRIPT as the coordinator that "
+                     "drives the workers (the script calls tfl.run_coordinated); asynchronous")
     run.add_argument("--slurm-partition", dest="slurm_partition", metavar="P", help="with --backend slurm: the "
                      "partition (sbatch --partition; default: the cluster's default)")
     run.add_argument("--slurm-nodes", dest="slurm_nodes", type=positive_int, metavar="N",
@@ -131,7 +134,7 @@ def _job_config(args: argparse.Namespace, line: CommandLine) -> JobConfig:
     flags = {name: getattr(args, name) for name in ("ps", "workers", "gpus_per_worker", "mode", "restart",
                                                     "max_restarts", "restart_backoff", "logdir", "dashboard",
                                                     "port", "name", "backend", "ray_address", "ray_placement",
-                                                    "slurm_partition", "slurm_nodes", "slurm_time")}
+                                                    "slurm_partition", "slurm_nodes", "slurm_time", "coordinator")}
     if is_job_file(args.target):
         if extra:
             flags["args"] = extra

@@ -158,8 +158,14 @@ class LocalLauncher:
         return gpu_assignment(self.config.gpus_per_worker, self.config.workers, self._visible_gpus())
 
     def _initial_cluster(self) -> ClusterSpec:
-        """Where the tasks will listen: free ports on 127.0.0.1 (another backend places them on its nodes)."""
-        return local_cluster(self.config.ps, self.config.workers, first_port=self.config.port)
+        """Where the tasks will listen: free ports on 127.0.0.1 (another backend places them on its nodes); with
+        ``coordinator``, a ``chief`` too: the task that runs the script as the coordinator."""
+        cluster = local_cluster(self.config.ps, self.config.workers + self.config.coordinator,
+                                first_port=self.config.port)
+        if not self.config.coordinator:
+            return cluster
+        jobs = cluster.as_dict()
+        return ClusterSpec.from_dict({"ps": jobs["ps"], "chief": jobs["worker"][-1:], "worker": jobs["worker"][:-1]})
 
     # --- what each task gets --------------------------------------------------------------------
 
@@ -423,6 +429,9 @@ class LocalLauncher:
     def _check_scalable(self, workers: int) -> None:
         """What this job's settings allow (the scaler checks the count and the chief); reserves what the
         added workers need."""
+        if self.config.coordinator:
+            raise ConfigError("a job driven by a coordinator cannot be scaled yet: its coordinator knows its "
+                              "workers from the start")
         if self.config.mode != "async":
             raise ConfigError(f"scaling workers needs an asynchronous job (--async); this one's mode is "
                               f"{self.config.mode or 'the script default'}: synchronous replicas aggregate a fixed "

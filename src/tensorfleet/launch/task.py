@@ -12,7 +12,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -23,6 +23,11 @@ from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.ps.server import Server
 from tensorfleet.wire import auth
 from tensorfleet.worker.status import PROCESS_STATUS, serve_status, write_final_status
+
+if TYPE_CHECKING:
+    from tensorfleet.coordinator.coordinator import Coordinator
+    from tensorfleet.train.session import TrainingSession
+    from tensorfleet.worker.replica import Replica
 
 TrainFn = Callable[[argparse.Namespace, ClusterSpec, TaskSpec], None]
 
@@ -68,6 +73,56 @@ def run_task(args: argparse.Namespace, train: TrainFn, *, intra_op_threads: int 
         if status_server is not None:
             status_server.stop(0)
     write_final_status(task, PROCESS_STATUS.as_meta())
+    return 0
+
+
+SetupFn = Callable[[ClusterSpec, TaskSpec], "Replica"]
+DriveFn = Callable[["Coordinator", "TrainingSession"], None]
+
+
+def run_coordinated(args: argparse.Namespace, setup: SetupFn, drive: DriveFn, *, intra_op_threads: int = 1,
+                    session_options: dict[str, Any] | None = None) -> int:
+    """Run this process's task of in-graph replication (``tensorfleet.coordinator``): a ps serves as in
+    ``run_task``; a worker builds its replica (``setup(cluster, task)``) and runs the coordinator's closures until
+    it says Done; the coordinator, the cluster's ``chief``, builds its replica the same way, initializes the ps in a
+    ``TrainingSession`` (checkpoints and hooks from ``session_options``) and calls ``drive(coordinator, session)``.
+
+    Asynchronous training only for now: a synchronous ps would wait for the coordinator's own gradients.
+
+    Example:
+        >>> sys.exit(run_coordinated(parse_args(), setup, drive))   # doctest: +SKIP
+    """
+    from tensorfleet.coordinator.coordinator import Coordinator
+    from tensorfleet.coordinator.remote import WorkerContext
+    from tensorfleet.coordinator.worker import ClosureServer
+    from tensorfleet.train.session import TrainingSession
+
+    try:
+        cluster, task = cluster_from_flags(args)
+        if task.job_name == "worker" and not cluster.num_tasks("chief"):
+            raise ConfigError("in-graph replication needs a coordinator: a 'chief' job in the cluster (TF_CONFIG), "
+                              "as 'tensorfleet launch --coordinator' starts it")
+    except TensorfleetError as exc:
+        return _config_error(exc)
+    if task.job_name == "ps":
+        return run_task(args, lambda *unused: None, intra_op_threads=intra_op_threads)
+    torch.set_num_threads(intra_op_threads)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    replica = setup(cluster, task)
+    if replica.mode.value != "async":
+        return _config_error(ConfigError("in-graph replication trains asynchronously for now: start the job with "
+                                         "--async"))
+    if task.job_name == "worker":
+        with TrainingSession(replica, log_step_count_steps=None) as session:  # waits for the coordinator's Init
+            ClosureServer(cluster, task, WorkerContext(session=session)).serve()
+        write_final_status(task, PROCESS_STATUS.as_meta())
+        return 0
+    with TrainingSession(replica, **(session_options or {})) as session:
+        coordinator = Coordinator(cluster)
+        try:
+            drive(coordinator, session)
+        finally:
+            coordinator.shutdown()
     return 0
 
 

@@ -23,8 +23,11 @@ launcher and a ps shard (``tensorfleet.ps``) is defined here and nowhere else:
   Status       -                      ``PsStatus``          control (workers, launcher, dashboards)
   Done         ``DoneRequest``        ``DoneReply``         control
   Resize       ``ResizeRequest``      ``ResizeReply``       control (the launcher's, not a worker's)
+  Run          ``RunRequest``         ``RunReply``          control (coordinator -> worker, ``closures``)
   ===========  =====================  ====================  ========================
 
+* ``closures``: in-graph replication's Run (a coordinator asks a worker to run one of the script's remote
+  functions, named) and how its arguments and results travel (JSON, tensors, per-worker values);
 * ``status``: what a task answers to Status (``PsStatus``, ``WorkerStatus``), for workers, the launcher and
   dashboards; read strictly (``from_meta``) or, by the launcher's monitor, leniently (``read``: a junk
   field is None and reported, the others kept);

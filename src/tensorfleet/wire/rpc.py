@@ -37,8 +37,9 @@ METHODS = (
     "Init",    # chief -> ps: initial values + optimizer; refused politely if already initialized
     "Snapshot",  # chief -> ps: the whole shard (values, optimizer slots, averages, counters) for a checkpoint
     "Status",  # anyone -> ps: initialized?, global step, counters, the data plane's port
-    "Done",    # worker -> ps: this worker finished; the ps exits when every worker has
+    "Done",    # worker -> ps: this worker finished (the ps exits when all have); coordinator -> worker: no more work
     "Resize",  # launcher -> ps: the job's workers are now 0..N-1 (an asynchronous job scaled up or down)
+    "Run",     # coordinator -> worker: run one of the script's remote functions (in-graph replication)
 )
 
 # What one task's gRPC port holds at once (see server_limits).

@@ -1,0 +1,55 @@
+"""In-graph replication's messages: what a closure's arguments and results may be, and bad requests refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorfleet.errors import ConfigError, InvalidArgumentError
+from tensorfleet.launch.config import JobConfig
+from tensorfleet.protocol.closures import PerWorker, RunReply, RunRequest, pack, unpack
+from tensorfleet.testing.local_cluster import REPO
+
+
+def test_values_travel_as_json_with_their_tensors_beside_and_per_worker_values_resolve_there():
+    tensors: dict[str, torch.Tensor] = {}
+    value = [1, 2.5, "x", None, True, torch.ones(2), {"w": torch.zeros(3), "n": [4]}, PerWorker("per_worker_0")]
+    meta = pack(value, tensors, "arg")
+    assert sorted(tensors) == ["arg/5", "arg/6/w"]
+    back = unpack(meta, tensors, {"per_worker_0": "the worker's own"})
+    assert back[:5] == [1, 2.5, "x", None, True] and back[7] == "the worker's own"
+    assert torch.equal(back[5], torch.ones(2)) and torch.equal(back[6]["w"], torch.zeros(3))
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (object(), "a object cannot be sent"), (float("inf"), "does not travel as JSON"), ({1: 2}, "a dict cannot"),
+    ([[[[[[[[[[1]]]]]]]]]], "nested deeper than 8"),
+])
+def test_what_cannot_travel_is_refused_naming_it(value, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        pack(value, {}, "arg")
+
+
+def test_a_worker_refuses_references_it_cannot_resolve_and_malformed_requests():
+    with pytest.raises(InvalidArgumentError, match="tensor 'arg/0' is named but not sent"):
+        unpack({"$tensor": "arg/0"}, {})
+    with pytest.raises(InvalidArgumentError, match="per-worker value 'data' is not kept on this worker"):
+        unpack({"$per_worker": "data"}, {}, {})
+    for meta, message in [({"function": "os.system('x')"}, "qualified name"), ({"function": 3}, "qualified name"),
+                          ({"function": "f", "args": "x"}, "'args' must be a list"),
+                          ({"function": "f", "args": list(range(65))}, "at most 64"),
+                          ({"function": "f", "keep_as": "../x"}, "'keep_as' must be a name")]:
+        with pytest.raises(InvalidArgumentError, match=message):
+            RunRequest.from_meta(meta)
+    request = RunRequest("Model.step", [1], keep_as="per_worker_1")
+    assert RunRequest.from_meta(request.to_meta()) == request
+    assert RunReply.from_meta(RunReply(error="Traceback ...", error_type="ValueError").to_meta()).error_type == \
+        "ValueError"
+
+
+def test_a_coordinator_job_is_async_local_and_on_cpus_for_now():
+    script = str(REPO / "examples" / "mnist_coordinator.py")
+    assert JobConfig(script=script, coordinator=True).validate().coordinator
+    for fields in ({"mode": "sync"}, {"backend": "ray"}, {"gpus_per_worker": 1}):
+        with pytest.raises(ConfigError, match="in-graph replication runs asynchronously on the local backend"):
+            JobConfig(script=script, coordinator=True, **fields).validate()
