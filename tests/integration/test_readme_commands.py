@@ -17,7 +17,7 @@ from tensorfleet.testing.local_cluster import REPO
 
 pytestmark = pytest.mark.cluster
 README = (REPO / "README.md").read_text(encoding="utf-8")
-GROUPS = {"k8s", "jobs", "users", "ckpt", "data"}  # commands with subcommands
+GROUPS = {"k8s", "jobs", "users", "ckpt", "data", "slurm"}  # commands with subcommands
 
 
 def documented_commands() -> list[str]:
@@ -92,6 +92,10 @@ def test_a_documented_command_is_taken_as_written(command, folder):
     if tokens[:2] == ["k8s", "render"]:
         done = tensorfleet(tokens, folder)
         assert done.returncode == 0 and "kind: " in done.stdout, done.stderr
+        return
+    if tokens[:2] == ["slurm", "render"]:
+        done = tensorfleet(tokens, folder)
+        assert done.returncode == 0 and "#SBATCH --ntasks=" in done.stdout, done.stderr
         return
     path = tokens[:2] if tokens[0] in GROUPS else tokens[:1]
     done = tensorfleet([*path, "--help"], folder)
