@@ -55,6 +55,13 @@ def echo(value):
     return value
 
 
+@tfl.remote
+def slow(seconds: float):
+    import time
+    time.sleep(seconds)
+    return seconds
+
+
 def not_remote():
     return 1
 
@@ -153,6 +160,40 @@ def test_closures_spread_over_the_workers_and_results_and_errors_come_back(fleet
     with pytest.raises(InvalidArgumentError, match="does not travel as JSON"):
         coordinator.schedule(echo, args=(float("nan"),))
     coordinator.shutdown()
+
+
+def test_a_driver_that_fails_cancels_what_no_worker_took_and_the_workers_are_told_done(fleet):
+    import time
+
+    from tensorfleet.coordinator.coordinator import CancelledError
+    from tensorfleet.errors import DeadlineExceededError, UnavailableError
+    from tensorfleet.testing.fleet import poll
+    from tensorfleet.wire.rpc import Channel
+
+    cluster, _ = fleet
+    coordinator = Coordinator(cluster)
+    values = [coordinator.schedule(slow, args=(0.5,)) for _ in range(20)]
+    with pytest.raises(RuntimeError, match="the driver failed"):
+        with coordinator:
+            poll(values[0].done, 10, "the first closure to run")  # the workers are busy with the next ones
+            began = time.monotonic()
+            raise RuntimeError("the driver failed")
+    assert time.monotonic() - began < 10  # not the 20 closures' 5 s each worker would need, nor a hang
+    outcomes = [v.fetch(timeout_s=10) if v.done() and v._error is None else v._error for v in values]
+    cancelled = [o for o in outcomes if isinstance(o, CancelledError)]
+    assert 10 <= len(cancelled) <= 17 and all(o == 0.5 for o in outcomes if not isinstance(o, Exception)), outcomes
+
+    def stopped(address: str) -> bool:  # told Done, a worker stops serving
+        channel = Channel(address, task="/job:worker/task:0")
+        try:
+            channel.call("Status", timeout=1.0)
+            return False
+        except (UnavailableError, DeadlineExceededError):
+            return True
+        finally:
+            channel.close()
+    for address in cluster.as_dict()["worker"]:
+        poll(lambda: stopped(address), 20, f"the worker at {address} to stop serving")
 
 
 # --- under the launcher, as processes ------------------------------------------------------------------------

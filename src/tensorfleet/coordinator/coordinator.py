@@ -29,11 +29,16 @@ log = logging.getLogger(__name__)
 
 REJOIN_S = 1.0  # how often a worker that could not be reached is tried again
 START_WAIT_S = 120.0  # how long a per-worker value waits for a worker still starting
+SHUTDOWN_WAIT_S = 30.0  # at shutdown, how long a worker's thread may take to finish the closure it runs
 RUN_TIMEOUT_S = 3600.0  # one closure's deadline on its worker
 
 
 class RemoteError(TensorfleetError):
     """A remote function raised on its worker; the message holds the worker's traceback."""
+
+
+class CancelledError(TensorfleetError):
+    """The coordinator shut down before a worker took the closure."""
 
 
 @dataclass
@@ -127,21 +132,38 @@ class Coordinator:
         with self._idle:
             return self._pending == 0
 
-    def shutdown(self) -> None:
-        """Wait for the closures, tell every worker there is no more work (``Done``), stop the threads."""
-        self.join()
+    def shutdown(self, *, wait: bool = True) -> None:
+        """Tell every worker there is no more work (``Done``) and stop the threads: after every closure ran
+        (``wait``, raising as ``join`` does), or at once, the closures not started cancelled (their values raise
+        ``CancelledError``; one running on a worker finishes there) - what a driver that failed does."""
+        if wait:
+            self.join()
+        else:
+            self._cancel_queued()
         self._stopping = True
         for _ in self._workers:
             self._queue.put(None)
         for worker in self._workers:
-            worker.join(timeout=30)
+            worker.join(timeout=SHUTDOWN_WAIT_S)
             worker.say_done()
+
+    def _cancel_queued(self) -> None:
+        while True:
+            try:
+                closure = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if closure is not None:
+                error = CancelledError(f"{closure.function} was cancelled: the coordinator shut down before a "
+                                       "worker took it")
+                closure.value._set(error=error)
+                self._finished(closure, None)
 
     def __enter__(self) -> "Coordinator":
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type: type | None, *exc_info: object) -> None:
+        self.shutdown(wait=exc_type is None)
 
     # --- the workers' threads --------------------------------------------------------------------------
 
@@ -187,31 +209,35 @@ class _Worker(threading.Thread):
             closure = self.coordinator._queue.get()
             if closure is None:
                 return
-            try:
-                self._rebuild_if_restarted()
-                tensors: dict[str, Any] = {}
-                request = RunRequest(closure.function, pack(list(closure.args), tensors, "arg"))
-                reply, out = self._call(request, tensors)
-            except (UnavailableError, DeadlineExceededError) as exc:
-                closure.tries += 1
-                log.warning("%s could not run %s (%s): back to the queue, for another worker", self.task,
-                            closure.function, exc)
-                self.made.clear()  # a worker that comes back is a new process: its kept values are gone
-                self.coordinator._queue.put(closure)
-                self.channel.reconnect()
-                time.sleep(REJOIN_S)
-                continue
-            except TensorfleetError as exc:  # refused (unknown function, bad argument): the closure's error
-                closure.value._set(error=exc, worker=self.task)
-                self.coordinator._finished(closure, exc)
-                continue
-            if reply.error is not None:
-                error = RemoteError(f"{closure.function} raised {reply.error_type} on {self.task}:\n{reply.error}")
-                closure.value._set(error=error, worker=self.task)
-                self.coordinator._finished(closure, error)
-            else:
-                closure.value._set(unpack(reply.result, out), worker=self.task)
-                self.coordinator._finished(closure, None)
+            self._run_one(closure)
+
+    def _run_one(self, closure: _Closure) -> None:
+        """Run ``closure`` here and settle its value, or give it back to the queue if the worker is gone."""
+        try:
+            self._rebuild_if_restarted()
+            tensors: dict[str, Any] = {}
+            request = RunRequest(closure.function, pack(list(closure.args), tensors, "arg"))
+            reply, out = self._call(request, tensors)
+        except (UnavailableError, DeadlineExceededError) as exc:
+            closure.tries += 1
+            log.warning("%s could not run %s (%s): back to the queue, for another worker", self.task,
+                        closure.function, exc)
+            self.made.clear()  # a worker that comes back is a new process: its kept values are gone
+            self.coordinator._queue.put(closure)
+            self.channel.reconnect()
+            time.sleep(REJOIN_S)
+            return
+        except TensorfleetError as exc:  # refused (unknown function, bad argument): the closure's error
+            closure.value._set(error=exc, worker=self.task)
+            self.coordinator._finished(closure, exc)
+            return
+        if reply.error is not None:
+            error = RemoteError(f"{closure.function} raised {reply.error_type} on {self.task}:\n{reply.error}")
+            closure.value._set(error=error, worker=self.task)
+            self.coordinator._finished(closure, error)
+        else:
+            closure.value._set(unpack(reply.result, out), worker=self.task)
+            self.coordinator._finished(closure, None)
 
     def _rebuild_if_restarted(self) -> None:
         for entry in self.coordinator._per_worker:

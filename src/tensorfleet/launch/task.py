@@ -118,11 +118,8 @@ def run_coordinated(args: argparse.Namespace, setup: SetupFn, drive: DriveFn, *,
         write_final_status(task, PROCESS_STATUS.as_meta())
         return 0
     with TrainingSession(replica, **(session_options or {})) as session:
-        coordinator = Coordinator(cluster)
-        try:
+        with Coordinator(cluster) as coordinator:  # a driver that raised shuts it down at once
             drive(coordinator, session)
-        finally:
-            coordinator.shutdown()
     return 0
 
 
