@@ -6,6 +6,7 @@ examples/mnist_mlp.py`` (784-100-10 MLP, Adam 0.01, batch 100, asynchronous,
 10,000 / the workers' "Training elapsed time" (the slower of the two: the
 training loop only).  Against, in the same rounds:
 
+* the same job by in-graph replication (``launch --coordinator examples/mnist_coordinator.py``);
 * one local process doing all 10,000 steps of the same model and batch (forward,
   backward, torch.optim Adam): the ceiling on a 2-core machine;
 * a ``torch.distributed.rpc`` parameter server (``mnist_references.py rpc``);
@@ -53,6 +54,19 @@ def run_job() -> dict[str, float]:
             "accuracy_last": last}
 
 
+def run_coordinated() -> dict[str, float]:
+    """The same job by in-graph replication: ``launch --coordinator`` with ``examples/mnist_coordinator.py`` (the
+    coordinator's own "Training elapsed time": scheduling to join, closures of 50 steps)."""
+    done = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "launch", "--coordinator", "--ps", "1",
+                           "--workers", "2", str(ROOT / "examples" / "mnist_coordinator.py"), "--", "--train_steps",
+                           str(STEPS)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        raise RuntimeError(f"the coordinated job failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    elapsed = float(re.search(r"\[chief:0\] Training elapsed time: ([\d.]+) s", done.stdout).group(1))
+    last = float(re.search(r"test accuracy of the last parameters: ([\d.]+)", done.stdout).group(1))
+    return {"seconds": elapsed, "steps_per_sec": STEPS / elapsed, "accuracy_last": last}
+
+
 def run_local() -> dict[str, float]:
     """One process, every step: the ceiling for 10,000 steps on this machine."""
     torch.set_num_threads(1)
@@ -92,7 +106,8 @@ def main() -> int:
                         help="a Python with TensorFlow, for the ParameterServerStrategy row")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    runners = {"tensorfleet": run_job, "local": run_local, "rpc": lambda: run_reference("rpc", sys.executable)}
+    runners = {"tensorfleet": run_job, "coordinator": run_coordinated, "local": run_local,
+               "rpc": lambda: run_reference("rpc", sys.executable)}
     if args.tf_python:
         runners["tf2"] = lambda: run_reference("tf2", args.tf_python)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in runners}
@@ -102,7 +117,8 @@ def main() -> int:
             print(f"round {round_ + 1}: {name} {runs[name][-1]['steps_per_sec']:.0f} steps/s", flush=True)
     medians = {name: median_of(results) for name, results in runs.items()}
     job = medians["tensorfleet"]
-    labels = {"tensorfleet": "tensorfleet, 1 ps + 2 async workers", "local": "one local process (the ceiling)",
+    labels = {"tensorfleet": "tensorfleet, 1 ps + 2 async workers",
+              "coordinator": "tensorfleet by a coordinator (in-graph), 1+2", "local": "one local process (the ceiling)",
               "rpc": "torch.distributed.rpc ps, 1 ps + 2 workers", "tf2": "TF2 ParameterServerStrategy, 1+2"}
     print(f"MNIST MLP, {STEPS:,} global steps, median of {args.repeats} interleaved rounds (training loop only)")
     print(f"{'run':<44}{'seconds':>9}{'steps/s':>10}{'tensorfleet is':>16}{'accuracy (last)':>17}")
@@ -111,6 +127,9 @@ def main() -> int:
         print(f"{labels[name]:<44}{median['seconds']:>9.1f}{median['steps_per_sec']:>10.0f}{ratio:>15.2f}x"
               f"{median['accuracy_last']:>17.4f}")
     print(f"tensorfleet's accuracy of the moving average (decay 0.999): {job['accuracy_averaged']:.4f}")
+    if "tf2" in medians:  # issue 33's target: the coordinator at least 2x TF2's coordinator
+        print(f"coordinator / TF2 ParameterServerStrategy + ClusterCoordinator: "
+              f"{medians['coordinator']['steps_per_sec'] / medians['tf2']['steps_per_sec']:.2f}x (target >= 2x)")
     if args.json:
         result = {"repeats": args.repeats, "steps": STEPS, "medians": medians, "runs": runs,
                   "ratios": {name: job["steps_per_sec"] / m["steps_per_sec"] for name, m in medians.items()}}
