@@ -33,9 +33,9 @@ def batch_for(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @tfl.remote
-def batches(first: int):
+def batches(first: int, count: int = STEPS):
     """Each worker's own data: an iterator built where it is used."""
-    return iter([batch_for(step) for step in range(first, first + STEPS)])
+    return iter([batch_for(step) for step in range(first, first + count)])
 
 
 @tfl.remote
@@ -133,8 +133,9 @@ def test_one_worker_through_the_coordinator_ends_where_the_local_loop_ends(fleet
 def test_closures_spread_over_the_workers_and_results_and_errors_come_back(fleet):
     cluster, session = fleet
     coordinator = Coordinator(cluster)
-    data = coordinator.create_per_worker_dataset(batches, args=(0,))
-    trained = [coordinator.schedule(train_step, args=(data,)) for _ in range(2 * STEPS)]  # each worker's 15
+    # Enough for either worker to take every closure: the free one takes the next, so the split is uneven.
+    data = coordinator.create_per_worker_dataset(batches, args=(0, 2 * STEPS))
+    trained = [coordinator.schedule(train_step, args=(data,)) for _ in range(2 * STEPS)]
     coordinator.join()
     assert {v.worker for v in trained} == {"/job:worker/task:0", "/job:worker/task:1"}
     assert session.replica.pull() == 2 * STEPS
