@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,7 +23,7 @@ from torch import nn
 import tensorfleet as tfl
 from tensorfleet.data.mnist import Split, batches, load_mnist
 
-REPO_DATA = Path(__file__).resolve().parent.parent / "data" / "mnist"
+from mnist_mlp import REPO_DATA, build_model  # the seed job's model and data: only the driving differs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,15 +45,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 ARGS: argparse.Namespace  # every task parses the same command line (main)
-
-
-def build_model(hidden_units: int) -> nn.Module:
-    """The classic MLP, initialized as Keras' Dense is (Glorot-uniform weights, zero biases)."""
-    model = nn.Sequential(nn.Linear(784, hidden_units), nn.ReLU(), nn.Linear(hidden_units, 10))
-    for layer in (model[0], model[2]):
-        nn.init.xavier_uniform_(layer.weight)
-        nn.init.zeros_(layer.bias)
-    return model
 
 
 def setup(cluster: tfl.ClusterSpec, task: tfl.TaskSpec) -> tfl.Replica:
