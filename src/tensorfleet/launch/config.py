@@ -113,9 +113,9 @@ class JobConfig:
                               "'backend: ray' in the job file)")
         if not isinstance(self.coordinator, bool):
             raise ConfigError(f"coordinator must be true or false, got {self.coordinator!r}")
-        if self.coordinator and (self.mode == "sync" or self.backend != "local" or self.gpus_per_worker):
-            raise ConfigError("coordinator: in-graph replication runs asynchronously on the local backend, on CPUs, "
-                              "for now: drop --sync, the other backend or --gpus-per-worker")
+        if self.coordinator and (self.backend != "local" or self.gpus_per_worker):
+            raise ConfigError("coordinator: in-graph replication runs on the local backend, on CPUs, for now: drop "
+                              "the other backend or --gpus-per-worker")
         slurm = {"slurm_partition": self.slurm_partition, "slurm_nodes": self.slurm_nodes,
                  "slurm_time": self.slurm_time}
         if self.backend != "slurm" and any(value is not None for value in slurm.values()):
