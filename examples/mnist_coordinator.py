@@ -8,7 +8,10 @@ leaves the coordinator). Start it on a local cluster:
     tensorfleet launch --coordinator --ps 1 --workers 2 examples/mnist_coordinator.py
 
 Every task runs this same script (``tfl.run_coordinated``): the ps serve, the workers run the closures they are
-sent, the coordinator runs ``drive``. Asynchronous training.
+sent, the coordinator runs ``drive`` until the global step reaches ``--train_steps`` (its StopAtStepHook sees
+the closures' steps), saving checkpoints with ``--checkpoint_dir``: a ps restarted empty is restored from the
+latest, and a restarted coordinator takes up where the ps are. Asynchronous by default; with ``--sync`` every
+closure runs on every worker, each step averaging the workers' gradients.
 """
 
 from __future__ import annotations
@@ -32,9 +35,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tfl.add_training_flags(parser)
     parser.set_defaults(moving_average_decay=0.999)
     parser.add_argument("--data_dir", default=str(REPO_DATA), help="folder with the four MNIST IDX files")
-    parser.add_argument("--train_steps", type=int, default=10000, help="global steps in all")
+    parser.add_argument("--train_steps", type=int, default=10000, help="stop when the global step reaches this")
     parser.add_argument("--steps_per_closure", type=int, default=50,
                         help="steps each scheduled closure runs on its worker (one round trip to the coordinator)")
+    parser.add_argument("--checkpoint_dir", default=None,
+                        help="the coordinator saves checkpoints here and restores from them (a restarted ps too)")
+    parser.add_argument("--save_checkpoint_steps", type=int, default=None,
+                        help="save a checkpoint every N global steps (default: every 600 s)")
     parser.add_argument("--batch_size", type=int, default=100)
     parser.add_argument("--learning_rate", type=float, default=0.01)
     parser.add_argument("--hidden_units", type=int, default=100)
@@ -82,18 +89,21 @@ def evaluate(model: nn.Module, split: Split) -> float:
 
 
 def drive(coordinator: tfl.Coordinator, session: tfl.TrainingSession) -> None:
-    """The coordinator: schedule the closures, wait for them, evaluate what the ps hold."""
+    """The coordinator: schedule closures until the global step reaches --train_steps, evaluate the ps' model."""
     data = coordinator.create_per_worker_dataset(worker_batches)
-    start = time.time()
-    closures = -(-ARGS.train_steps // ARGS.steps_per_closure)
-    losses = [coordinator.schedule(train_step, args=(data, ARGS.steps_per_closure)) for _ in range(closures)]
+    start, first_step = time.time(), session.global_step
+    print(f"Coordinator: training begins at global step {first_step}")
+    closures: list[tfl.RemoteValue] = []
+    while not coordinator.should_stop():  # schedule() waits while two closures per worker are pending
+        closures.append(coordinator.schedule(train_step, args=(data, ARGS.steps_per_closure)))
     coordinator.join()
     elapsed = time.time() - start
     replica = session.replica
     step = replica.pull()
+    workers = {worker for value in closures for worker in getattr(value, "workers", [value.worker])}
     last = evaluate(replica.module, load_mnist(ARGS.data_dir).test)
-    print(f"Coordinator: {closures} closure(s) of {ARGS.steps_per_closure} step(s) ran on "
-          f"{len({value.worker for value in losses})} worker(s); global step {step}; last loss {losses[-1].fetch():.4f}")
+    print(f"Coordinator: {len(closures)} closure(s) of {ARGS.steps_per_closure} step(s) ran on {len(workers)} "
+          f"worker(s); global step {first_step} -> {step}; last loss {losses_of(closures[-1]) if closures else '-'}")
     print(f"Training elapsed time: {elapsed:.2f} s")
     if replica.average_decay:
         replica.load_averages()
@@ -102,10 +112,19 @@ def drive(coordinator: tfl.Coordinator, session: tfl.TrainingSession) -> None:
     print(f"test accuracy of the last parameters: {last:.4f}")
 
 
+def losses_of(value: tfl.RemoteValue) -> str:
+    """A closure's loss (async), or its workers' losses (sync: the closure ran on each)."""
+    loss = value.fetch()
+    return ", ".join(f"{x:.4f}" for x in loss) if isinstance(loss, list) else f"{loss:.4f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     global ARGS
     ARGS = parse_args(argv)
-    return tfl.run_coordinated(ARGS, setup, drive, intra_op_threads=ARGS.intra_op_threads)
+    hooks = [tfl.StopAtStepHook(last_step=ARGS.train_steps)]
+    return tfl.run_coordinated(ARGS, setup, drive, intra_op_threads=ARGS.intra_op_threads,
+                               session_options={"hooks": hooks, "checkpoint_dir": ARGS.checkpoint_dir,
+                                                "save_checkpoint_steps": ARGS.save_checkpoint_steps})
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import torch
 
 from tensorfleet.errors import ConfigError, InvalidArgumentError
 from tensorfleet.launch.config import JobConfig
-from tensorfleet.protocol.closures import PerWorker, RunReply, RunRequest, pack, unpack
+from tensorfleet.protocol.closures import PerWorker, RunReply, RunRequest, Trained, pack, unpack
 from tensorfleet.testing.local_cluster import REPO
 
 
@@ -45,11 +45,43 @@ def test_a_worker_refuses_references_it_cannot_resolve_and_malformed_requests():
     assert RunRequest.from_meta(request.to_meta()) == request
     assert RunReply.from_meta(RunReply(error="Traceback ...", error_type="ValueError").to_meta()).error_type == \
         "ValueError"
+    trained = Trained(steps=50, global_step=1234, loss=0.25, batch_size=5000)
+    assert RunReply.from_meta(RunReply(result=[1], trained=trained).to_meta()) == RunReply(result=[1], trained=trained)
+    assert RunReply.from_meta(RunReply(error="x", trained=trained).to_meta()).trained == trained
+    assert RunReply.from_meta({"result": 1}).trained == Trained()
+    assert Trained.from_meta(Trained(1, 2, float("nan"), 3).to_meta()).loss is None  # NaN is no JSON
+    for trained_meta, message in [([], "'trained' must be an object"), ({"steps": -1}, "'steps' must be a non-neg"),
+                                  ({"steps": 1, "global_step": 2, "batch_size": 3, "loss": "x"}, "'trained.loss'")]:
+        with pytest.raises(InvalidArgumentError, match=message):
+            RunReply.from_meta({"result": None, "trained": trained_meta})
 
 
-def test_a_coordinator_job_is_async_local_and_on_cpus_for_now():
+def test_a_coordinator_job_is_local_and_on_cpus_for_now():
     script = str(REPO / "examples" / "mnist_coordinator.py")
     assert JobConfig(script=script, coordinator=True).validate().coordinator
-    for fields in ({"mode": "sync"}, {"backend": "ray"}, {"gpus_per_worker": 1}):
-        with pytest.raises(ConfigError, match="in-graph replication runs asynchronously on the local backend"):
+    assert JobConfig(script=script, coordinator=True, mode="sync").validate().mode == "sync"
+    for fields in ({"backend": "ray"}, {"gpus_per_worker": 1}):
+        with pytest.raises(ConfigError, match="in-graph replication runs on the local backend, on CPUs"):
             JobConfig(script=script, coordinator=True, **fields).validate()
+
+
+def test_a_synchronous_coordinator_job_aggregates_the_workers_gradients_only():
+    from types import SimpleNamespace
+
+    from tensorfleet.launch.task import _aggregate_workers_only
+    from tensorfleet.protocol.specs import SyncOptions
+
+    def replica(asked: int | None) -> SimpleNamespace:  # a chief and 2 workers: 3 replicas
+        options = SyncOptions(replicas_to_aggregate=asked)
+        return SimpleNamespace(sync=options.resolve(3), options=SimpleNamespace(sync=options))
+    default = replica(None)
+    _aggregate_workers_only(default, 2)
+    assert (default.sync.replicas_to_aggregate, default.sync.total_num_replicas) == (2, 3)  # the coordinator: none
+    backups = replica(1)
+    _aggregate_workers_only(backups, 2)
+    assert backups.sync.replicas_to_aggregate == 1
+    with pytest.raises(ConfigError, match="replicas_to_aggregate=3 but the job has 2 worker"):
+        _aggregate_workers_only(replica(3), 2)
+    asynchronous = SimpleNamespace(sync=None, options=SimpleNamespace(sync=None))
+    _aggregate_workers_only(asynchronous, 2)
+    assert asynchronous.sync is None

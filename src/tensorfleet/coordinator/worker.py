@@ -18,7 +18,7 @@ import torch
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, bind_address
 from tensorfleet.coordinator import remote
 from tensorfleet.errors import InvalidArgumentError, TensorfleetError
-from tensorfleet.protocol.closures import RunReply, RunRequest, pack, unpack
+from tensorfleet.protocol.closures import RunReply, RunRequest, Trained, pack, unpack
 from tensorfleet.wire import rpc
 from tensorfleet.worker.status import PROCESS_STATUS
 
@@ -48,11 +48,14 @@ class ClosureServer:
         if not isinstance(args, list):
             raise InvalidArgumentError("Run 'args' must be a list")
         with self._one_at_a_time:
+            steps_before = self._local_step()
             try:
                 result = remote.run_in(self.context, function, args)
             except Exception as exc:  # noqa: BLE001 - the function's own error: the coordinator's to raise
                 log.warning("%s: %s raised %s: %s", self.task.name, request.function, type(exc).__name__, exc)
-                return RunReply(error=traceback.format_exc(), error_type=type(exc).__name__).to_meta(), {}
+                return RunReply(error=traceback.format_exc(), error_type=type(exc).__name__,
+                                trained=self._trained_since(steps_before)).to_meta(), {}
+            trained = self._trained_since(steps_before)
         if request.keep_as:
             self.context.kept[request.keep_as] = result
             return RunReply().to_meta(), {}
@@ -61,8 +64,19 @@ class ClosureServer:
             packed = pack(result, out, "result")
         except TensorfleetError as exc:
             return RunReply(error=f"{request.function} returned what cannot travel: {exc}",
-                            error_type=type(exc).__name__).to_meta(), {}
-        return RunReply(result=packed).to_meta(), out
+                            error_type=type(exc).__name__, trained=trained).to_meta(), {}
+        return RunReply(result=packed, trained=trained).to_meta(), out
+
+    def _local_step(self) -> int:
+        return self.context.session.local_step if self.context.session is not None else 0
+
+    def _trained_since(self, steps_before: int) -> Trained:
+        """The steps the session ran since ``steps_before`` (a closure's), for the coordinator's hooks."""
+        steps = self._local_step() - steps_before
+        last = self.context.session.last_result if steps else None
+        if last is None:
+            return Trained()
+        return Trained(steps, last.global_step, last.loss, steps * (last.batch_size or 0))
 
     def _done(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> rpc.Message:
         self.finished.set()

@@ -9,6 +9,7 @@ meanwhile (its step, loss and throughput, for the launcher and the dashboard).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -81,13 +82,16 @@ DriveFn = Callable[["Coordinator", "TrainingSession"], None]
 
 
 def run_coordinated(args: argparse.Namespace, setup: SetupFn, drive: DriveFn, *, intra_op_threads: int = 1,
-                    session_options: dict[str, Any] | None = None) -> int:
+                    session_options: dict[str, Any] | None = None, max_pending: int | None = None) -> int:
     """Run this process's task of in-graph replication (``tensorfleet.coordinator``): a ps serves as in
     ``run_task``; a worker builds its replica (``setup(cluster, task)``) and runs the coordinator's closures until
     it says Done; the coordinator, the cluster's ``chief``, builds its replica the same way, initializes the ps in a
-    ``TrainingSession`` (checkpoints and hooks from ``session_options``) and calls ``drive(coordinator, session)``.
+    ``TrainingSession`` (or restores the latest checkpoint; checkpoints and hooks from ``session_options``, which
+    follow the closures' training) and calls ``drive(coordinator, session)``.
 
-    Asynchronous training only for now: a synchronous ps would wait for the coordinator's own gradients.
+    Synchronous training aggregates the workers' gradients only: the coordinator pushes none, so by default a
+    step waits for every worker (``replicas_to_aggregate`` = the workers; fewer makes backups), and each closure
+    runs on every worker. ``max_pending`` bounds the closures scheduled ahead (default: two per worker).
 
     Example:
         >>> sys.exit(run_coordinated(parse_args(), setup, drive))   # doctest: +SKIP
@@ -109,18 +113,37 @@ def run_coordinated(args: argparse.Namespace, setup: SetupFn, drive: DriveFn, *,
     torch.set_num_threads(intra_op_threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     replica = setup(cluster, task)
-    if replica.mode.value != "async":
-        return _config_error(ConfigError("in-graph replication trains asynchronously for now: start the job with "
-                                         "--async"))
+    try:
+        _aggregate_workers_only(replica, cluster.num_tasks("worker"))
+    except TensorfleetError as exc:
+        return _config_error(exc)
     if task.job_name == "worker":
         with TrainingSession(replica, log_step_count_steps=None) as session:  # waits for the coordinator's Init
             ClosureServer(cluster, task, WorkerContext(session=session)).serve()
         write_final_status(task, PROCESS_STATUS.as_meta())
         return 0
+    workers = cluster.num_tasks("worker")
     with TrainingSession(replica, **(session_options or {})) as session:
-        with Coordinator(cluster) as coordinator:  # a driver that raised shuts it down at once
-            drive(coordinator, session)
+        with Coordinator(cluster, session=session, max_pending=max_pending or 2 * workers) as coordinator:
+            drive(coordinator, session)  # a driver that raised shuts the coordinator down at once
     return 0
+
+
+def _aggregate_workers_only(replica: "Replica", workers: int) -> None:
+    """In synchronous training the coordinator is a replica that never pushes: a step aggregates the workers'
+    gradients only (all of them unless the script asked for fewer, the others then backups).
+
+    Raises:
+        ConfigError: the script asked to aggregate more gradients than there are workers.
+    """
+    if replica.sync is None:
+        return
+    options = getattr(replica, "options", None)
+    asked = options.sync.replicas_to_aggregate if options is not None and options.sync is not None else None
+    if asked is not None and asked > workers:
+        raise ConfigError(f"replicas_to_aggregate={asked} but the job has {workers} worker(s), and the coordinator "
+                          "pushes no gradient: aggregate at most the workers")
+    replica.sync = dataclasses.replace(replica.sync, replicas_to_aggregate=asked or workers)
 
 
 def _config_error(exc: TensorfleetError) -> int:

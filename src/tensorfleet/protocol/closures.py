@@ -12,6 +12,8 @@ names one, with its arguments. An argument or a result is one of:
   (``Coordinator.create_per_worker_dataset``: each worker builds its own data; no batch leaves the coordinator).
 
 A request's ``keep_as`` asks the worker to keep the function's result under that name instead of sending it.
+A reply says how many training steps the function ran (``Trained``): the coordinator's hooks and checkpoints
+follow training by them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.protocol.meta import count_field
 
 TENSOR_KEY = "$tensor"
 PER_WORKER_KEY = "$per_worker"
@@ -117,24 +120,53 @@ class RunRequest:
 
 
 @dataclass(frozen=True)
+class Trained:
+    """The training steps a closure ran on its worker (what the coordinator's hooks see of it): how many, the
+    global step after the last, that step's loss and its batch size."""
+
+    steps: int = 0
+    global_step: int = 0
+    loss: float | None = None
+    batch_size: int = 0
+
+    def to_meta(self) -> dict[str, Any]:
+        loss = self.loss if self.loss is not None and math.isfinite(self.loss) else None
+        return {"steps": self.steps, "global_step": self.global_step, "loss": loss, "batch_size": self.batch_size}
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> "Trained":
+        if not isinstance(meta, dict):
+            raise InvalidArgumentError(f"Run reply 'trained' must be an object, got {meta!r:.60}")
+        loss = meta.get("loss")
+        if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
+            raise InvalidArgumentError(f"Run reply 'trained.loss' must be a number or null, got {loss!r:.60}")
+        return cls(count_field(meta, "steps", "Run reply"), count_field(meta, "global_step", "Run reply"),
+                   None if loss is None else float(loss), count_field(meta, "batch_size", "Run reply"))
+
+
+@dataclass(frozen=True)
 class RunReply:
     """What a Run gave: its ``result`` (packed; tensors beside it), or the ``error`` it raised on the worker
-    (its type, message and traceback, as text: the exception itself does not travel)."""
+    (its type, message and traceback, as text: the exception itself does not travel); and, either way, the
+    training steps it ran (``trained``)."""
 
     result: Any = None
     error: str | None = None
     error_type: str | None = None
+    trained: Trained = Trained()
 
     def to_meta(self) -> dict[str, Any]:
+        trained = {"trained": self.trained.to_meta()} if self.trained.steps else {}
         if self.error is not None:
-            return {"error": self.error, "error_type": self.error_type or "Exception"}
-        return {"result": self.result}
+            return {"error": self.error, "error_type": self.error_type or "Exception", **trained}
+        return {"result": self.result, **trained}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "RunReply":
+        trained = Trained.from_meta(meta["trained"]) if "trained" in meta else Trained()
         error = meta.get("error")
         if error is not None:
             if not isinstance(error, str):
                 raise InvalidArgumentError("Run reply 'error' must be text")
-            return cls(error=error, error_type=str(meta.get("error_type") or "Exception"))
-        return cls(result=meta.get("result"))
+            return cls(error=error, error_type=str(meta.get("error_type") or "Exception"), trained=trained)
+        return cls(result=meta.get("result"), trained=trained)

@@ -127,6 +127,7 @@ class TrainingSession:
         self._nan_hook = next((h for h in self.hooks if isinstance(h, NanLossHook)), NanLossHook(mode="stop"))
         self._stop_requested = False
         self.local_step = 0
+        self.last_result: StepResult | None = None  # the latest run_step's
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -219,15 +220,26 @@ class TrainingSession:
                 if attempt == MAX_STEP_ATTEMPTS - 1:
                     raise
                 log.warning("%s: step failed (%s); recovering", self.replica.task.name, exc)
-                self._recover()
+                self.recover()
         self.local_step += 1
         self.replica.report(loss=value, examples=batch_size or 0)
         result = StepResult(loss=value, global_step=self.replica.global_step, local_step=self.local_step,
                             seconds=time.perf_counter() - start, batch_size=batch_size, dropped=dropped,
                             skipped=skipped)
+        self.last_result = result
         for hook in self.hooks:
             hook.after_step(self, result)
         return result
+
+    def after_remote_steps(self, result: StepResult) -> None:
+        """Steps this session did not run itself but drives: a coordinator's closure, run on a worker
+        (``tensorfleet.coordinator``). The hooks see each closure as one step of this session (``local_step``
+        counts closures), at the global step the worker saw after it; checkpoints, summaries and stop
+        conditions follow training as on a chief that trains."""
+        self.local_step = result.local_step
+        self.replica.global_step = max(self.replica.global_step, result.global_step)
+        for hook in self.hooks:
+            hook.after_step(self, result)
 
     def _step(self, closure: Callable[[], torch.Tensor]) -> tuple[float, bool, bool]:
         """Pull, compute, push once; return (loss, dropped by the ps, skipped as non-finite)."""
@@ -242,8 +254,9 @@ class TrainingSession:
         self.replica.push()
         return value, self.replica.dropped_gradients > dropped_before, False
 
-    def _recover(self) -> None:
-        """A ps went away: wait for it, let the chief restore the latest checkpoint onto every shard, go on."""
+    def recover(self) -> None:
+        """A ps went away: wait for it, let the chief restore the latest checkpoint onto every shard, go on.
+        A step that fails calls it; so does a coordinator, which runs no steps, when it finds a ps lost."""
         restore = None
         if self.replica.is_chief and self.checkpoint_dir is not None:
             latest = latest_checkpoint(self.checkpoint_dir)
