@@ -1,0 +1,236 @@
+"""A model's second layer placed on another process (``tensorfleet.coordinator.placement``): torch RPC, distributed
+autograd and DistributedOptimizer over a tensorfleet cluster on 127.0.0.1. This process is the chief; two worker
+processes serve. Training across the processes must give, to float rounding, what the same model trained here
+gives: the forward crosses to worker 1 and back, and so does the backward (the first layer, here, only learns
+right from the gradient worker 1 sends back)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.coordinator import placement
+from tensorfleet.coordinator.placement import PlacedModule, RpcGroup, place_module
+from tensorfleet.errors import ConfigError, InvalidArgumentError
+from tensorfleet.launch.local import free_ports
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
+
+STEPS, BATCH, IN, HIDDEN, OUT = 8, 16, 20, 12, 4
+START_S = 60.0  # every wait below is bounded; a start on a loaded 2-core machine takes seconds
+
+WORKER = """
+import sys
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.coordinator.placement import RpcGroup
+cluster = ClusterSpec.from_dict({cluster!r})
+with RpcGroup(cluster, TaskSpec("worker", {index}), start_timeout_s={start_s}):
+    pass  # a worker serves the chief's calls until the chief leaves its block
+print("worker {index} left the group", flush=True)
+"""
+
+
+def start_worker(cluster: ClusterSpec, index: int) -> subprocess.Popen:
+    code = WORKER.format(cluster=cluster.as_dict(), index=index, start_s=START_S)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def stop(processes: list[subprocess.Popen]) -> list[str]:
+    """Wait a little for each to leave, kill what did not; their output, for failure messages."""
+    outputs = []
+    for process in processes:
+        try:
+            out, _ = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, _ = process.communicate()
+        outputs.append(out)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def group(keep_processes):
+    """The chief (this process) and workers 0 and 1, in one RPC group for the module's tests."""
+    ports = free_ports(3)
+    cluster = ClusterSpec.from_dict({"chief": [f"127.0.0.1:{ports[0]}"],
+                                     "worker": [f"127.0.0.1:{p}" for p in ports[1:]]})
+    workers = [start_worker(cluster, index) for index in range(2)]
+    keep_processes.keep(p.pid for p in workers)
+    try:
+        with RpcGroup(cluster, TaskSpec("chief", 0), start_timeout_s=START_S) as chief:
+            yield chief, workers
+        outputs = stop(workers)
+        for index, (process, out) in enumerate(zip(workers, outputs)):
+            assert process.returncode == 0 and f"worker {index} left the group" in out, out[-3000:]
+    finally:
+        stop(workers)
+        keep_processes.release(p.pid for p in workers)
+
+
+class Mlp(nn.Module):
+    """The seed MLP's shape, small: the hidden layer here, the output layer on ``out_device`` (None: here)."""
+
+    def __init__(self, out_device: str | None) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(IN, HIDDEN)
+        self.out = nn.Linear(HIDDEN, OUT) if out_device is None else place_module(out_device, nn.Linear, HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.hidden(x)))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, IN, generator=generator), torch.randint(0, OUT, (BATCH,), generator=generator)
+
+
+OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), "adam": (torch.optim.Adam, {"lr": 0.01})}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_placed_layer_trains_as_the_local_model(group, name):
+    optimizer_class, settings = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    local = Mlp(None)
+    placed = Mlp("/job:worker/task:1/device:CPU:0")
+    initial = {key: value.clone() for key, value in local.state_dict().items()}
+    placed.load_state_dict(initial)  # the same start: the output layer's values sent to worker 1
+    assert isinstance(placed.out, PlacedModule)
+    assert {rref.owner().name for rref in placed.out.remote_parameters()} == {"worker:1"}
+    assert [p.shape for p in placed.parameters()] == [p.shape for p in local.hidden.parameters()]
+
+    reference = optimizer_class(local.parameters(), **settings)
+    distributed = placement.distributed_optimizer(optimizer_class, placed, **settings)
+    for step in range(STEPS):
+        images, labels = batch(step)
+        reference.zero_grad()
+        expected = nn.functional.cross_entropy(local(images), labels)
+        expected.backward()
+        reference.step()
+        loss = placement.train_step(lambda: nn.functional.cross_entropy(placed(images), labels), distributed)
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-7, msg=f"loss at step {step}")
+
+    trained, wanted = placed.state_dict(), local.state_dict()  # the output layer's read back from worker 1
+    assert list(trained) == list(wanted)
+    for key in wanted:
+        assert not torch.equal(trained[key], initial[key]), f"{key} did not train"
+        torch.testing.assert_close(trained[key], wanted[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_placed_module_evaluates_and_names_its_device(group):
+    model = Mlp("/job:worker/task:0/cpu:0")
+    assert "PlacedModule(on /job:worker/replica:0/task:0/device:CPU:0)" in repr(model)
+    model.eval()
+    with torch.no_grad():
+        assert model(batch(0)[0]).shape == (BATCH, OUT)
+    here = place_module("/job:chief/task:0/cpu:0", nn.Linear, 3, 2)  # this task: a plain local module
+    assert type(here) is nn.Linear
+
+
+@pytest.mark.parametrize("device, words", [
+    ("/job:worker/task:1/tpu:0", "cannot parse device name"),
+    ("/job:worker/cpu:0", "names a job but no task"),
+    ("/task:1/cpu:0", "names a task but no job"),
+    ("/job:worker/task:2/cpu:0", "/job:worker/task:2 is not a member of the RPC group"),
+    ("/job:ps/task:0/cpu:0", "/job:ps/task:0 is not a member of the RPC group"),
+    ("/job:worker/task:1/device:GPU:99", "on /job:worker/task:1"),
+])
+def test_a_wrong_device_says_what_is_wrong(group, device, words):
+    with pytest.raises(InvalidArgumentError, match=words.replace("/", ".")):
+        place_module(device, nn.Linear, 3, 2)
+
+
+def test_a_module_the_worker_cannot_import_is_refused_before_sending(group):
+    with pytest.raises(InvalidArgumentError, match="module-level function"):
+        place_module("/job:worker/task:1/cpu:0", lambda: nn.Linear(3, 2))
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+    """(host, port) of every TCP socket process ``pid`` listens on (Linux)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = fd.readlink().as_posix()
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address, port = fields[1].split(":")
+                found.append((_host(address), int(port, 16)))
+    return found
+
+
+def _host(hex_address: str) -> str:
+    """/proc/net/tcp's address (32-bit words in host order, little-endian here) as text; v4-mapped as v4."""
+    raw = bytes.fromhex(hex_address)
+    packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    if len(packed) == 4:
+        return str(ipaddress.IPv4Address(packed))
+    address = ipaddress.IPv6Address(packed)
+    return str(address.ipv4_mapped or address)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_everything_listens_on_loopback_only(group):
+    chief, workers = group
+    for process in workers:
+        listening = _listening(process.pid)
+        assert listening, "a worker's TensorPipe agent listens somewhere"
+        assert all(host == "127.0.0.1" for host, _ in listening), listening
+    host, port = chief.address
+    assert [h for h, p in _listening(os.getpid()) if p == port] == ["127.0.0.1"]  # the rendezvous
+
+
+def test_non_loopback_addresses_are_refused_unless_the_caller_opts_in(monkeypatch):
+    monkeypatch.delenv("TENSORFLEET_INSECURE", raising=False)
+    cluster = ClusterSpec.from_dict({"chief": ["10.1.2.3:2222"], "worker": ["10.1.2.4:2222"]})
+    with pytest.raises(ConfigError, match="arbitrary code execution") as raised:
+        RpcGroup(cluster, TaskSpec("chief", 0))
+    assert "insecure=True" in str(raised.value) and "10.1.2.4:2222" in str(raised.value)
+    RpcGroup(cluster, TaskSpec("chief", 0), insecure=True)  # checked, not started
+    monkeypatch.setenv("TENSORFLEET_INSECURE", "1")
+    RpcGroup(cluster, TaskSpec("worker", 0))
+
+
+def test_rendezvous_port_and_membership():
+    cluster = ClusterSpec.from_dict({"ps": ["127.0.0.1:2222"], "chief": ["127.0.0.1:2225"],
+                                     "worker": ["127.0.0.1:2223", "127.0.0.1:2224"]})
+    assert placement.rendezvous_address(cluster, environ={}) == ("127.0.0.1", 2226)
+    assert placement.rendezvous_address(cluster, environ={"TENSORFLEET_RPC_PORT": "3000"}) == ("127.0.0.1", 3000)
+    assert placement.rendezvous_address(cluster, 4000, environ={"TENSORFLEET_RPC_PORT": "3000"})[1] == 4000
+    with pytest.raises(ConfigError, match="TENSORFLEET_RPC_PORT"):
+        placement.rendezvous_address(cluster, environ={"TENSORFLEET_RPC_PORT": "http"})
+    group = RpcGroup(cluster, TaskSpec("worker", 1))
+    assert (group.name, group.rank, group.world_size, group.chief_name) == ("worker:1", 2, 3, "chief:0")
+    with pytest.raises(ConfigError, match="takes no part"):
+        RpcGroup(cluster, TaskSpec("ps", 0))
+
+
+def test_a_worker_without_its_chief_gives_up_in_time():
+    """No chief ever starts: the worker's wait ends at its deadline, naming what it waited for."""
+    ports = free_ports(2)
+    cluster = ClusterSpec.from_dict({"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]})
+    code = ("from tensorfleet.cluster.spec import ClusterSpec, TaskSpec\n"
+            "from tensorfleet.coordinator.placement import RpcGroup\n"
+            f"RpcGroup(ClusterSpec.from_dict({cluster.as_dict()!r}), TaskSpec('worker', 0), "
+            "start_timeout_s=1).start()\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "DeadlineExceededError: worker:0: waited 1 s for the chief (chief:0)" in done.stderr, done.stderr[-2000:]
+    assert time.monotonic() - started < 30
