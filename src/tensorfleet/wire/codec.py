@@ -11,6 +11,11 @@ every field before it touches a byte (known dtype, byte count = numel x
 itemsize, ranges inside the message, unique names) and returns tensors that
 *view* the received buffer (``torch.frombuffer``) instead of copying it.  A
 decoded tensor is read-only in spirit: clone it before writing into it.
+
+torch is imported on first use, not with this module: the launcher, the CLI and the job service speak
+this codec too (Status, Resize: meta only, no tensors) and must not pay a second for torch. See
+``_Deferred``: after the first use, every name here is the real object again, so the per-call paths
+(``encode``, ``decode``, ``check_entry``, ``byte_view``) do no extra work.
 """
 
 from __future__ import annotations
@@ -21,9 +26,7 @@ import math
 import struct
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping
 
 from tensorfleet.errors import WireError
 
@@ -36,16 +39,83 @@ MAX_EXTENT = 2 ** 62  # the product of a shape's non-zero dims must stay below t
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "complex64": torch.complex64, "complex128": torch.complex128,
-    "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
-    "uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32, "uint64": torch.uint64,
-    "bool": torch.bool,
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
-# Narrower dtypes floating-point gradients and values may travel in (``wire_dtype``); the ps keeps its own.
-NARROW_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+
+class _Deferred:
+    """Stands in for ``torch`` or one of the dtype tables below until its first use: that use loads torch
+    and the tables (``_load``), which rebinds this module's globals to the real objects, so this stand-in
+    is met once per name at most and every later lookup is a plain global read, as if imported eagerly."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def _real(self) -> Any:
+        _load()
+        return globals()[self._name]
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._real(), attr)
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self._real()
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._real()[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._real())
+
+    def __len__(self) -> int:
+        return len(self._real())
+
+    def __repr__(self) -> str:
+        return f"<{self._name}, loaded on first use>"
+
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = _Deferred("torch")
+# The tables, as this module's functions read them (the public names, below, come from __getattr__).
+_DTYPES: dict[str, torch.dtype] = _Deferred("_DTYPES")  # type: ignore[assignment]
+_DTYPE_NAMES: dict[torch.dtype, str] = _Deferred("_DTYPE_NAMES")  # type: ignore[assignment]
+_NUMPY_DTYPES: frozenset[torch.dtype] = _Deferred("_NUMPY_DTYPES")  # type: ignore[assignment]
+# Public, built by _load: DTYPES (name -> dtype), DTYPE_NAMES (dtype -> name), NARROW_DTYPES (the narrower
+# dtypes floating-point gradients and values may travel in, ``wire_dtype``; the ps keeps its own).
+_PUBLIC_TABLES = ("DTYPES", "DTYPE_NAMES", "NARROW_DTYPES")
+
+
+def _load() -> None:
+    """Import torch and build the dtype tables into this module's globals (once; two threads racing here
+    build equal tables, and either's are right)."""
+    if not isinstance(globals()["torch"], _Deferred):
+        return
+    import torch as real_torch
+
+    dtypes = {
+        "float32": real_torch.float32, "float64": real_torch.float64, "float16": real_torch.float16,
+        "bfloat16": real_torch.bfloat16, "complex64": real_torch.complex64, "complex128": real_torch.complex128,
+        "int8": real_torch.int8, "int16": real_torch.int16, "int32": real_torch.int32, "int64": real_torch.int64,
+        "uint8": real_torch.uint8, "uint16": real_torch.uint16, "uint32": real_torch.uint32,
+        "uint64": real_torch.uint64, "bool": real_torch.bool,
+    }
+    names = {dtype: name for name, dtype in dtypes.items()}
+    numpy_dtypes = frozenset({real_torch.float64, real_torch.float32, real_torch.float16, real_torch.int64,
+                              real_torch.int32, real_torch.int16, real_torch.int8, real_torch.uint8,
+                              real_torch.bool, real_torch.complex64, real_torch.complex128})
+    globals().update(DTYPES=dtypes, DTYPE_NAMES=names, NARROW_DTYPES=(real_torch.bfloat16, real_torch.float16),
+                     _DTYPES=dtypes, _DTYPE_NAMES=names, _NUMPY_DTYPES=numpy_dtypes)
+    globals()["torch"] = real_torch  # last: until then a racing thread builds the tables itself
+
+
+def __getattr__(name: str) -> Any:
+    """``codec.DTYPES``, ``from tensorfleet.wire.codec import DTYPE_NAMES``: loads torch (once)."""
+    if name in _PUBLIC_TABLES:
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Decoded tensors view the immutable received bytes; torch warns about that once per call.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
@@ -53,9 +123,9 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:
-        return DTYPE_NAMES[dtype]
+        return _DTYPE_NAMES[dtype]
     except KeyError:
-        raise WireError(f"dtype {dtype} cannot travel: supported dtypes are {', '.join(DTYPES)}") from None
+        raise WireError(f"dtype {dtype} cannot travel: supported dtypes are {', '.join(_DTYPES)}") from None
 
 
 def encode(meta: Mapping[str, Any] | None = None, tensors: Mapping[str, torch.Tensor] | None = None) -> bytes:
@@ -130,7 +200,7 @@ class TensorEntry:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": DTYPE_NAMES[self.dtype], "shape": list(self.shape)}
+        return {"name": self.name, "dtype": _DTYPE_NAMES[self.dtype], "shape": list(self.shape)}
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> "TensorEntry":
@@ -153,10 +223,10 @@ def check_entry(entry: Any) -> TensorEntry:
     """Validate one header entry (name, known dtype, shape of non-negative ints), or raise WireError."""
     if type(entry) is dict:  # the common case, checked with exact types (a bool is not an int here)
         name, dtype_text, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
-        if type(name) is str and name and type(dtype_text) is str and dtype_text in DTYPES \
+        if type(name) is str and name and type(dtype_text) is str and dtype_text in _DTYPES \
                 and type(shape) is list and len(shape) <= MAX_DIMS and all(type(d) is int and d >= 0 for d in shape) \
                 and 0 < math.prod(shape) < MAX_EXTENT:  # zero-size tensors take the slow path's extent rule
-            return _entry_of(name, DTYPES[dtype_text], tuple(shape))
+            return _entry_of(name, _DTYPES[dtype_text], tuple(shape))
     return _check_entry_slowly(entry)
 
 
@@ -167,14 +237,14 @@ def _check_entry_slowly(entry: Any) -> TensorEntry:
     name, dtype_text, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
     if not isinstance(name, str) or not name:
         raise WireError(f"tensor entry has no valid name: {entry!r:.120}")
-    if not isinstance(dtype_text, str) or dtype_text not in DTYPES:
-        raise WireError(f"tensor {name!r} has unknown dtype {dtype_text!r:.50}: supported are {', '.join(DTYPES)}")
+    if not isinstance(dtype_text, str) or dtype_text not in _DTYPES:
+        raise WireError(f"tensor {name!r} has unknown dtype {dtype_text!r:.50}: supported are {', '.join(_DTYPES)}")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) for d in shape):
         raise WireError(f"tensor {name!r} has an invalid shape {shape!r:.120}: expected a list of at most "
                         f"{MAX_DIMS} non-negative ints")
     if math.prod(d for d in shape if d) >= MAX_EXTENT:
         raise WireError(f"tensor {name!r} has an impossible shape {shape!r:.120}: its extent overflows")
-    return TensorEntry(name, DTYPES[dtype_text], tuple(shape))
+    return TensorEntry(name, _DTYPES[dtype_text], tuple(shape))
 
 
 def _decode_tensor(view: memoryview, entry: Any, body_start: int) -> tuple[str, torch.Tensor]:
@@ -215,10 +285,6 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         raise WireError("byte_view needs a contiguous tensor")
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
-
-
-_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
-                           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
 
 
 def _is_count(value: Any) -> bool:
