@@ -20,15 +20,17 @@ import ssl
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeAlias
 
 import grpc
-import torch
 
 from tensorfleet import errors
 from tensorfleet.cluster.environment import env_switch
 from tensorfleet.errors import ConfigError
 from tensorfleet.wire import auth, codec
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +49,8 @@ MAX_CONNECTIONS = 256
 HANDSHAKE_TIMEOUT_S = 10.0
 IDLE_CLOSE_S = 60.0
 
-Message = tuple[dict[str, Any], dict[str, torch.Tensor]]
-Handler = Callable[[dict[str, Any], dict[str, torch.Tensor]], Message]
+Message: TypeAlias = "tuple[dict[str, Any], dict[str, torch.Tensor]]"
+Handler: TypeAlias = "Callable[[dict[str, Any], dict[str, torch.Tensor]], Message]"
 
 
 @dataclass(frozen=True)

@@ -15,16 +15,18 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
 
 from tensorfleet.cluster.environment import STATUS_DIR_ENV
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, bind_address
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.protocol.status import WorkerStatus
 from tensorfleet.wire import rpc
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
