@@ -9,14 +9,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Iterable, Mapping, NamedTuple, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, NamedTuple, TypeVar
 
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.protocol.meta import count_field, flag_field, wire_dtype_field, wire_dtype_meta
 from tensorfleet.protocol.specs import NONFINITE_POLICIES, TABLE_NAME, Mode, OptimizerSpec, SyncOptions, TableSpec
-from tensorfleet.protocol.state import ShardState
+
+if TYPE_CHECKING:  # torch for annotations only: the launcher imports this module (Resize) without torch
+    import torch
+
+    from tensorfleet.protocol.state import ShardState
 
 
 class Outcome(StrEnum):
@@ -480,6 +482,7 @@ class SnapshotReply:
 
     def state(self, tensors: Mapping[str, torch.Tensor]) -> ShardState:
         """The page's state, from the reply's tensors."""
+        from tensorfleet.protocol.state import ShardState  # torch's: imported by who has tensors
         state = ShardState.unflatten(tensors, global_step=self.global_step, applied_updates=self.applied_updates,
                                      since=self.since, epoch=self.epoch)
         return dataclasses.replace(state, pages=self.pages, token=self.token)

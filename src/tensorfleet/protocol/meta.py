@@ -3,12 +3,13 @@ one of these (a wrong one is an ``InvalidArgumentError`` naming the method and t
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping
 
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.wire.codec import DTYPE_NAMES, DTYPES, NARROW_DTYPES
+from tensorfleet.wire import codec  # its dtype tables load torch on first use (the launcher never uses them)
+
+if TYPE_CHECKING:
+    import torch
 
 
 def count_field(meta: Mapping[str, Any], name: str, method: str) -> int:
@@ -30,11 +31,11 @@ def wire_dtype_field(meta: Mapping[str, Any]) -> torch.dtype | None:
     name = meta.get("wire_dtype")
     if name is None:
         return None
-    allowed = [DTYPE_NAMES[dtype] for dtype in NARROW_DTYPES]
+    allowed = [codec.DTYPE_NAMES[dtype] for dtype in codec.NARROW_DTYPES]
     if name not in allowed:
         raise InvalidArgumentError(f"'wire_dtype' {name!r:.30} is not one of {allowed} (or absent)")
-    return DTYPES[name]
+    return codec.DTYPES[name]
 
 
 def wire_dtype_meta(dtype: torch.dtype | None) -> dict[str, str]:
-    return {"wire_dtype": DTYPE_NAMES[dtype]} if dtype is not None else {}
+    return {"wire_dtype": codec.DTYPE_NAMES[dtype]} if dtype is not None else {}

@@ -7,14 +7,16 @@ import math
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import numpy as np
-import torch
-
-from tensorfleet.cluster import idhash
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.wire.codec import DTYPE_NAMES, DTYPES
+from tensorfleet.wire import codec  # its dtype tables load torch on first use
+
+if TYPE_CHECKING:
+    import torch
+
+# torch, numpy and idhash are imported by the functions that use them: the launcher imports this module
+# (Mode, SyncOptions: the job's status) and never runs them.
 
 
 NONFINITE_POLICIES = ("reject", "apply")  # what a ps does with NaN/Inf gradients: refuse the push, or apply it
@@ -268,8 +270,13 @@ class RowInitializer:
     def constant(cls, value: float = 0.0) -> "RowInitializer":
         return cls("constant", value, 0.0, 0)
 
-    def rows(self, ids: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The initial rows of ``ids`` (len(ids), dim)."""
+    def rows(self, ids: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The initial rows of ``ids`` (len(ids), dim), of ``dtype`` (None: float32)."""
+        import numpy as np
+        import torch
+
+        from tensorfleet.cluster import idhash
+        dtype = torch.float32 if dtype is None else dtype
         if self.kind == "constant" or ids.numel() == 0:
             return torch.full((ids.numel(), dim), float(self.a), dtype=dtype)
         if self.kind == "normal":
@@ -286,6 +293,11 @@ class RowInitializer:
         if not isinstance(meta, list) or len(meta) != 4:
             raise InvalidArgumentError(f"row initializer must be [kind, a, b, seed], got {meta!r:.80}")
         return cls(*meta)
+
+
+def _float32() -> torch.dtype:
+    import torch
+    return torch.float32
 
 
 @dataclass(frozen=True)
@@ -315,7 +327,7 @@ class TableSpec:
     optimizer: OptimizerSpec
     num_rows: int | None = None
     initializer: RowInitializer = field(default_factory=RowInitializer)
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = field(default_factory=_float32)  # torch.float32 (torch is loaded when a table is made)
     admit_after: int = 1
     admit_probability: float | None = None
     ttl_steps: int | None = None
@@ -332,6 +344,7 @@ class TableSpec:
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
             raise InvalidArgumentError(f"table {self.name!r}: num_rows={rows!r:.30} must be a positive integer "
                                        "(or None: any int64 id, growing)")
+        import torch
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise InvalidArgumentError(f"table {self.name!r}: dtype {self.dtype} must be floating point")
         allowed = TABLE_OPTIMIZERS.get(self.optimizer.name)
@@ -385,16 +398,17 @@ class TableSpec:
     def to_meta(self) -> dict[str, Any]:
         return {"name": self.name, "dim": self.dim, "num_rows": self.num_rows,
                 "initializer": self.initializer.to_meta(), "optimizer": self.optimizer.to_meta(),
-                "dtype": DTYPE_NAMES[self.dtype], "admit_after": self.admit_after,
+                "dtype": codec.DTYPE_NAMES[self.dtype], "admit_after": self.admit_after,
                 "admit_probability": self.admit_probability, "ttl_steps": self.ttl_steps, "max_rows": self.max_rows}
 
     @classmethod
     def from_meta(cls, meta: Any) -> "TableSpec":
         if not isinstance(meta, dict):
             raise InvalidArgumentError(f"a table spec must be an object, got {meta!r:.80}")
-        dtype = DTYPES.get(meta.get("dtype", "float32")) if isinstance(meta.get("dtype", "float32"), str) else None
+        text = meta.get("dtype", "float32")
+        dtype = codec.DTYPES.get(text) if isinstance(text, str) else None
         if dtype is None:
-            raise InvalidArgumentError(f"table dtype {meta.get('dtype')!r:.30} is not one of {list(DTYPES)}")
+            raise InvalidArgumentError(f"table dtype {meta.get('dtype')!r:.30} is not one of {list(codec.DTYPES)}")
         return cls(name=meta.get("name"), dim=meta.get("dim"), num_rows=meta.get("num_rows"),
                    initializer=RowInitializer.from_meta(meta.get("initializer")),
                    optimizer=OptimizerSpec.from_meta(meta.get("optimizer")), dtype=dtype,
