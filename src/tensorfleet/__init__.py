@@ -18,8 +18,10 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("GreedyByBytes", "RoundRobin", "RowPartitioner"), "tensorfleet.cluster.placement"),
     **dict.fromkeys(("ClusterSpec", "TaskSpec", "add_cluster_flags", "cluster_from_flags", "from_tf_config"),
                     "tensorfleet.cluster.spec"),
-    **dict.fromkeys(("Coordinator", "RemoteError", "RemoteValue"), "tensorfleet.coordinator.coordinator"),
+    **dict.fromkeys(("Coordinator", "RemoteError", "RemoteValue", "RemoteValues"),
+                    "tensorfleet.coordinator.coordinator"),
     **dict.fromkeys(("remote", "worker_context"), "tensorfleet.coordinator.remote"),
+    "join_fleet": "tensorfleet.coordinator.outside",
     "TensorfleetError": "tensorfleet.errors",
     **dict.fromkeys(("run_coordinated", "run_task"), "tensorfleet.launch.task"),
     **dict.fromkeys(("TowerOptions", "TowerReplica", "Towers", "run_towers"), "tensorfleet.parallel"),
@@ -60,7 +62,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from tensorfleet.cluster.placement import GreedyByBytes, RoundRobin, RowPartitioner
     from tensorfleet.cluster.spec import (ClusterSpec, TaskSpec, add_cluster_flags, cluster_from_flags,
                                           from_tf_config)
-    from tensorfleet.coordinator.coordinator import Coordinator, RemoteError, RemoteValue
+    from tensorfleet.coordinator.coordinator import Coordinator, RemoteError, RemoteValue, RemoteValues
+    from tensorfleet.coordinator.outside import join_fleet
     from tensorfleet.coordinator.remote import remote, worker_context
     from tensorfleet.errors import TensorfleetError
     from tensorfleet.launch.task import run_coordinated, run_task

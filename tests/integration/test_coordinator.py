@@ -369,3 +369,34 @@ def test_the_seed_job_through_the_coordinator_survives_a_sigkilled_worker_ps_and
     final = int(re.findall(r"\[chief:0\] Coordinator: .* global step \d+ -> (\d+)", output)[-1])
     assert 12000 <= final <= 12000 + 2 * 2 * 50, output
     assert float(re.search(r"\[chief:0\] test accuracy: ([\d.]+)", output).group(1)) > 0.95, output
+
+
+def test_the_notebook_drives_the_seed_job_from_a_python_session_to_097():
+    """examples/mnist_coordinator_notebook.py, cell after cell: the launcher starts the ps and workers with
+    --coordinator-outside, the session joins (tfl.join_fleet), trains, looks, trains more, and ends the job."""
+    import re
+    import subprocess
+    import sys
+
+    from tensorfleet.testing.local_cluster import REPO
+
+    done = subprocess.run([sys.executable, str(REPO / "examples" / "mnist_coordinator_notebook.py")], cwd=REPO,
+                          capture_output=True, text=True, timeout=240)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    looks = [float(a) for a in re.findall(r"global step \d+: test accuracy ([\d.]+)", output)]
+    assert len(looks) == 2 and looks[1] > 0.95, output
+    assert float(re.search(r"test accuracy: ([\d.]+) \(moving average\)", output).group(1)) >= 0.97, output
+    assert re.search(r"\[launch\] chief:0 +chief +done", output), output
+    assert "the launcher exited with code 0" in output
+
+
+def test_joining_a_fleet_that_no_launcher_started_says_how_to_start_one(tmp_path):
+    from tensorfleet.coordinator.outside import join_fleet
+    from tensorfleet.errors import ConfigError, DeadlineExceededError
+
+    with pytest.raises(DeadlineExceededError, match="start the fleet with 'tensorfleet launch --coordinator-outside"):
+        join_fleet(tmp_path, timeout_s=0.2)
+    (tmp_path / "coordinator.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot be read as a fleet to join"):
+        join_fleet(tmp_path)

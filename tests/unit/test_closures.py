@@ -60,6 +60,9 @@ def test_a_coordinator_job_is_local_and_on_cpus_for_now():
     script = str(REPO / "examples" / "mnist_coordinator.py")
     assert JobConfig(script=script, coordinator=True).validate().coordinator
     assert JobConfig(script=script, coordinator=True, mode="sync").validate().mode == "sync"
+    assert JobConfig(script=script, coordinator="outside").validate().coordinator == "outside"
+    with pytest.raises(ConfigError, match="coordinator must be true, false or 'outside', got 'inside'"):
+        JobConfig(script=script, coordinator="inside").validate()
     for fields in ({"backend": "ray"}, {"gpus_per_worker": 1}):
         with pytest.raises(ConfigError, match="in-graph replication runs on the local backend, on CPUs"):
             JobConfig(script=script, coordinator=True, **fields).validate()
@@ -85,3 +88,19 @@ def test_a_synchronous_coordinator_job_aggregates_the_workers_gradients_only():
     asynchronous = SimpleNamespace(sync=None, options=SimpleNamespace(sync=None))
     _aggregate_workers_only(asynchronous, 2)
     assert asynchronous.sync is None
+
+
+def test_a_coordinator_from_outside_is_in_the_cluster_but_not_started_and_not_waited_for(capsys):
+    from tensorfleet.cli import main
+
+    assert main(["launch", "--coordinator-outside", "--ps", "1", "--workers", "2", "--dry-run",
+                 str(REPO / "examples" / "mnist_coordinator.py")]) == 0
+    shown = capsys.readouterr().out
+    assert "chief:0 (chief) at 127.0.0.1:" in shown and "worker:1 (worker)" in shown
+    assert "not started: the coordinator, a Python session that joins with tfl.join_fleet(LOGDIR)" in shown
+    assert shown.count("TF_CONFIG=") == 3  # the ps and the two workers
+
+    from tensorfleet.launch.local import LocalLauncher
+    launcher = LocalLauncher(JobConfig(script=str(REPO / "examples" / "mnist_coordinator.py"), workers=2,
+                                       coordinator="outside").validate())
+    assert [r.name for r in launcher.supervisor.workers] == ["worker:0", "worker:1"]  # the job ends without it

@@ -92,7 +92,11 @@ def _add_job_flags(run: argparse.ArgumentParser) -> None:
                      "nodes) or pack them on few")
     run.add_argument("--coordinator", action="store_const", const=True, default=None,
                      help="in-graph replication: one more task, the chief, runs SCRIPT as the coordinator that "
-                     "drives the workers (the script calls tfl.run_coordinated); asynchronous")
+                     "drives the workers (the script calls tfl.run_coordinated)")
+    run.add_argument("--coordinator-outside", dest="coordinator", action="store_const", const="outside",
+                     help="in-graph replication driven from a Python session of this machine (a notebook): the "
+                     "ps and workers start, and the session joins as their coordinator with "
+                     "tfl.join_fleet(LOGDIR)")
     run.add_argument("--slurm-partition", dest="slurm_partition", metavar="P", help="with --backend slurm: the "
                      "partition (sbatch --partition; default: the cluster's default)")
     run.add_argument("--slurm-nodes", dest="slurm_nodes", type=positive_int, metavar="N",

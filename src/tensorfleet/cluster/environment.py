@@ -24,6 +24,10 @@ from tensorfleet.errors import ConfigError
 STATUS_DIR_ENV = "TENSORFLEET_STATUS_DIR"
 # The job's --logdir, set by `tensorfleet launch` for every task: where the chief writes TensorBoard summaries.
 LOGDIR_ENV = "TENSORFLEET_LOGDIR"
+# In the logdir of `tensorfleet launch --coordinator-outside`: what a Python session needs to join the fleet as its
+# coordinator (its TF_CONFIG, and the file holding the job token: tensorfleet.coordinator.outside.join_fleet).
+COORDINATOR_FILE = "coordinator.json"
+COORDINATOR_TOKEN_FILE = "coordinator.token"
 
 
 # How long a finished ps keeps answering Status ("done") when no launcher is there to read its final

@@ -60,7 +60,8 @@ class JobConfig:
     backend: str = "local"  # where the tasks run: "local" (processes of this machine), "ray" or "slurm" (clusters)
     ray_address: str | None = None  # backend ray: the cluster to join (None: a local Ray started for the job)
     ray_placement: str = "spread"  # backend ray: "spread" the tasks over the nodes, or "pack" them on few
-    coordinator: bool = False  # in-graph replication: one more task, the chief, runs the script as coordinator
+    coordinator: bool | str = False  # in-graph replication: one more task, the chief, runs the script as
+    # coordinator; "outside": the chief is a Python session of this machine that joins (tfl.join_fleet)
     slurm_partition: str | None = None  # backend slurm: sbatch --partition
     slurm_nodes: int | None = None  # backend slurm: sbatch --nodes (None: as Slurm places the tasks)
     slurm_time: str | None = None  # backend slurm: sbatch --time, e.g. "2:00:00"
@@ -111,8 +112,8 @@ class JobConfig:
         if self.backend != "ray" and (self.ray_address is not None or self.ray_placement != "spread"):
             raise ConfigError("ray_address and ray_placement are for backend ray: add --backend ray (or "
                               "'backend: ray' in the job file)")
-        if not isinstance(self.coordinator, bool):
-            raise ConfigError(f"coordinator must be true or false, got {self.coordinator!r}")
+        if not isinstance(self.coordinator, bool) and self.coordinator != "outside":
+            raise ConfigError(f"coordinator must be true, false or 'outside', got {self.coordinator!r}")
         if self.coordinator and (self.backend != "local" or self.gpus_per_worker):
             raise ConfigError("coordinator: in-graph replication runs on the local backend, on CPUs, for now: drop "
                               "the other backend or --gpus-per-worker")

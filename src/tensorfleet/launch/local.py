@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
-from tensorfleet.cluster.environment import LOGDIR_ENV, STATUS_DIR_ENV
+from tensorfleet.cluster.environment import COORDINATOR_FILE, COORDINATOR_TOKEN_FILE, LOGDIR_ENV, STATUS_DIR_ENV
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch.config import JobConfig
@@ -133,7 +133,8 @@ class LocalLauncher:
         self._gpus = self._assign_gpus()
         self.console = Console(out or sys.stdout, interactive=interactive, every_s=progress_every_s)
         self.logdir = Path(config.logdir) if config.logdir else None
-        records = [TaskRecord(t, cluster.task_address(t.job_name, t.index), task_role(cluster, t))
+        records = [TaskRecord(t, cluster.task_address(t.job_name, t.index), task_role(cluster, t),
+                              outside=config.coordinator == "outside" and t.job_name == "chief")
                    for t in self.tasks]
         self.supervisor = Supervisor(records, config.restart_policy)
         # Scaling (see scaling.py): the worker count asked for, the steps towards it, and so the cluster.
@@ -160,7 +161,7 @@ class LocalLauncher:
     def _initial_cluster(self) -> ClusterSpec:
         """Where the tasks will listen: free ports on 127.0.0.1 (another backend places them on its nodes); with
         ``coordinator``, a ``chief`` too: the task that runs the script as the coordinator."""
-        cluster = local_cluster(self.config.ps, self.config.workers + self.config.coordinator,
+        cluster = local_cluster(self.config.ps, self.config.workers + bool(self.config.coordinator),
                                 first_port=self.config.port)
         if not self.config.coordinator:
             return cluster
@@ -215,6 +216,10 @@ class LocalLauncher:
         for task in self.tasks:
             lines.append(f"{task.short} ({task_role(self.cluster, task)}) at "
                          f"{self.cluster.task_address(task.job_name, task.index)}")
+            if self.supervisor.by_name[task.short].outside:
+                lines.append("    not started: the coordinator, a Python session that joins with "
+                             "tfl.join_fleet(LOGDIR)")
+                continue
             lines += [f"    {key}={SECRET_SHOWN if key == auth.TOKEN_ENV else shlex.quote(value)}"
                       for key, value in self.task_env(task).items()]
         return "\n".join(lines)
@@ -230,6 +235,21 @@ class LocalLauncher:
         env = {**os.environ, **self.task_env(record.task)}
         return subprocess.Popen(with_launcher_death(self.command), env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def _hand_over(self, record: TaskRecord) -> None:
+        """A coordinator that joins from outside (``--coordinator-outside``): what it needs to join is left in
+        ``LOGDIR/coordinator.json`` (its TF_CONFIG, and the job token in a file only this user can read), which
+        ``tfl.join_fleet(LOGDIR)`` reads; the job ends when it and the workers are done."""
+        assert self.logdir is not None
+        token_file = (self.logdir / COORDINATOR_TOKEN_FILE).resolve()
+        descriptor = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as out:
+            out.write(self.token)
+        joining = {"tf_config": self.cluster.to_tf_config(record.task), "token_file": str(token_file)}
+        (self.logdir / COORDINATOR_FILE).write_text(json.dumps(joining, indent=1), encoding="utf-8")
+        self.supervisor.awaited(record.name, address=record.address)
+        self.console.line(f"[launch] {record.name}, the coordinator, is not started here: join from a Python "
+                          f"session with tfl.join_fleet({str(self.logdir.resolve())!r})")
 
     def _spawn(self, record: TaskRecord) -> None:
         task = record.task
@@ -330,7 +350,10 @@ class LocalLauncher:
         try:
             self._start_dashboard()
             for record in self.supervisor.records:
-                self._spawn(record)
+                if record.outside:
+                    self._hand_over(record)
+                else:
+                    self._spawn(record)
             self.monitor.start()
             failed = self._supervise()
         finally:
@@ -377,10 +400,16 @@ class LocalLauncher:
         return []
 
     def _wait_for_ps(self) -> None:
-        deadline = time.monotonic() + PS_EXIT_GRACE_S
-        while self.processes and time.monotonic() < deadline:
+        """The workers are done: the ps exit once every replica said Done. A coordinator from outside says it
+        when its session ends, which is the user's to decide: for it the ps are waited for (Ctrl-C stops)."""
+        outside = [record for record in self.supervisor.records if record.outside]
+        deadline = time.monotonic() + (float("inf") if outside else PS_EXIT_GRACE_S)
+        while self.processes and time.monotonic() < deadline and not self._interrupted:
             self._reap()
             time.sleep(LOOP_S / 2)
+        if not self.processes and all(r.state == "done" for r in self.supervisor.records if r.role == "ps"):
+            for record in outside:  # a ps exits 0 once every replica, the coordinator too, said Done
+                self.supervisor.joined_done(record.name)
         self.write_events()
 
     def _on_signal(self, signum: int, _frame: object) -> None:

@@ -93,6 +93,7 @@ class TaskRecord:
     answered: bool = False  # this incarnation answered its Status at least once
     startup_exit: int | None = None  # the exit code of the last incarnation if it failed before answering
     leaving: bool = False  # removed by a scale-down: its exit ends it, it is not restarted
+    outside: bool = False  # not the launcher's process: a coordinator that joins from a Python session
 
     @property
     def name(self) -> str:
@@ -161,6 +162,22 @@ class Supervisor:
             if record.first_started is None:
                 record.first_started = now
             self._event(record, "started", pid=pid, incarnation=record.restarts, **where)
+
+    def awaited(self, name: str, **where: Any) -> None:
+        """Task ``name`` is not the launcher's to start (``outside``): it is expected from now on, and is
+        running once it answers its Status."""
+        with self._lock:
+            record = self.by_name[name]
+            record.state, record.last_started = "starting", self.clock()
+            record.first_started = record.first_started or record.last_started
+            self._event(record, "awaited", **where)
+
+    def joined_done(self, name: str) -> None:
+        """Task ``name``, ``outside``, is done: the ps heard it say Done and exited."""
+        with self._lock:
+            record = self.by_name[name]
+            record.state, record.ended = "done", self.clock()
+            self._event(record, "done")
 
     def answered(self, name: str, since: float) -> None:
         """The task answered its Status RPC at ``since`` (clock time): a starting task is now running."""
@@ -254,7 +271,7 @@ class Supervisor:
     @property
     def workers(self) -> list[TaskRecord]:
         """The training tasks the job waits for: not the ones leaving (or gone) by a scale-down."""
-        return [r for r in self.records if r.role != "ps" and not r.leaving]
+        return [r for r in self.records if r.role != "ps" and not r.leaving and not r.outside]
 
     def workers_done(self) -> bool:
         """Every worker is done, and none that is leaving still runs (it is saying Done to the ps)."""
