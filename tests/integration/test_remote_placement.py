@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import subprocess
 import sys
 import time
@@ -234,3 +235,40 @@ def test_a_worker_without_its_chief_gives_up_in_time():
     assert done.returncode != 0
     assert "DeadlineExceededError: worker:0: waited 1 s for the chief (chief:0)" in done.stderr, done.stderr[-2000:]
     assert time.monotonic() - started < 30
+
+
+PLACED_JOB = '''
+import argparse, sys
+import torch
+from torch import nn
+import tensorfleet as tfl
+from tensorfleet.coordinator.placement import distributed_optimizer, place_module, run_placed, train_step
+
+
+def drive(group):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), place_module("/job:worker/task:0/cpu:0", nn.Linear, 8, 2))
+    optimizer = distributed_optimizer(torch.optim.SGD, model, lr=0.1)
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    losses = [float(train_step(lambda: nn.functional.cross_entropy(model(x), y), optimizer)) for _ in range(20)]
+    print(f"placed job: loss {losses[0]:.3f} -> {losses[-1]:.3f} on", group.name, flush=True)
+
+
+parser = argparse.ArgumentParser()
+tfl.add_cluster_flags(parser)
+sys.exit(run_placed(parser.parse_args(), drive))
+'''
+
+
+def test_run_placed_under_the_launcher(tmp_path):
+    """``tensorfleet launch --coordinator``: the chief drives, worker 0 holds the placed layer, the ps exits."""
+    script = tmp_path / "placed_job.py"
+    script.write_text(PLACED_JOB)
+    done = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "launch", "--coordinator", "--ps", "1",
+                           "--workers", "1", "--logdir", str(tmp_path / "logs"), str(script)],
+                          capture_output=True, text=True, timeout=90)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    losses = re.search(r"placed job: loss ([\d.]+) -> ([\d.]+) on chief:0", output)
+    assert losses is not None and float(losses[2]) < float(losses[1]), output[-3000:]
+    assert "placed Linear on /job:worker/replica:0/task:0/device:CPU:0" in output
