@@ -272,3 +272,35 @@ def test_run_placed_under_the_launcher(tmp_path):
     losses = re.search(r"placed job: loss ([\d.]+) -> ([\d.]+) on chief:0", output)
     assert losses is not None and float(losses[2]) < float(losses[1]), output[-3000:]
     assert "placed Linear on /job:worker/replica:0/task:0/device:CPU:0" in output
+
+
+MEMBER = """
+import sys, time
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.coordinator.placement import RpcGroup
+with RpcGroup(ClusterSpec.from_dict({cluster!r}), TaskSpec(sys.argv[1], 0), start_timeout_s={start_s}) as group:
+    print("joined", flush=True)
+    if group.is_chief:
+        time.sleep(600)  # until SIGKILLed
+"""
+
+
+def test_a_worker_whose_chief_dies_leaves_in_seconds():
+    """The chief is SIGKILLed while its worker serves: the worker's check finds it gone, and it exits with an
+    error instead of waiting for a release that will never come."""
+    ports = free_ports(2)
+    cluster = ClusterSpec.from_dict({"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]})
+    code = MEMBER.format(cluster=cluster.as_dict(), start_s=START_S)
+    members = [subprocess.Popen([sys.executable, "-c", code, role], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True) for role in ("chief", "worker")]
+    try:
+        for member in members:
+            assert member.stdout.readline().strip() == "joined"
+        members[0].kill()
+        killed = time.monotonic()
+        _, err = members[1].communicate(timeout=60)
+        assert members[1].returncode != 0
+        assert "UnavailableError: worker:0: the chief (chief:0) does not answer any more" in err, err[-2000:]
+        assert time.monotonic() - killed < placement.ALIVE_EVERY_S + 20
+    finally:
+        stop(members)

@@ -309,12 +309,14 @@ class RpcGroup:
         if self.is_chief:
             raise ConfigError("the chief drives the group: serve() is a worker's part")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not _released.wait(ALIVE_EVERY_S if deadline is None else
-                                 max(0.0, min(ALIVE_EVERY_S, deadline - time.monotonic()))):
+        while True:
+            left = ALIVE_EVERY_S if deadline is None else max(0.0, deadline - time.monotonic())
+            if _released.wait(min(ALIVE_EVERY_S, left)):
+                break
             if deadline is not None and time.monotonic() >= deadline:
                 raise DeadlineExceededError(f"{self.name}: the chief ({self.chief_name}) did not leave the group "
                                             f"within {timeout_s:g} s")
-            self._check_chief()
+            self._check_chief()  # between waits: a chief that died would never release this worker
         self.served = True
 
     def _check_chief(self) -> None:
