@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -40,10 +41,16 @@ print("worker {index} left the group", flush=True)
 """
 
 
+# The workers are told to listen on another interface (eth0, say) where the machine has one: a loopback group holds
+# TensorPipe and Gloo to the loopback interface whatever the environment says (test_everything_listens_on_loopback).
+OTHER_INTERFACES = [name for _, name in socket.if_nameindex() if not name.startswith("lo")]
+ELSEWHERE = {"TP_SOCKET_IFNAME": OTHER_INTERFACES[0], "GLOO_SOCKET_IFNAME": OTHER_INTERFACES[0]} if OTHER_INTERFACES else {}
+
+
 def start_worker(cluster: ClusterSpec, index: int) -> subprocess.Popen:
     code = WORKER.format(cluster=cluster.as_dict(), index=index, start_s=START_S)
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, env={**os.environ, **ELSEWHERE})
 
 
 def stop(processes: list[subprocess.Popen]) -> list[str]:
