@@ -482,7 +482,8 @@ class PlacedModule(nn.Module):
 
     @property
     def owner(self) -> str:
-        return self.remote_module.on
+        """The RPC name of the task that holds the module (``worker:1``)."""
+        return self.module_rref.owner_name()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.remote_module.forward(*args, **kwargs)
