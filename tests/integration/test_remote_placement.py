@@ -311,3 +311,18 @@ def test_a_worker_whose_chief_dies_leaves_in_seconds():
         assert time.monotonic() - killed < placement.ALIVE_EVERY_S + 20
     finally:
         stop(members)
+
+
+def test_the_placed_seed_example_trains_with_its_output_layer_on_worker_0(tmp_path):
+    """examples/mnist_placed.py, briefly, under the launcher: the seed model learns with its output layer in
+    worker 0's process."""
+    from tensorfleet.testing.local_cluster import REPO
+
+    done = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "launch", "--coordinator", "--ps", "1",
+                           "--workers", "1", "--logdir", str(tmp_path / "logs"),
+                           str(REPO / "examples" / "mnist_placed.py"), "--", "--train_steps", "300"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "output layer on worker:0" in output, output[-3000:]
+    assert float(re.search(r"\[chief:0\] test accuracy: ([\d.]+)", output).group(1)) > 0.8, output[-3000:]
