@@ -243,6 +243,12 @@ def _tower_main(tower: Callable[[int], Any], plan: Plan, index: int) -> None:
         sys.stderr.flush()
         os._exit(1)
     leave_group()
+    # Leave at once after a clean run too: the interpreter's normal exit can still meet a gloo thread in C++
+    # teardown and abort ("terminate called without an active exception", exit -6), seen under load.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _die_with_parent(parent_pid: int) -> None:
