@@ -37,6 +37,30 @@ def test_the_compiled_id_map_finds_and_inserts_exactly_as_the_numpy_one(seed):
     assert np.array_equal(np.sort(compiled.find(seen)), np.arange(seen.size))  # every row found once
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_the_compiled_admission_counts_and_draws_exactly_as_the_numpy_one(seed):
+    """The count-min sketch to the counter and the draws to the bit, push after push; a narrow sketch so that
+    ids share counters within a batch (the reference's read-all-then-write order must hold), saturation too."""
+    from tensorfleet.ps.admission import Admission
+
+    rng = np.random.default_rng(seed)
+    for after, probability, width in [(3, None, 64), (5, 0.3, 1024), (1, 0.1, 64), (70000, None, 16)]:
+        reference = Admission(after, probability, width=width, path="numpy")
+        compiled = Admission(after, probability, width=width, path="numba")
+        pool = np.concatenate([EXTREMES, rng.integers(-2 ** 63, 2 ** 63 - 1, size=300, dtype=np.int64)])
+        for update in range(60 if after < 70000 else 5):
+            ids = np.unique(rng.choice(pool, size=int(rng.integers(1, 200))))
+            if after == 70000:  # drive counters past 65535: the same ids, many times
+                reference._counts[:] = compiled._counts[:] = 65530
+            assert np.array_equal(compiled.admit(ids, update * 7919), reference.admit(ids, update * 7919))
+            if reference._counts is not None:
+                assert np.array_equal(compiled._counts, reference._counts), (after, update)
+        assert (compiled.admitted, compiled.refused_updates) == (reference.admitted, reference.refused_updates)
+        assert 0 < reference.admitted or after == 70000
+    draws = Admission(1, 0.5, path="numba")._draw(EXTREMES, 2 ** 40)
+    assert np.array_equal(draws, Admission(1, 0.5, path="numpy")._draw(EXTREMES, 2 ** 40))
+
+
 def test_the_path_is_chosen_by_the_environment_and_a_wrong_choice_is_refused(monkeypatch):
     monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
     assert kernels.selected() == "numba" and IdMap().path == "numba"

@@ -17,6 +17,9 @@ and counted, until it is admitted:
 Both may be set: an id is admitted when either says so. Neither (``admit_after=1``, no probability):
 every id is admitted at its first push, as without admission. The sketch is not checkpointed: after a
 restore, candidates start counting again (admitted rows are in the checkpoint).
+
+The counting and the draw are compiled loops (``ps.kernels.count_ids``/``draw_ids``); the numpy versions here
+are the reference they are tested against, and the path ``TENSORFLEET_PS_KERNELS=numpy`` takes.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from tensorfleet.cluster.idhash import as_uint64, mix64
+from tensorfleet.ps import kernels
 
 SKETCH_WIDTH = 1 << 16
 SKETCH_DEPTH = 4
@@ -41,13 +45,15 @@ class Admission:
         after: pushes of an id that admit it (1: no counting; every id at once unless ``probability``).
         probability: the chance that one push of a candidate id admits it (None: not used).
         width, depth: the count-min sketch's size (a power of two wide; at most 8 deep).
+        path: "numba" (compiled loops) or "numpy" (the reference); default ``kernels.selected()``.
     """
 
     def __init__(self, after: int = 1, probability: float | None = None, *, width: int = SKETCH_WIDTH,
-                 depth: int = SKETCH_DEPTH) -> None:
+                 depth: int = SKETCH_DEPTH, path: str | None = None) -> None:
         if width & (width - 1) or not 1 <= depth <= len(_ROW_SALTS):
             raise ValueError(f"a sketch is a power of two wide and 1..{len(_ROW_SALTS)} deep, got {width}x{depth}")
         self.after, self.probability = after, probability
+        self.path = path or kernels.selected()
         self._counts = np.zeros((depth, width), dtype=np.uint16) if after > 1 else None
         self._mask = np.uint64(width - 1)
         self.admitted = 0  # ids given a row by this rule
@@ -78,6 +84,11 @@ class Admission:
     def _count(self, ids: np.ndarray) -> np.ndarray:
         """Each id's count after this push: the sketch's estimate plus one, written back conservatively."""
         keys = as_uint64(ids)
+        if self.path == "numba":
+            estimate = np.empty(keys.shape[0], dtype=np.int64)
+            kernels.count_ids(self._counts, keys, _ROW_SALTS[:self._counts.shape[0]], self._mask, _MAX_COUNT,
+                              estimate)
+            return estimate
         with np.errstate(over="ignore"):
             cells = np.stack([(mix64(keys ^ salt) & self._mask).astype(np.int64)
                               for salt in _ROW_SALTS[:self._counts.shape[0]]])
@@ -89,6 +100,11 @@ class Admission:
 
     def _draw(self, ids: np.ndarray, update: int) -> np.ndarray:
         """A uniform in [0, 1) per id, a pure function of (id, update)."""
+        salt = np.uint64((update * int(_PROBABILITY_SALT)) % (1 << 64))  # numpy's uint64 product, wrapped
+        if self.path == "numba":
+            draws = np.empty(ids.shape[0], dtype=np.float64)
+            kernels.draw_ids(as_uint64(ids), salt, draws)
+            return draws
         with np.errstate(over="ignore"):
-            bits = mix64(as_uint64(ids) ^ (np.uint64(update) * _PROBABILITY_SALT))
+            bits = mix64(as_uint64(ids) ^ salt)
         return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))

@@ -223,6 +223,37 @@ def repeated_id(ids, seen):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
+def count_ids(counts, keys, salts, mask, max_count, estimate):  # pragma: no cover - compiled
+    """Admission's count-min sketch (``ps.admission``): each key's count after this push into ``estimate`` (the
+    smallest of its ``depth`` counters, plus one, saturating at ``max_count``), written back conservatively. As
+    numpy's reference does it to the bit: every counter read before any is written, then written in order (row
+    by row, key by key; of two keys sharing a counter the later one's value stays)."""
+    depth, n = counts.shape[0], keys.shape[0]
+    cells = np.empty((depth, n), dtype=np.int64)
+    current = np.empty((depth, n), dtype=np.int64)
+    for i in range(n):
+        smallest = np.int64(max_count)
+        for r in range(depth):
+            cell = np.int64(_mix64(keys[i] ^ salts[r]) & mask)
+            cells[r, i] = cell
+            current[r, i] = counts[r, cell]
+            smallest = min(smallest, current[r, i])
+        estimate[i] = min(smallest + 1, np.int64(max_count))
+    for r in range(depth):
+        for i in range(n):
+            counts[r, cells[r, i]] = max(current[r, i], estimate[i])
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def draw_ids(keys, salt, out):  # pragma: no cover - compiled
+    """Admission's draw: a uniform in [0, 1) per key, from ``mix64(key ^ salt)``'s top 53 bits (the reference's
+    float64 arithmetic, exact)."""
+    scale = 1.0 / (1 << 53)
+    for i in range(keys.shape[0]):
+        out[i] = np.float64(_mix64(keys[i] ^ salt) >> np.uint64(11)) * scale
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
 def first_elsewhere(ids, salt, shards, shard):  # pragma: no cover - compiled
     """The index of the first id that ``cluster.idhash.shard_of`` puts on another shard than ``shard`` (of
     ``shards``), or -1: the ps's check of a request's routing, in one pass instead of numpy's five."""

@@ -71,7 +71,7 @@ class EmbeddingShard:
         self.spec = spec
         self._map = IdMap()
         self._values, self._slots, self._updated = self._empty_storage()
-        self.admission = Admission(spec.admit_after, spec.admit_probability)
+        self.admission = Admission(spec.admit_after, spec.admit_probability, path=self._map.path)
         # The compiled kernels work on numpy views of the storage: numpy has no bfloat16, whose rows keep torch's
         self._compiled_rules = self._map.path == "numba" and spec.dtype in (torch.float32, torch.float64)
         # The counts are this shard object's (a process's, since its start or the restore that made it): a
