@@ -61,6 +61,33 @@ def test_the_compiled_admission_counts_and_draws_exactly_as_the_numpy_one(seed):
     assert np.array_equal(draws, Admission(1, 0.5, path="numpy")._draw(EXTREMES, 2 ** 40))
 
 
+@pytest.mark.parametrize("dtype, row_shape", [(torch.float32, (16,)), (torch.bfloat16, (8,)), (torch.int64, ()),
+                                              (torch.float64, (3,)), (torch.float16, (5,))])
+def test_the_compiled_compaction_keeps_the_rows_as_numpys(dtype, row_shape):
+    """Eviction's compaction, in place in one pass, against numpy's chunked copy: the same rows, bit for bit,
+    in the same order, and the storage given back alike."""
+    from tensorfleet.ps.rows import GrowingRows
+
+    rng = np.random.default_rng(7)
+    stores = []
+    for _ in range(2):
+        rows = GrowingRows(row_shape, dtype)
+        rows.reserve(5000)
+        rows.tensor[:5000] = torch.from_numpy(rng.standard_normal((5000, *row_shape)) * 100).to(dtype) \
+            if not stores else stores[0].tensor[:5000]
+        stores.append(rows)
+    length = 5000
+    for count in (4000, 1200, 1199, 3):  # evictions in turn, the last leaving almost nothing
+        survivors = np.sort(rng.choice(length, size=count, replace=False))
+        length = count
+        stores[0].keep(survivors, chunk=97)
+        stores[1].keep(survivors, compiled=True)
+        assert stores[0].capacity == stores[1].capacity
+        assert torch.equal(stores[0].tensor[:count].view(torch.uint8) if dtype.is_floating_point else
+                           stores[0].tensor[:count], stores[1].tensor[:count].view(torch.uint8)
+                           if dtype.is_floating_point else stores[1].tensor[:count])
+
+
 def test_the_path_is_chosen_by_the_environment_and_a_wrong_choice_is_refused(monkeypatch):
     monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
     assert kernels.selected() == "numba" and IdMap().path == "numba"

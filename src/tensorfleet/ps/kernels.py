@@ -254,6 +254,18 @@ def draw_ids(keys, salt, out):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
+def compact_rows(array, rows):  # pragma: no cover - compiled
+    """Eviction's compaction: row ``rows[i]`` of ``array`` (2-D, C-contiguous; ``rows`` increasing, so
+    ``rows[i] >= i``) moved to row ``i``, in place, in one pass and without a temporary copy (numpy's
+    reference copies each chunk twice, through a gathered temporary)."""
+    for i in range(rows.shape[0]):
+        source = rows[i]
+        if source != i:
+            for j in range(array.shape[1]):
+                array[i, j] = array[source, j]
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
 def first_elsewhere(ids, salt, shards, shard):  # pragma: no cover - compiled
     """The index of the first id that ``cluster.idhash.shard_of`` puts on another shard than ``shard`` (of
     ``shards``), or -1: the ps's check of a request's routing, in one pass instead of numpy's five."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tensorfleet.ps import kernels
+
 GROWTH = 1.25  # capacity grows by a quarter when full
 MIN_ROWS = 1024
 
@@ -54,15 +56,20 @@ class GrowingRows:
         capacity = max(MIN_ROWS, int(rows * GROWTH))
         self._resize(capacity)
 
-    def keep(self, rows: np.ndarray, chunk: int = 1 << 16) -> None:
+    def keep(self, rows: np.ndarray, chunk: int = 1 << 16, *, compiled: bool = False) -> None:
         """Keep only the rows ``rows`` (increasing), moved to the front in order, then give back the storage
         beyond them plus a quarter (after an eviction: memory goes back to the system).
 
-        Moved a chunk at a time: row ``rows[i] >= i``, so no row is overwritten before it is moved, and only
-        one chunk is copied at a time."""
-        for start in range(0, rows.shape[0], chunk):
-            stop = min(start + chunk, rows.shape[0])
-            self._array[start:stop] = self._array[rows[start:stop]]
+        ``compiled``: one in-place pass of ``ps.kernels.compact_rows`` over the rows' bits. Else numpy, the
+        reference: a chunk at a time (row ``rows[i] >= i``, so no row is overwritten before it is moved, and
+        only one chunk is copied at a time)."""
+        if compiled and self._array.size:
+            as_bits = self._array.reshape(self._array.shape[0], -1).view(f"u{self._array.itemsize}")
+            kernels.compact_rows(as_bits, np.ascontiguousarray(rows, dtype=np.int64))
+        else:
+            for start in range(0, rows.shape[0], chunk):
+                stop = min(start + chunk, rows.shape[0])
+                self._array[start:stop] = self._array[rows[start:stop]]
         wanted = max(MIN_ROWS, int(rows.shape[0] * GROWTH))
         if wanted < self.capacity:
             self._resize(wanted)

@@ -340,7 +340,7 @@ class EmbeddingShard:
         self._log_evictions(ids[~keep])
         kept_ids = ids[survivors]
         for storage in self._storages():
-            storage.keep(survivors)
+            storage.keep(survivors, compiled=self._map.path == "numba")
         self._map = IdMap(int(survivors.size / 0.5))
         self._map.insert(kept_ids)
         self.evicted += rows.size
@@ -498,5 +498,10 @@ def _exercise_kernels() -> None:
         shard = EmbeddingShard(TableSpec("warm-up", 4, OptimizerSpec(rule, {"lr": 0.1})))
         shard.apply(ids, torch.ones((4, 4)), 0.1, 1)
         shard.lookup(torch.arange(8, dtype=torch.int64))
+    # Admission (the sketch and the draw) and an eviction's compaction (float32 rows, int64 stamps).
+    shard = EmbeddingShard(TableSpec("warm-up", 4, OptimizerSpec("sgd", {"lr": 0.1}), admit_after=2,
+                                     admit_probability=0.5, max_rows=2))
+    for update in (1, 2, 3):
+        shard.apply(ids + update, torch.ones((4, 4)), 0.1, update)
     unique_ids_error(ids)
     first_stray(ids, 2, 0)
