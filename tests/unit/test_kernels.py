@@ -88,6 +88,33 @@ def test_the_compiled_compaction_keeps_the_rows_as_numpys(dtype, row_shape):
                            if dtype.is_floating_point else stores[1].tensor[:count])
 
 
+@pytest.mark.parametrize("initializer", [("normal", 0.0, 0.01, 0), ("normal", -0.3, 2.5, 2 ** 63 - 1),
+                                         ("uniform", -0.05, 0.05, 12345), ("uniform", 1.0, 1.0, 3),
+                                         ("constant", 0.1, 0.0, 0), ("constant", -1e-40, 0.0, 9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compiled_initializer_writes_the_references_rows_to_the_bit(initializer, dtype):
+    """New rows' first values and a lookup's rows for ids without one, written by the kernels, against
+    RowInitializer.rows: every column of every dim from 1 to 17 (a partial last hash word), extreme ids."""
+    from tensorfleet.protocol.specs import RowInitializer
+    from tensorfleet.ps.table import _initializer_args
+
+    rng = np.random.default_rng(3)
+    ids = np.concatenate([EXTREMES, rng.integers(-2 ** 63, 2 ** 63 - 1, size=500, dtype=np.int64)])
+    for dim in range(1, 18):
+        spec = TableSpec("t", dim, OptimizerSpec.sgd(lr=0.1), initializer=RowInitializer(*initializer),
+                         dtype=dtype)
+        expected = spec.initializer.rows(torch.from_numpy(ids), dim, dtype)
+        stored = torch.full((ids.size + 3, dim), 7.0, dtype=dtype)
+        kernels.initial_rows(ids.view(np.uint64), *_initializer_args(spec), stored.numpy(), 3)
+        assert torch.equal(stored[3:].view(torch.uint8), expected.view(torch.uint8)), dim
+        assert torch.equal(stored[:3], torch.full((3, dim), 7.0, dtype=dtype))  # nothing before ``first``
+        rows = np.where(np.arange(ids.size) % 3 == 0, -1, 5)  # every third id without a row
+        answer = torch.full((ids.size, dim), 7.0, dtype=dtype)
+        kernels.initial_where_missing(ids.view(np.uint64), rows, *_initializer_args(spec), answer.numpy())
+        assert torch.equal(answer[rows < 0].view(torch.uint8), expected[rows < 0].view(torch.uint8)), dim
+        assert bool((answer[rows >= 0] == 7.0).all())
+
+
 def test_the_path_is_chosen_by_the_environment_and_a_wrong_choice_is_refused(monkeypatch):
     monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
     assert kernels.selected() == "numba" and IdMap().path == "numba"

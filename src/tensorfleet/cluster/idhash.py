@@ -40,10 +40,17 @@ def shard_of(ids: torch.Tensor | np.ndarray, num_shards: int) -> np.ndarray:
         return (mix64(as_uint64(ids) ^ SHARD_SALT) % np.uint64(num_shards)).astype(np.int64)
 
 
+def init_salt(seed: int) -> np.uint64:
+    """What an id is xor-ed with before the hash of its initial row under ``seed`` (the ps's compiled
+    initializer, ``ps.kernels.initial_rows``, starts from it too)."""
+    return np.uint64(((seed & 0xFFFFFFFFFFFFFFFF) * int(_GOLDEN)) % (1 << 64)) ^ _INIT_SALT
+
+
 def _fields(ids: torch.Tensor | np.ndarray, columns: int, seed: int) -> np.ndarray:
-    """(len(ids), columns) 16-bit fields of hashes of (seed, id, column): four per 64-bit hash."""
+    """(len(ids), columns) 16-bit fields of hashes of (seed, id, column): four per 64-bit hash, the first
+    in the hash's low 16 bits."""
     with np.errstate(over="ignore"):
-        base = mix64(as_uint64(ids) ^ (np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * _GOLDEN) ^ _INIT_SALT)
+        base = mix64(as_uint64(ids) ^ init_salt(seed))
         words = (columns + 3) // 4
         bits = mix64(base[:, None] ^ (np.arange(1, words + 1, dtype=np.uint64) * _M1)[None, :])
     return bits.view(np.uint16).reshape(len(base), 4 * words)[:, :columns]
@@ -59,11 +66,16 @@ def uniform(ids: torch.Tensor | np.ndarray, columns: int, seed: int) -> np.ndarr
 _NORMAL_QUANTILES: np.ndarray | None = None
 
 
-def normal(ids: torch.Tensor | np.ndarray, columns: int, seed: int) -> np.ndarray:
-    """Standard normals (len(ids), columns), float32: the normal quantiles of ``uniform``'s grid (a table of
-    2^16, made once), so the same (seed, id, column) gives the same value on every machine."""
+def normal_quantiles() -> np.ndarray:
+    """The standard normal's quantiles of ``uniform``'s grid, float32 (2^16 of them, made once)."""
     global _NORMAL_QUANTILES
     if _NORMAL_QUANTILES is None:
         grid = (torch.arange(65536, dtype=torch.float64) + 0.5) / 65536
         _NORMAL_QUANTILES = torch.special.ndtri(grid).to(torch.float32).numpy()
-    return _NORMAL_QUANTILES[_fields(ids, columns, seed)]
+    return _NORMAL_QUANTILES
+
+
+def normal(ids: torch.Tensor | np.ndarray, columns: int, seed: int) -> np.ndarray:
+    """Standard normals (len(ids), columns), float32: the normal quantiles of ``uniform``'s grid (a table of
+    2^16, made once), so the same (seed, id, column) gives the same value on every machine."""
+    return normal_quantiles()[_fields(ids, columns, seed)]

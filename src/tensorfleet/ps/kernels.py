@@ -265,6 +265,47 @@ def compact_rows(array, rows):  # pragma: no cover - compiled
                 array[i, j] = array[source, j]
 
 
+CONSTANT, UNIFORM, NORMAL = 0, 1, 2  # a RowInitializer's kind, as initial_rows takes it
+_SIXTEEN, _FIELD = np.uint64(16), np.uint64(0xFFFF)
+_HALF, _GRID = np.float32(0.5), np.float32(1.0 / 65536)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _write_initial(out, row, key, salt, kind, scale, shift, quantiles):  # pragma: no cover - compiled
+    """``out[row]`` = the initial row of ``key``: ``protocol.specs.RowInitializer.rows`` to the bit (the hash
+    fields of ``cluster.idhash._fields``, four to a 64-bit word, low bits first; float32 arithmetic)."""
+    columns = out.shape[1]
+    if kind == CONSTANT:
+        for column in range(columns):
+            out[row, column] = shift
+        return
+    base = _mix64(key ^ salt)
+    for word in range((columns + 3) // 4):
+        bits = _mix64(base ^ (np.uint64(word + 1) * _M1))
+        for k in range(min(4, columns - 4 * word)):
+            field = (bits >> (_SIXTEEN * np.uint64(k))) & _FIELD
+            if kind == UNIFORM:
+                value = (np.float32(field) + _HALF) * _GRID * scale + shift
+            else:
+                value = quantiles[field] * scale + shift
+            out[row, 4 * word + k] = value
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def initial_rows(keys, salt, kind, scale, shift, quantiles, out, first):  # pragma: no cover - compiled
+    """New rows' first values written where they are stored: ``keys[i]``'s initial row into ``out[first + i]``."""
+    for i in range(keys.shape[0]):
+        _write_initial(out, first + i, keys[i], salt, kind, scale, shift, quantiles)
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def initial_where_missing(keys, rows, salt, kind, scale, shift, quantiles, out):  # pragma: no cover - compiled
+    """A lookup's answer for the ids without a row (``rows[i] < 0``): their initial rows, into ``out[i]``."""
+    for i in range(keys.shape[0]):
+        if rows[i] < 0:
+            _write_initial(out, i, keys[i], salt, kind, scale, shift, quantiles)
+
+
 @njit(nogil=True, cache=True, error_model="numpy")
 def first_elsewhere(ids, salt, shards, shard):  # pragma: no cover - compiled
     """The index of the first id that ``cluster.idhash.shard_of`` puts on another shard than ``shard`` (of

@@ -48,9 +48,10 @@ import time
 import numpy as np
 import torch
 
+from tensorfleet.cluster import idhash
 from tensorfleet.cluster.idhash import SHARD_SALT, as_uint64, mix64, shard_of
 from tensorfleet.errors import ConfigError
-from tensorfleet.protocol.specs import OptimizerSpec, TableSpec
+from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer, TableSpec
 from tensorfleet.protocol.state import TableState
 from tensorfleet.ps import kernels
 from tensorfleet.ps.admission import Admission
@@ -74,6 +75,7 @@ class EmbeddingShard:
         self.admission = Admission(spec.admit_after, spec.admit_probability, path=self._map.path)
         # The compiled kernels work on numpy views of the storage: numpy has no bfloat16, whose rows keep torch's
         self._compiled_rules = self._map.path == "numba" and spec.dtype in (torch.float32, torch.float64)
+        self._initial = _initializer_args(spec) if self._compiled_rules else None  # initial_rows' arguments
         # The counts are this shard object's (a process's, since its start or the restore that made it): a
         # checkpoint holds rows, not counts, so they restart at 0 (README, "Visible").
         self.rows_created = 0  # since start (a restore's rows are loaded, not created)
@@ -164,12 +166,9 @@ class EmbeddingShard:
     def _lookup_compiled(self, ids: torch.Tensor) -> torch.Tensor:
         """``lookup`` with the rows gathered by one compiled loop straight into the answer."""
         rows = self._map.find(ids.numpy())
-        known = rows >= 0
-        if known.all():
-            out = torch.empty((ids.numel(), self.spec.dim), dtype=self.spec.dtype)
-        else:
-            out = self.spec.initializer.rows(ids, self.spec.dim, self.spec.dtype)
+        out = torch.empty((ids.numel(), self.spec.dim), dtype=self.spec.dtype)
         kernels.gather_rows(self._values.tensor.numpy(), rows, out.numpy())
+        kernels.initial_where_missing(as_uint64(ids), rows, *self._initial, out.numpy())  # ids without a row
         return out
 
     # --- the update -----------------------------------------------------------------------------
@@ -279,19 +278,26 @@ class EmbeddingShard:
         if missing.any():
             new_ids = ids[torch.from_numpy(missing)]
             found[missing] = self._map.insert(new_ids.numpy())
-            self._append(new_ids, self.spec.initializer.rows(new_ids, self.spec.dim, self.spec.dtype),
-                         self._initial_slots(new_ids.numel()))
+            if self._initial is not None:  # the first values written in place by one compiled loop
+                values = None
+            else:
+                values = self.spec.initializer.rows(new_ids, self.spec.dim, self.spec.dtype)
+            self._append(new_ids, values, self._initial_slots(new_ids.numel()))
             self.rows_created += new_ids.numel()
         return torch.from_numpy(found)
 
-    def _append(self, ids: torch.Tensor, values: torch.Tensor, slots: dict[str, torch.Tensor],
+    def _append(self, ids: torch.Tensor, values: torch.Tensor | None, slots: dict[str, torch.Tensor],
                 updated: torch.Tensor | int = 0) -> None:
-        """Store rows ``len-n .. len-1`` (the id map has just numbered them), growing the storage if needed."""
+        """Store rows ``len-n .. len-1`` (the id map has just numbered them), growing the storage if needed;
+        ``values`` None: the ids' initial rows, written by the compiled initializer."""
         end = len(self._map)
         start = end - ids.numel()
         for storage in self._storages():
             storage.reserve(end)
-        self._values.tensor[start:end] = values
+        if values is None:
+            kernels.initial_rows(as_uint64(ids), *self._initial, self._values.tensor.numpy(), start)
+        else:
+            self._values.tensor[start:end] = values
         for name, slot in self._slots.items():
             slot.tensor[start:end] = slots[name]
         self._updated.tensor[start:end] = updated
@@ -465,6 +471,22 @@ def first_stray(ids: torch.Tensor, shards: int, shard: int) -> int:
     return int(elsewhere[0]) if elsewhere.size else -1
 
 
+def _initializer_args(spec: TableSpec) -> tuple:
+    """The table's ``RowInitializer`` as ``kernels.initial_rows`` takes it: (salt, kind, scale, shift,
+    quantiles), each in the dtype the reference computes in (float32; a constant in the rows' own)."""
+    initializer = spec.initializer
+    if initializer.kind == "constant":
+        return (np.uint64(0), kernels.CONSTANT, np.float32(0), np.float64(initializer.a), _NO_QUANTILES)
+    salt = idhash.init_salt(initializer.seed)
+    if initializer.kind == "uniform":
+        return (salt, kernels.UNIFORM, np.float32(initializer.b - initializer.a), np.float32(initializer.a),
+                _NO_QUANTILES)
+    return salt, kernels.NORMAL, np.float32(initializer.b), np.float32(initializer.a), idhash.normal_quantiles()
+
+
+_NO_QUANTILES = np.zeros(1, dtype=np.float32)
+
+
 def warm_up_kernels() -> float:
     """Compile the table kernels now (a ps's start), through the very calls a table makes, or load them from
     numba's disk cache; return the seconds it took. So a ps whose kernels cannot be built says so before it
@@ -498,10 +520,12 @@ def _exercise_kernels() -> None:
         shard = EmbeddingShard(TableSpec("warm-up", 4, OptimizerSpec(rule, {"lr": 0.1})))
         shard.apply(ids, torch.ones((4, 4)), 0.1, 1)
         shard.lookup(torch.arange(8, dtype=torch.int64))
-    # Admission (the sketch and the draw) and an eviction's compaction (float32 rows, int64 stamps).
+    # Admission (the sketch and the draw), an eviction's compaction (float32 rows, int64 stamps), and the
+    # constant initializer (the normal and uniform ones share the default's build).
     shard = EmbeddingShard(TableSpec("warm-up", 4, OptimizerSpec("sgd", {"lr": 0.1}), admit_after=2,
-                                     admit_probability=0.5, max_rows=2))
+                                     admit_probability=0.5, max_rows=2, initializer=RowInitializer("constant")))
     for update in (1, 2, 3):
         shard.apply(ids + update, torch.ones((4, 4)), 0.1, update)
+    shard.lookup(torch.arange(8, dtype=torch.int64))
     unique_ids_error(ids)
     first_stray(ids, 2, 0)
