@@ -276,7 +276,10 @@ def test_the_coordinators_hooks_see_the_closures_save_checkpoints_and_stop_at_th
     assert all(r.batch_size == 2 * BATCH and r.loss > 0 for r in seen)
     assert max(r.global_step for r in seen) == step
     saved = sorted(int(path.name.split("-")[1].split(".")[0]) for path in tmp_path.glob("model.ckpt-*"))
-    assert saved[0] == 0 and len(saved) >= 3 and all(b - a >= 10 for a, b in zip(saved[1:], saved[2:])), saved
+    # Saved when a closure reported 10 steps past the last save; a file is named by the ps's step as it is taken
+    # (a push of the other worker may land first), so names are a few steps apart from the triggers.
+    assert saved[0] == 0 and 2 <= len(saved) <= 2 + step // 10 and saved == sorted(set(saved)), saved
+    assert saved[-1] <= step
     coordinator.shutdown()
 
 
