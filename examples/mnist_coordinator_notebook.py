@@ -13,6 +13,7 @@
 # so the `@tfl.remote` functions it schedules are the ones the workers hold.
 
 # %%
+import atexit
 import contextlib
 import subprocess
 import sys
@@ -26,6 +27,7 @@ logdir = Path(tempfile.mkdtemp(prefix="mnist-notebook-"))
 # The fleet: 1 ps and 2 workers, and a place for this session (the same command works from a terminal).
 fleet = subprocess.Popen([sys.executable, "-m", "tensorfleet.cli", "launch", "--coordinator-outside", "--ps", "1",
                           "--workers", "2", "--logdir", str(logdir), str(EXAMPLES / "mnist_coordinator.py")])
+atexit.register(fleet.terminate)  # a session that ends early stops the fleet (its tasks die with the launcher)
 
 # %%
 import tensorfleet as tfl  # noqa: E402 - a notebook imports where it first needs

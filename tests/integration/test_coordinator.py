@@ -3,6 +3,7 @@ workers (threads here, each with its own closure server and replica) and gets th
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 
@@ -377,16 +378,23 @@ def test_the_seed_job_through_the_coordinator_survives_a_sigkilled_worker_ps_and
 def test_the_notebook_drives_the_seed_job_from_a_python_session_to_097():
     """examples/mnist_coordinator_notebook.py, cell after cell: the launcher starts the ps and workers with
     --coordinator-outside, the session joins (tfl.join_fleet), trains, looks, trains more, and ends the job."""
+    import os
     import re
+    import signal
     import subprocess
     import sys
 
     from tensorfleet.testing.local_cluster import REPO
 
-    done = subprocess.run([sys.executable, str(REPO / "examples" / "mnist_coordinator_notebook.py")], cwd=REPO,
-                          capture_output=True, text=True, timeout=240)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
+    notebook = subprocess.Popen([sys.executable, str(REPO / "examples" / "mnist_coordinator_notebook.py")],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # its launcher and tasks too: killed as one group
+    try:
+        output = notebook.communicate(timeout=240)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(notebook.pid, signal.SIGKILL)
+    assert notebook.returncode == 0, output
     looks = [float(a) for a in re.findall(r"global step \d+: test accuracy ([\d.]+)", output)]
     assert len(looks) == 2 and looks[1] > 0.95, output
     assert float(re.search(r"test accuracy: ([\d.]+) \(moving average\)", output).group(1)) >= 0.97, output

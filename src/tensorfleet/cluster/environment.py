@@ -16,8 +16,9 @@ import the worker layer).  Read when asked, never at import.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from tensorfleet.errors import ConfigError
 
@@ -53,3 +54,19 @@ def finished_linger_s() -> float:
     """``FINISHED_LINGER_S``, or 0 under ``tensorfleet launch``: its supervisor sees every exit (and the
     final status file), and lingering there would only delay the end of every job."""
     return 0.0 if os.environ.get(STATUS_DIR_ENV) else FINISHED_LINGER_S
+
+
+@contextlib.contextmanager
+def temporary_environ(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` set in this process's environment for the block, then what was there put back (or removed):
+    for libraries that read a variable when they start (Gloo's and TensorPipe's interface, say)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -73,6 +73,7 @@ from torch.distributed.nn.api.remote_module import RemoteModule
 from torch.distributed.optim import DistributedOptimizer
 
 from tensorfleet.cluster.device import DeviceSpec, device as torch_device
+from tensorfleet.cluster.environment import temporary_environ
 from tensorfleet.cluster.spec import (ClusterSpec, TaskSpec, cluster_from_flags, insecure_from_env,
                                       insecure_from_flags, is_loopback_host, parse_address)
 from tensorfleet.errors import (ClusterSpecError, ConfigError, DeadlineExceededError, InvalidArgumentError,
@@ -146,17 +147,8 @@ def _loopback_interface() -> str | None:
 def _interfaces_held_to(interface: str | None) -> Iterator[None]:
     """TensorPipe and Gloo pick the interface to listen on when the agent starts, from these variables; they
     are set only for the start, then put back."""
-    saved = {name: os.environ.get(name) for name in _INTERFACE_ENVS}
-    if interface is not None:
-        os.environ.update({name: interface for name in _INTERFACE_ENVS})
-    try:
+    with temporary_environ(dict.fromkeys(_INTERFACE_ENVS, interface) if interface is not None else {}):
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 # --- the rendezvous: torch's TCPStore, on one address, with a deadline ------------------------------

@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from tensorfleet.cluster.environment import temporary_environ
 from tensorfleet.errors import InvalidArgumentError, TensorfleetError
 
 log = logging.getLogger(__name__)
@@ -104,16 +105,8 @@ def sockets_on_loopback() -> Iterator[None]:
     The towers share one machine, so they need no other interface; a setting of the task's own for these
     variables (meant for a process group across machines) is overridden for the towers.
     """
-    saved = {name: os.environ.get(name) for name in _SOCKET_INTERFACE_VARIABLES}
-    os.environ.update(dict.fromkeys(_SOCKET_INTERFACE_VARIABLES, _LOOPBACK_INTERFACE))
-    try:
+    with temporary_environ(dict.fromkeys(_SOCKET_INTERFACE_VARIABLES, _LOOPBACK_INTERFACE)):
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def check_sendable(fn: Callable[..., Any], args: tuple) -> None:
