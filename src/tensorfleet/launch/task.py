@@ -112,9 +112,9 @@ def run_coordinated(args: argparse.Namespace, setup: SetupFn, drive: DriveFn, *,
         return run_task(args, lambda *unused: None, intra_op_threads=intra_op_threads)
     torch.set_num_threads(intra_op_threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    replica = setup(cluster, task)
+    replica, workers = setup(cluster, task), cluster.num_tasks("worker")
     try:
-        _aggregate_workers_only(replica, cluster.num_tasks("worker"))
+        _aggregate_workers_only(replica, workers)
     except TensorfleetError as exc:
         return _config_error(exc)
     if task.job_name == "worker":
@@ -122,7 +122,6 @@ def run_coordinated(args: argparse.Namespace, setup: SetupFn, drive: DriveFn, *,
             ClosureServer(cluster, task, WorkerContext(session=session)).serve()
         write_final_status(task, PROCESS_STATUS.as_meta())
         return 0
-    workers = cluster.num_tasks("worker")
     with TrainingSession(replica, **(session_options or {})) as session:
         with Coordinator(cluster, session=session, max_pending=max_pending or 2 * workers) as coordinator:
             drive(coordinator, session)  # a driver that raised shuts the coordinator down at once
