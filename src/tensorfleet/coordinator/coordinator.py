@@ -57,7 +57,6 @@ class CancelledError(TensorfleetError):
 class _Closure:
     function: str
     args: Sequence[Any]
-    keep_as: str | None = None
     value: "RemoteValue" = field(default_factory=lambda: RemoteValue())
     tries: int = 0
     worker: "_Worker | None" = None  # the one worker that must run it (synchronous training), or any
@@ -295,8 +294,7 @@ class _Worker(threading.Thread):
         self.coordinator, self.task = coordinator, task
         self.channel = Channel(address, task=task, options=coordinator.options)
         self.made: set[str] = set()  # the per-worker values this incarnation of the worker holds
-        self.own: queue.Queue[_Closure | None] = queue.Queue()
-        self.queue = self.own if coordinator.replicated else coordinator._queue
+        self.queue: queue.Queue[_Closure | None] = queue.Queue() if coordinator.replicated else coordinator._queue
 
     def make(self, entry: tuple[str, str, Sequence[Any]]) -> RemoteValue:
         """Build per-worker value ``entry`` there now (from the caller's thread), waiting up to ``START_WAIT_S``
@@ -305,8 +303,7 @@ class _Worker(threading.Thread):
         deadline = time.monotonic() + START_WAIT_S
         while True:
             try:
-                self._call(RunRequest(entry[1], pack(list(entry[2]), {}, "arg"), keep_as=entry[0]), {})
-                self.made.add(entry[0])
+                self._keep(entry)
                 value._set(worker=self.task)
                 return value
             except (UnavailableError, DeadlineExceededError) as exc:
@@ -359,8 +356,12 @@ class _Worker(threading.Thread):
     def _rebuild_if_restarted(self) -> None:
         for entry in self.coordinator._per_worker:
             if entry[0] not in self.made:
-                self._call(RunRequest(entry[1], pack(list(entry[2]), {}, "arg"), keep_as=entry[0]), {})
-                self.made.add(entry[0])
+                self._keep(entry)
+
+    def _keep(self, entry: tuple[str, str, Sequence[Any]]) -> None:
+        """Have the worker run per-worker entry (name, function, args) and keep its result under the name."""
+        self._call(RunRequest(entry[1], pack(list(entry[2]), {}, "arg"), keep_as=entry[0]), {})
+        self.made.add(entry[0])
 
     def _call(self, request: RunRequest, tensors: dict[str, Any]) -> tuple[RunReply, dict[str, Any]]:
         meta, out = self.channel.call("Run", request.to_meta(), tensors, timeout=RUN_TIMEOUT_S,

@@ -278,10 +278,8 @@ class EmbeddingShard:
         if missing.any():
             new_ids = ids[torch.from_numpy(missing)]
             found[missing] = self._map.insert(new_ids.numpy())
-            if self._initial is not None:  # the first values written in place by one compiled loop
-                values = None
-            else:
-                values = self.spec.initializer.rows(new_ids, self.spec.dim, self.spec.dtype)
+            values = (None if self._initial is not None  # written in place by the compiled initializer
+                      else self.spec.initializer.rows(new_ids, self.spec.dim, self.spec.dtype))
             self._append(new_ids, values, self._initial_slots(new_ids.numel()))
             self.rows_created += new_ids.numel()
         return torch.from_numpy(found)
@@ -347,7 +345,7 @@ class EmbeddingShard:
         kept_ids = ids[survivors]
         for storage in self._storages():
             storage.keep(survivors, compiled=self._map.path == "numba")
-        self._map = IdMap(int(survivors.size / 0.5))
+        self._map = IdMap(int(survivors.size / 0.5), path=self._map.path)
         self._map.insert(kept_ids)
         self.evicted += rows.size
 
@@ -425,7 +423,7 @@ class EmbeddingShard:
         if updated is not None and tuple(updated.shape) != (state.ids.numel(),):
             raise ValueError(f"table {self.spec.name!r}: slot {LAST_UPDATE!r} is {tuple(updated.shape)}, "
                              f"expected {(state.ids.numel(),)}")
-        self._map = IdMap(int(state.ids.numel() / 0.5))
+        self._map = IdMap(int(state.ids.numel() / 0.5), path=self._map.path)
         self._map.insert(state.ids.numpy())
         self._values, self._slots, self._updated = self._empty_storage()
         self._append(state.ids, state.values.to(self.spec.dtype), slots,
