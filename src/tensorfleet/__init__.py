@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "WireOptions": "tensorfleet.wire.rpc",
     **dict.fromkeys(("add_training_flags", "training_options"), "tensorfleet.worker.flags"),
     "Replica": "tensorfleet.worker.replica",
+    "report_metrics": "tensorfleet.worker.status",
     "EmbeddingTable": "tensorfleet.worker.embedding",
     "ReplicaOptions": "tensorfleet.worker.options",
     "TrainingReplica": "tensorfleet.worker.protocol",

@@ -85,6 +85,13 @@ class PictureCollector:
             if value is not None:
                 yield GaugeMetricFamily(metric, doc, value=value)
 
+        reported = GaugeMetricFamily("tensorfleet_job_metric", "What the job's script reported of its model "
+                                     "(tfl.report_metrics: accuracy, RMSE, AUC ...), by name.", labels=["name"])
+        for name, value in (job.get("metrics") or {}).items():
+            if _number(value) is not None:
+                reported.add_metric([str(name)], _number(value))
+        yield reported
+
         counters = [
             ("tensorfleet_dropped_stale_gradients", "dropped_stale", "Gradients dropped as stale (sync mode)."),
             ("tensorfleet_job_restarts", "restarts", "Task restarts in this job, all tasks."),

@@ -334,10 +334,26 @@ class FleetMonitor:
         return {replicas[i].short for s in self._seen.values() if isinstance(s.status, PsStatus)
                 for i in s.status.done_replicas or () if 0 <= i < len(replicas)}
 
+    def silent_outside(self) -> list[str]:
+        """The running tasks from outside the launcher (a coordinator's Python session) that stopped answering
+        their Status: a session that ended, or a notebook whose kernel died."""
+        with self._lock:
+            return self._silent_outside(time.monotonic())
+
+    def _silent_outside(self, now: float) -> list[str]:
+        if self.supervisor is None:
+            return []
+        return [name for name, seen in self._seen.items()
+                if (record := self.supervisor.by_name[name]).outside and record.state == "running"
+                and seen.at is not None and now - seen.at > 3 * self.interval_s + 1.0]
+
     def _task_states(self, now: float) -> dict[str, str]:
         """Every task's state: the supervisor's, or else what its (and the ps's) Status answers say."""
         if self.supervisor is not None:
-            return {t.short: self.supervisor.by_name[t.short].state for t in self.tasks}
+            states = {t.short: self.supervisor.by_name[t.short].state for t in self.tasks}
+            for name in self._silent_outside(now):  # no process of the launcher's: only its answers say it lives
+                states[name] = "unreachable"
+            return states
         reported_done, states = self._reported_done(), {}
         for name, seen in self._seen.items():
             said = seen.status.state if seen.status is not None else None
@@ -395,6 +411,7 @@ class FleetMonitor:
                                        **{key: fields.get(key) for key in _LIFECYCLE_FIELDS}}
                                for table, fields in tables.items()} or None,
                     "unique_ids": unique_ids,
+                    "metrics": None if isinstance(status, PsStatus) else status.metrics,
                     "problem": seen.refused,
                 })
             targets = [s.target_step for s in statuses.values() if isinstance(s, WorkerStatus) and s.target_step]
@@ -413,8 +430,26 @@ class FleetMonitor:
                    "restarts": self.supervisor.total_restarts if self.supervisor is not None else 0,
                    "table_rows": sum(table_rows) if table_rows else None,
                    "rows_per_sec": sum(rates["rows"].values()) if rates["rows"] else None,
-                   "problem": _refusal_problem(tasks)}
+                   "problem": _refusal_problem(tasks),
+                   "metrics": job_metrics(tasks)}
             return {"job": job, "tasks": tasks, "history": list(self._history)}
+
+
+def job_metrics(tasks: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The job's final metrics: the chief's (or the coordinator's), then any other task's of a name it did not
+    report (a script that evaluates on worker 1 only), in the cluster's order."""
+    ordered = sorted(tasks, key=lambda task: task["role"] != "chief")
+    metrics: dict[str, float] = {}
+    for task in ordered:
+        for name, value in (task.get("metrics") or {}).items():
+            metrics.setdefault(name, value)
+    return metrics or None
+
+
+def metrics_text(metrics: dict[str, float] | None) -> str:
+    """``accuracy 0.9771, rmse 0.9114``: a job's metrics on one line (4 significant decimals)."""
+    return ", ".join(f"{name} {value:.4g}" if abs(value) >= 1e4 or 0 < abs(value) < 1e-3 else f"{name} {value:.4f}"
+                     for name, value in (metrics or {}).items())
 
 
 def _refusal_problem(tasks: list[dict[str, Any]]) -> str | None:

@@ -104,6 +104,41 @@ def _tables(value: Any, report: Callable[[Any], None]) -> dict[str, dict[str, in
     return tables
 
 
+MAX_METRICS = 32  # a task reports at most this many final metrics
+
+
+def check_metric_name(name: Any) -> str:
+    """A metric's name as a script may report it: a short identifier-like text (``accuracy``, ``test_rmse``,
+    ``auc@10``), so that every view shows it as written.
+
+    Raises:
+        InvalidArgumentError: anything else, with what a name may be.
+    """
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_TEXT or not name.isprintable() or " " in name:
+        raise InvalidArgumentError(f"a metric's name must be printable text of 1-{MAX_TEXT} characters without "
+                                   f"spaces, got {name!r:.80}")
+    return name
+
+
+def _metrics(value: Any, report: Callable[[Any], None]) -> dict[str, float] | None:
+    """A task's final metrics (name -> a finite number): a bad entry is left out and reported, the rest kept;
+    more than ``MAX_METRICS`` is junk as a whole."""
+    if not isinstance(value, dict) or len(value) > MAX_METRICS:
+        return None
+    metrics = {}
+    for name, number in value.items():
+        checked = _real(number)
+        try:
+            check_metric_name(name)
+        except InvalidArgumentError:
+            checked = None
+        if checked is None:
+            report({name: number})
+        else:
+            metrics[name] = checked
+    return metrics
+
+
 def _whole(check: Callable[[Any], Any]) -> Check:
     """A check of a value that is either good or junk as a whole."""
     return lambda value, report: check(value)
@@ -251,6 +286,8 @@ class WorkerStatus(_Status):
     target_step: int | None = None  # the global step training stops at, once known
     unique_ids: int | None = None  # embedding tables: unique ids in the last push (None: no tables)
     last_step_age_s: float | None = None  # None before the first step
+    # what the script measured of its model (accuracy, RMSE, AUC, ...): tfl.report_metrics; None before any
+    metrics: dict[str, float] | None = None
 
     CHECKS: ClassVar[dict[str, tuple[Check, str]]] = {
         "task": _TEXT,
@@ -262,6 +299,7 @@ class WorkerStatus(_Status):
         "loss": _REAL,
         **dict.fromkeys(("examples", "target_step", "unique_ids"), _COUNT),
         "last_step_age_s": _REAL,
+        "metrics": (_metrics, f"an object of at most {MAX_METRICS} metrics, each a name and a finite number"),
     }
 
     def to_meta(self) -> dict[str, Any]:

@@ -449,14 +449,16 @@ class Replica:
         grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._params.items()}
         return self.placement.views(grads)
 
-    def report(self, *, loss: float | None = None, examples: int = 0, target_step: int | None = None) -> None:
-        """Tell the fleet how training goes: the step's loss, examples it used, the step training ends at.
+    def report(self, *, loss: float | None = None, examples: int = 0, target_step: int | None = None,
+               metrics: Mapping[str, float] | None = None) -> None:
+        """Tell the fleet how training goes: the step's loss, examples it used, the step training ends at, and
+        what the script measured of the model (``metrics``: accuracy, RMSE, AUC ...; see ``tfl.report_metrics``).
 
-        These figures answer this task's Status RPC, which the launcher's progress line, the
-        dashboard and ``/metrics`` read.  Steps and the global step are recorded by ``push()``.
-        ``TrainingSession`` calls this for you.
+        These figures answer this task's Status RPC, which the launcher's progress line and summary, the
+        dashboard, ``/metrics`` and the job service read.  Steps and the global step are recorded by ``push()``.
+        ``TrainingSession`` reports the loss for you.
         """
-        self.status.report(loss=loss, examples=examples, target_step=target_step)
+        self.status.report(loss=loss, examples=examples, target_step=target_step, metrics=metrics)
 
     def _push_tags(self) -> tuple[list[int] | None, float | None]:
         if self.mode is Mode.ASYNC:

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import grpc
 
 from tensorfleet.cluster.environment import STATUS_DIR_ENV
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, bind_address
-from tensorfleet.errors import TensorfleetError
-from tensorfleet.protocol.status import WorkerStatus
+from tensorfleet.errors import InvalidArgumentError, TensorfleetError
+from tensorfleet.protocol.status import MAX_METRICS, WorkerStatus, check_metric_name
 from tensorfleet.wire import rpc
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ class TaskStatus:
         self.target_step: int | None = None
         self.last_step_unix: float | None = None
         self.unique_ids: int | None = None  # embedding tables: unique ids in the last push (None: no tables)
+        self.metrics: dict[str, float] = {}  # what the script measured of its model (tfl.report_metrics)
 
     def begin(self, task: TaskSpec, *, is_chief: bool) -> None:
         self.task, self.role, self.state = task.name, "chief" if is_chief else "worker", "training"
@@ -60,12 +62,15 @@ class TaskStatus:
         self.global_step, self.dropped_gradients = global_step, dropped_gradients
         self.last_step_unix = time.time()
 
-    def report(self, *, loss: float | None = None, examples: int = 0, target_step: int | None = None) -> None:
+    def report(self, *, loss: float | None = None, examples: int = 0, target_step: int | None = None,
+               metrics: Mapping[str, float] | None = None) -> None:
         if loss is not None:
             self.loss = loss
         self.examples += examples
         if target_step is not None:
             self.target_step = target_step
+        if metrics:
+            self.metrics = {**self.metrics, **checked_metrics(metrics, already=self.metrics)}
 
     def finished(self, *, failed: bool = False) -> None:
         self.state = "failed" if failed else "done"
@@ -77,7 +82,8 @@ class TaskStatus:
                             uptime_s=now - self.started_unix, local_step=self.local_step,
                             global_step=self.global_step, dropped_gradients=self.dropped_gradients, loss=self.loss,
                             examples=self.examples, target_step=self.target_step, unique_ids=self.unique_ids,
-                            last_step_age_s=None if self.last_step_unix is None else now - self.last_step_unix)
+                            last_step_age_s=None if self.last_step_unix is None else now - self.last_step_unix,
+                            metrics=dict(self.metrics) or None)
 
     def as_meta(self) -> dict[str, Any]:
         """The Status reply as it travels (and as the final-status file holds it)."""
@@ -85,6 +91,44 @@ class TaskStatus:
 
 
 PROCESS_STATUS = TaskStatus()
+
+
+def checked_metrics(metrics: Mapping[str, float], *, already: Mapping[str, float] = {}) -> dict[str, float]:
+    """``metrics`` as a Status carries them: names checked, values finite floats, at most ``MAX_METRICS`` in all.
+
+    Raises:
+        InvalidArgumentError: a bad name, a value that is not a finite number, or too many metrics.
+    """
+    checked = {}
+    for name, value in metrics.items():
+        check_metric_name(name)
+        number = float(value) if not isinstance(value, bool) and isinstance(value, (int, float)) else math.nan
+        if not math.isfinite(number):
+            raise InvalidArgumentError(f"metric {name!r} must be a finite number, got {value!r:.80}")
+        checked[name] = number
+    if len({*already, *checked}) > MAX_METRICS:
+        raise InvalidArgumentError(f"a task reports at most {MAX_METRICS} metrics")
+    return checked
+
+
+def report_metrics(**metrics: float) -> None:
+    """Report what this task measured of its model (``tfl.report_metrics(accuracy=0.977)``): its Status carries
+    them to the launcher's summary, the dashboard, ``/metrics`` and the job service's pages, as it carries the
+    loss. A name reported again replaces its value; call it at the end of training, or as often as you evaluate.
+
+    Raises:
+        InvalidArgumentError: a name that is not printable text of 1-64 characters without spaces, a value that
+        is not a finite number (NaN, a string, a tensor of more than one element), or more than 32 metrics.
+    """
+    PROCESS_STATUS.report(metrics={name: _scalar(value) for name, value in metrics.items()})
+
+
+def _scalar(value: Any) -> Any:
+    """A one-element tensor or numpy number as a Python number; anything else as it is (checked after)."""
+    try:
+        return value.item() if hasattr(value, "item") else value
+    except (ValueError, RuntimeError):  # more than one element: refused as not a number
+        return value
 
 
 def final_status_path(directory: str | Path, task: TaskSpec) -> Path:

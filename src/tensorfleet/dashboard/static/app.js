@@ -105,6 +105,28 @@
     setValue("elapsed", job.elapsed_s, formatDuration);
     setValue("dropped-stale", job.dropped_stale, formatInteger);
     setValue("restarts", job.restarts, formatInteger);
+    renderMetrics(job.metrics);
+  }
+
+  // What the script reported of its model (tfl.report_metrics): one stat each, in the order reported.
+  function renderMetrics(metrics) {
+    const entries = Object.entries(metrics || {}).filter(([, value]) => isNumber(value));
+    const section = byId("job-metrics");
+    section.hidden = entries.length === 0;
+    section.replaceChildren(...entries.map(([name, value]) => {
+      const stat = document.createElement("div");
+      stat.className = "stat metric";
+      stat.dataset.metric = name;
+      const label = document.createElement("span");
+      label.className = "label";
+      label.textContent = name;
+      const shown = document.createElement("span");
+      shown.className = "value";
+      const size = Math.abs(value);
+      shown.textContent = size >= 1e4 || (size > 0 && size < 1e-3) ? value.toPrecision(4) : value.toFixed(4);
+      stat.append(label, shown);
+      return stat;
+    }));
   }
 
   function renderProgress(step, target) {
