@@ -135,11 +135,12 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
         if replica.is_chief:
             replica.pull()
             raw, bayes = held_out(spec, args.eval_batches, args.batch_size)
-            print(f"held-out AUC: {evaluate(model, [as_batch(b) for b in raw]):.4f} (the hidden model's: "
-                  f"{bayes:.4f}; a constant guess: 0.5)")
+            held_out_auc = evaluate(model, [as_batch(b) for b in raw])
+            print(f"held-out AUC: {held_out_auc:.4f} (the hidden model's: {bayes:.4f}; a constant guess: 0.5)")
+            tfl.report_metrics(auc=held_out_auc)  # the job's summary and pages show it
             for status in replica.client.wait_for_shards(60):
-                rows = ", ".join(f"{name} {t['rows']:,}" for name, t in status["tables"].items())
-                print(f"{status['task']}: rows {rows}")
+                rows = ", ".join(f"{name} {t['rows']:,.0f}" for name, t in (status.tables or {}).items())
+                print(f"{status.task}: rows {rows}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -146,8 +146,11 @@ def train_towers(towers: tfl.Towers, args: argparse.Namespace, cluster: tfl.Clus
           f"{replica.dropped_gradients} gradient(s) dropped by the ps")
     print(f"Training elapsed time: {elapsed:.2f} s")
     evaluated = f"moving average, decay {replica.average_decay:g}" if replica.average_decay else "last parameters"
-    print(f"validation accuracy: {accuracy(model, mnist.validation, limit=args.eval_limit):.4f} ({evaluated})")
-    print(f"test accuracy: {accuracy(model, mnist.test, limit=args.eval_limit):.4f} ({evaluated})")
+    val_accuracy = accuracy(model, mnist.validation, limit=args.eval_limit)
+    test_accuracy = accuracy(model, mnist.test, limit=args.eval_limit)
+    print(f"validation accuracy: {val_accuracy:.4f} ({evaluated})")
+    print(f"test accuracy: {test_accuracy:.4f} ({evaluated})")
+    tfl.report_metrics(accuracy=test_accuracy, val_accuracy=val_accuracy)  # the job's summary and pages show them
     if replica.average_decay:
         print(f"test accuracy of the last parameters: {last_accuracy:.4f}")
 

@@ -107,8 +107,9 @@ def drive(coordinator: tfl.Coordinator, session: tfl.TrainingSession) -> None:
     print(f"Training elapsed time: {elapsed:.2f} s")
     if replica.average_decay:
         replica.load_averages()
-    print(f"test accuracy: {evaluate(replica.module, load_mnist(ARGS.data_dir).test):.4f} "
-          f"({'moving average' if replica.average_decay else 'last parameters'})")
+    test_accuracy = evaluate(replica.module, load_mnist(ARGS.data_dir).test)
+    print(f"test accuracy: {test_accuracy:.4f} ({'moving average' if replica.average_decay else 'last parameters'})")
+    tfl.report_metrics(accuracy=test_accuracy)  # the job's summary and pages show it
     print(f"test accuracy of the last parameters: {last:.4f}")
 
 

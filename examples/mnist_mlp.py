@@ -110,6 +110,7 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
     _, test_accuracy = evaluate(model, mnist.test)
     evaluated = f"moving average, decay {replica.average_decay:g}" if replica.average_decay else "last parameters"
     print(f"test accuracy: {test_accuracy:.4f} ({evaluated})")
+    tfl.report_metrics(accuracy=test_accuracy, val_cross_entropy=val_loss)  # the job's summary and pages show them
     if replica.average_decay:
         print(f"test accuracy of the last parameters: {last_accuracy:.4f}")
         print(f"  (each worker evaluates the parameters it pulled last, here at global step {step}"

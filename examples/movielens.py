@@ -137,6 +137,7 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
     print(f"Worker {replica_id}: {session.local_step} local steps in {elapsed:.1f} s "
           f"(global step {replica.global_step} of {last_step})")
     print(f"fold {args.fold} test RMSE: {rmse:.4f} ({len(test_rows)} ratings)")
+    tfl.report_metrics(rmse=rmse)  # the job's summary and pages show it
 
 
 def main(argv: list[str] | None = None) -> int:
