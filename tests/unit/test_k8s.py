@@ -71,12 +71,15 @@ def token_of(docs):
 
 
 def containers_of(docs):
-    """Every container template: one per Job, one per TFJob replica type, one per JobSet replicated job."""
+    """Every container template: one per Job, one per TFJob replica type, one per replicated job of a JobSet or
+    of a TrainingRuntime's JobSet template."""
     templates = [d["spec"]["template"] for d in of_kind(docs, "Job")]
     for tfjob in of_kind(docs, "TFJob"):
         templates += [r["template"] for r in tfjob["spec"]["tfReplicaSpecs"].values()]
-    for jobset in of_kind(docs, "JobSet"):
-        templates += [r["template"]["spec"]["template"] for r in jobset["spec"]["replicatedJobs"]]
+    jobset_specs = [d["spec"] for d in of_kind(docs, "JobSet")]
+    jobset_specs += [d["spec"]["template"]["spec"] for d in of_kind(docs, "TrainingRuntime")]
+    for spec in jobset_specs:
+        templates += [r["template"]["spec"]["template"] for r in spec["replicatedJobs"]]
     return [container_of(t) for t in templates]
 
 
@@ -326,6 +329,16 @@ def test_cli_tfjob_format(capsys):
     assert tfjob == render_tfjob(job)
 
 
+def test_the_help_and_the_docs_say_a_tfjobs_backoff_limit_counts_the_whole_job(capsys):
+    """runPolicy.backoffLimit is the TFJob's, all tasks together: --max-restarts is not per task there."""
+    with pytest.raises(SystemExit):
+        main(["k8s", "render", "--help"])
+    assert "tfjob: of the whole job" in " ".join(capsys.readouterr().out.split())
+    docs = (Path(__file__).parents[2] / "docs" / "kubernetes.md").read_text(encoding="utf-8")
+    tfjob = docs[docs.index("## The TFJob option"):docs.index("## Clean up")]
+    assert "backoffLimit` as above" not in tfjob and "restarts of every task" in " ".join(tfjob.split())
+
+
 def test_cli_options_fall_back_to_environment(monkeypatch, capsys):
     monkeypatch.setenv("TENSORFLEET_PS", "2")
     monkeypatch.setenv("TENSORFLEET_WORKERS", "3")
@@ -373,6 +386,25 @@ def test_invalid_values_exit_2_with_one_clear_line(argv, message, capsys):
     out, err = capsys.readouterr()
     assert out == ""
     assert err.startswith("tensorfleet k8s render: error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("fmt, longest", [
+    ("manifests", "-worker-3"), ("tfjob", "-worker-3"),  # Services and Jobs; the operator's pods and Services
+    ("jobset", "-worker-3-0-xxxxx"),  # JobSet's pod names, with the random end its webhook counts in
+    ("trainjob", "-node-0-3-xxxxx")])  # the workers are pods 0..3 of the one Job of Trainer's node
+def test_a_name_too_long_for_the_formats_names_exits_2_saying_the_maximum(fmt, longest, capsys):
+    """50 characters with 4 workers made JobSet pod names of 67 (NAME-worker-3-0-xxxxx) that its webhook refuses."""
+    room = 63 - len(longest)
+    argv = ["k8s", "render", "--ps", "2", "--workers", "4", "--image", "i", "--format", fmt]
+    assert main(argv + ["--name", "a" * (room + 1), "train.py"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert f"too long for --format {fmt} with 2 ps and 4 workers: use at most {room} characters" in err
+    assert main(argv + ["--name", "a" * room, "train.py"]) == 0
+    assert k8s.max_name_length(fmt, 2, 4) == room
+    if fmt in ("jobset", "trainjob"):  # the renderers refuse it too (the job service calls them directly)
+        with pytest.raises(ConfigError, match=f"at most {room} characters"):
+            k8s.RENDERERS[fmt](make_job(num_ps=2, num_workers=4, name="a" * (room + 1)))
 
 
 def test_bad_environment_value_exit_2_naming_the_variable(monkeypatch, capsys):

@@ -493,6 +493,14 @@ def test_a_jobset_job_is_the_secret_and_one_jobset_valid_for_the_pinned_crd(api,
         assert container["command"] == ["python", "train/mnist.py", "--steps", "5"]
 
 
+def test_a_jobset_job_with_a_long_name_gets_one_whose_pod_names_jobset_takes(api, jobset_backend, workspace, tmp_path):
+    """JobSet's webhook counts the pod names' random end (NAME-worker-3-0-xxxxx): the name leaves room for it."""
+    jobset_backend.start(make_record(workspace, name="x" * 80, workers=4), tmp_path)
+    jobset = api.requests[1].body
+    longest = f"{jobset['metadata']['name']}-worker-3-0-abcde"
+    assert len(longest) == 63 and jobset["metadata"]["name"].startswith("tf-7-xxx")
+
+
 def test_a_jobset_job_is_observed_through_the_jobset_and_its_jobs(api, jobset_backend, workspace):
     record = make_record(workspace)
     assert jobset_backend.observe(record).state is JobState.LOST  # no JobSet

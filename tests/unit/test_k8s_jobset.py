@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -13,9 +14,10 @@ import yaml
 
 from tensorfleet.cluster.spec import from_tf_config
 from tensorfleet.errors import ClusterSpecError, ConfigError
-from tensorfleet.launch.k8s import K8sJob, render_jobset, RENDERERS, to_yaml
+from tensorfleet.launch.k8s import K8sJob, max_name_length, render_jobset, RENDERERS, to_yaml
 
 CRD = Path(__file__).parents[1] / "data" / "jobset" / "jobset.x-k8s.io_jobsets.yaml"
+DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 
 def strict(schema: dict) -> dict:
@@ -102,10 +104,30 @@ def test_each_pod_resolves_its_own_task_from_the_shared_template_and_its_job_ind
         from_tf_config(json.dumps({"cluster": {"worker": ["w:1"]}}), {"TENSORFLEET_TASK_TYPE": "worker"})
 
 
+def webhook_name_errors(jobset: dict) -> list[str]:
+    """What JobSet's validating webhook (v0.12.0, pkg/webhooks/jobset_webhook.go) says of the names a JobSet will
+    make: each replicated job's last Job name, and for an Indexed Job (JobSet defaults to it) with completions set,
+    its last pod's name with a 5-character random end, must be DNS-1035 labels of at most 63 characters."""
+    errors, name = [], jobset["metadata"]["name"]
+    for rjob in jobset["spec"]["replicatedJobs"]:
+        job_spec = rjob["template"]["spec"]
+        names = [f"{name}-{rjob['name']}-{rjob.get('replicas', 1) - 1}"]
+        if job_spec.get("completionMode", "Indexed") == "Indexed" and "completions" in job_spec:
+            names.append(f"{names[0]}-{job_spec['completions'] - 1}-abcde")
+        errors += [f"{n}: {len(n)} characters" for n in names if len(n) > 63 or not DNS_1035.fullmatch(n)]
+    return errors
+
+
 def test_the_jobset_format_renders_the_secret_then_the_jobset_and_refuses_a_name_too_long():
     docs = list(yaml.safe_load_all(to_yaml(RENDERERS["jobset"](job()))))
     assert [d["kind"] for d in docs] == ["Secret", "JobSet"]
     assert [d["kind"] for d in RENDERERS["jobset"](job(token_secret="mine"))] == ["JobSet"]
     assert "&id" not in to_yaml(RENDERERS["jobset"](job()))  # no YAML anchors: every object written out
-    with pytest.raises(ConfigError, match="too long for a JobSet"):
-        render_jobset(job(name="a" * 53, num_workers=10))  # a-...-worker-9-0: 64
+    # 50 characters and 4 workers: pod names of 67 (NAME-worker-3-0-abcde), which the webhook refuses
+    assert webhook_name_errors({"metadata": {"name": "a" * 50}, "spec": {
+        "replicatedJobs": [{"name": "worker", "replicas": 4, "template": {"spec": {"completions": 1}}}]}})
+    with pytest.raises(ConfigError, match="use at most 46 characters"):
+        render_jobset(job(name="a" * 50, num_workers=4))
+    for workers in (1, 4, 10, 1000):  # the longest name the renderer takes is one the webhook takes
+        longest = job(name="a" * max_name_length("jobset", 2, workers), num_workers=workers)
+        assert not webhook_name_errors(render_jobset(longest))

@@ -2,7 +2,7 @@
 
 Kubernetes is the engine for fleets that outgrow one machine; this module only
 writes YAML (no cluster access), so what it renders can be reviewed, diffed and
-applied with ``kubectl``.  Three formats:
+applied with ``kubectl``.  Four formats:
 
 * ``manifests`` (plain Kubernetes, no operator needed).  Every task
   (``ps:0..N-1``, ``worker:0..M-1``) gets a headless Service and a ``batch/v1``
@@ -24,14 +24,26 @@ applied with ``kubectl``.  Three formats:
   (``NAME-ps-0-0.NAME``); the pods of a replicated job share one template, so
   TF_CONFIG holds the cluster and each pod learns its index from JobSet's
   ``job-index`` annotation (downward API, ``TENSORFLEET_TASK_INDEX``).
+* ``trainjob``: a Kubeflow Trainer v2 ``TrainJob`` and the ``TrainingRuntime`` it
+  names, whose template is that JobSet with the workers as Trainer's ``node``: one
+  Job (``replicas: 1``) of M indexed pods, each learning its index from the Job's
+  completion index; the ps stay a replicated job of their own.
 * ``tfjob``: one Kubeflow ``TFJob``; the training operator creates the pods and
   Services and injects ``TF_CONFIG`` itself (its names follow the same
   ``NAME-ps-0`` pattern). Kubeflow's v1 training operator is deprecated: use
-  ``jobset`` with Trainer v2.
+  ``jobset`` or ``trainjob``.
 
 Restart policy mirrors the local supervisor: ``on-failure`` restarts a failed
-task in place up to ``max_restarts`` times (pod ``OnFailure``, Job
-``backoffLimit``); ``never`` lets the first failure end that task's Job.
+task up to ``max_restarts`` times (pod ``OnFailure`` and Job ``backoffLimit`` for
+a one-pod Job; ``backoffLimitPerIndex`` for Trainer's node Job); ``never`` lets the
+first failure end that task's Job. A TFJob's ``runPolicy.backoffLimit`` is the one
+exception: it counts the restarts of all its tasks together.
+
+Every name derived from the job's name must be a DNS label (at most 63
+characters): a task's Service and Job (``NAME-worker-3``), and where JobSet makes
+the pods, the longest pod name with the Job controller's random end
+(``NAME-worker-3-0-x7k2q``), which JobSet's webhook checks. ``max_name_length``
+says how long the name may be for a format and a fleet's shape.
 
 Example:
     >>> job = K8sJob(name="mnist", num_ps=1, num_workers=2, image="repo/tf:1", script="train.py")
@@ -59,7 +71,7 @@ from tensorfleet.errors import ConfigError
 from tensorfleet.wire.auth import TOKEN_ENV, new_token
 
 RESTART_POLICIES = {"on-failure": "OnFailure", "never": "Never"}
-FORMATS = ("manifests", "tfjob", "jobset")
+FORMATS = ("manifests", "tfjob", "jobset", "trainjob")
 GPU_RESOURCE = "nvidia.com/gpu"
 PORT_NAME = "grpc"
 CONTAINER_NAME = "tensorfleet"
@@ -128,12 +140,8 @@ class K8sJob:
         if not isinstance(self.name, str) or not _DNS_1035.fullmatch(self.name):
             raise ConfigError(f"name {self.name!r} is not a DNS-1035 label: use lowercase letters, digits "
                                    "and '-', starting with a letter and ending with a letter or digit")
-        longest = max((self.task_name(TaskSpec("ps", self.num_ps - 1)),
-                       self.task_name(TaskSpec("worker", self.num_workers - 1))), key=len)
-        if len(longest) > MAX_NAME_LENGTH:
-            room = MAX_NAME_LENGTH - (len(longest) - len(self.name))
-            raise ConfigError(f"name {self.name!r} is too long: task names such as {longest!r} must stay "
-                                   f"within {MAX_NAME_LENGTH} characters, so use at most {room} characters")
+        # manifests' (and tfjob's) names; the longer ones of jobset and trainjob are checked as they render
+        check_name_length(self.name, "manifests", self.num_ps, self.num_workers)
         if (not isinstance(self.namespace, str) or len(self.namespace) > MAX_NAME_LENGTH
                 or not _DNS_1123.fullmatch(self.namespace)):
             raise ConfigError(f"namespace {self.namespace!r} is not a DNS-1123 label: lowercase letters, "
@@ -154,6 +162,41 @@ class K8sJob:
         hosts = {job: [f"{self.task_name(TaskSpec(job, i))}.{self.namespace}.svc:{self.port}" for i in range(count)]
                  for job, count in (("ps", self.num_ps), ("worker", self.num_workers))}
         return ClusterSpec.from_dict(hosts)
+
+
+RANDOM_END = "-xxxxx"  # the 5 random characters the Job controller ends a pod's name with; JobSet's webhook counts them
+
+
+def derived_names(fmt: str, name: str, num_ps: int, num_workers: int) -> tuple[str, str]:
+    """The longest names format ``fmt`` derives from ``name`` for the last ps and the last worker, each of which
+    must be a DNS label: Services and Jobs (``manifests``) or the operator's pods and Services (``tfjob``),
+    ``NAME-worker-3``; the pods JobSet makes (``jobset``, ``trainjob``), with the random end JobSet's webhook
+    counts in (its pods are ``NAME-RJOB-JOBINDEX-PODINDEX-xxxxx``)."""
+    ps, worker = f"{name}-ps-{num_ps - 1}", f"{name}-worker-{num_workers - 1}"
+    if fmt == "jobset":
+        return f"{ps}-0{RANDOM_END}", f"{worker}-0{RANDOM_END}"
+    if fmt == "trainjob":  # the workers are the pods of Trainer's one node Job
+        return f"{ps}-0{RANDOM_END}", f"{name}-{TRAINER_NODE}-0-{num_workers - 1}{RANDOM_END}"
+    return ps, worker
+
+
+def max_name_length(fmt: str, num_ps: int, num_workers: int) -> int:
+    """How long a job's name may be in format ``fmt`` with this many tasks: every derived name within 63."""
+    return MAX_NAME_LENGTH - max(len(n) for n in derived_names(fmt, "", num_ps, num_workers))
+
+
+def check_name_length(name: str, fmt: str, num_ps: int, num_workers: int) -> None:
+    """Refuse a name whose derived names would not be DNS labels, saying how long it may be for this shape.
+
+    Raises:
+        ConfigError: ``name`` is too long for ``fmt`` with ``num_ps`` ps and ``num_workers`` workers.
+    """
+    room = max_name_length(fmt, num_ps, num_workers)
+    if len(name) > room:
+        longest = max(derived_names(fmt, name, num_ps, num_workers), key=len)
+        raise ConfigError(f"name {name!r} is too long for --format {fmt} with {num_ps} ps and {num_workers} "
+                          f"workers: use at most {room} characters ({longest!r} would have {len(longest)}, "
+                          f"over Kubernetes' {MAX_NAME_LENGTH})")
 
 
 def _check_int(field: str, value: Any, low: int, high: int | None = None) -> None:
@@ -257,14 +300,66 @@ def render_tfjob(job: K8sJob) -> dict[str, Any]:
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 JOB_INDEX_ANNOTATION = "jobset.sigs.k8s.io/job-index"  # JobSet sets it on every Job and pod it makes
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"  # an Indexed Job's pod's index
+TRAINER_GROUP = "trainer.kubeflow.org"
+TRAINER_API = f"{TRAINER_GROUP}/v1alpha1"
+TRAINER_NODE = "node"  # Trainer's webhook: the trainer's replicated job has a container of this name (and ours)
+TRAINER_ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"  # on a replicated job's Job template
+TRAINER_ANCESTOR = "trainer"  # ... marks the job Trainer scales to numNodes and applies the TrainJob's trainer to
+TRAINER_MAX_ITEMS = 128  # the TrainJob CRD's bound on trainer.command
+
+
+def _jobset_host(job: K8sJob, replicated: str, job_index: int, pod_index: int) -> str:
+    """JobSet's stable pod name, ``NAME-RJOB-JOBINDEX-PODINDEX``, in the JobSet's headless Service ``NAME``."""
+    return f"{job.name}-{replicated}-{job_index}-{pod_index}.{job.name}.{job.namespace}.svc:{job.port}"
 
 
 def jobset_cluster(job: K8sJob) -> ClusterSpec:
-    """The cluster as a JobSet's pods see it: JobSet's stable pod names, ``NAME-ps-0-0.NAME.NAMESPACE.svc``
-    (replicated job ``ps``, Job index 0, pod index 0, in the JobSet's headless Service ``NAME``)."""
-    hosts = {kind: [f"{job.name}-{kind}-{i}-0.{job.name}.{job.namespace}.svc:{job.port}" for i in range(count)]
-             for kind, count in (("ps", job.num_ps), ("worker", job.num_workers))}
-    return ClusterSpec.from_dict(hosts)
+    """The cluster as a JobSet's pods see it: ``NAME-ps-0-0.NAME.NAMESPACE.svc`` (replicated job ``ps``, Job
+    index 0, pod index 0): one Job of one pod per task."""
+    return ClusterSpec.from_dict({kind: [_jobset_host(job, kind, i, 0) for i in range(count)]
+                                  for kind, count in (("ps", job.num_ps), ("worker", job.num_workers))})
+
+
+def trainjob_cluster(job: K8sJob) -> ClusterSpec:
+    """The cluster as a TrainJob's pods see it: the ps as in a JobSet, worker i as pod i of the one Job of
+    Trainer's ``node`` (``NAME-node-0-i``); Trainer names the JobSet after the TrainJob."""
+    return ClusterSpec.from_dict({"ps": [_jobset_host(job, "ps", i, 0) for i in range(job.num_ps)],
+                                  "worker": [_jobset_host(job, TRAINER_NODE, 0, i) for i in range(job.num_workers)]})
+
+
+def _replicated_job(job: K8sJob, kind: str, cluster: ClusterSpec, *, name: str, replicas: int, container: str,
+                    index_annotation: str, job_spec: dict[str, Any], restart_policy: str) -> dict[str, Any]:
+    """A JobSet replicated job of the tasks of ``kind``: one shared template, so TF_CONFIG holds the cluster only
+    and each pod takes its index from ``index_annotation`` (downward API) as ``TENSORFLEET_TASK_INDEX``."""
+    main = _container(job, kind, name=container, port_name=PORT_NAME,
+                      tf_config=json.dumps({"cluster": cluster.as_dict()}))
+    main["env"][1:1] = [
+        {"name": TASK_TYPE_ENV, "value": kind},
+        {"name": TASK_INDEX_ENV,
+         "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{index_annotation}']"}}}]
+    pod_labels = {**labels(job), "tensorfleet.io/replica-type": kind}
+    return {"name": name, "replicas": replicas,
+            "template": {"metadata": {"labels": dict(pod_labels)},
+                         "spec": {**job_spec, "template": {"metadata": {"labels": dict(pod_labels)},
+                                                           "spec": {"restartPolicy": restart_policy,
+                                                                    "containers": [main]}}}}}
+
+
+def _one_pod_per_job(job: K8sJob, kind: str, count: int, cluster: ClusterSpec) -> dict[str, Any]:
+    """``count`` Jobs of one pod, restarted as in ``manifests`` (in place, ``backoffLimit`` per task)."""
+    return _replicated_job(job, kind, cluster, name=kind, replicas=count, container=CONTAINER_NAME,
+                           index_annotation=JOB_INDEX_ANNOTATION, restart_policy=RESTART_POLICIES[job.restart],
+                           job_spec={"completions": 1, "parallelism": 1, "backoffLimit": _backoff_limit(job)})
+
+
+def _jobset_spec(replicated: list[dict[str, Any]], workers: str) -> dict[str, Any]:
+    """JobSet's headless Service, published before the pods are ready (tasks dial each other while starting);
+    success when every Job of ``workers`` has; no restart of the whole set (it would restart every ps empty)."""
+    return {"network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+            "failurePolicy": {"maxRestarts": 0},
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": [workers]},
+            "replicatedJobs": replicated}
 
 
 def render_jobset(job: K8sJob) -> dict[str, Any]:
@@ -273,37 +368,63 @@ def render_jobset(job: K8sJob) -> dict[str, Any]:
     index (an annotation), which reaches the task as ``TENSORFLEET_TASK_INDEX`` beside the shared TF_CONFIG's
     cluster. Restarts as in ``manifests``: a failed pod is restarted in place up to ``max_restarts`` times (Job
     ``backoffLimit``); a Job that gives up fails the JobSet (``failurePolicy.maxRestarts: 0``, since a restart of
-    the whole set would restart every ps empty). The JobSet succeeds when every worker Job has completed."""
-    longest = f"{job.name}-worker-{job.num_workers - 1}-0"
-    if len(longest) > MAX_NAME_LENGTH:
-        raise ConfigError(f"name {job.name!r} is too long for a JobSet: its pods' host names, such as {longest!r}, "
-                          f"must stay within {MAX_NAME_LENGTH} characters")
-    cluster = json.dumps({"cluster": jobset_cluster(job).as_dict()})
+    the whole set would restart every ps empty). The JobSet succeeds when every worker Job has completed.
 
-    def replicated(kind: str, count: int) -> dict[str, Any]:
-        container = _container(job, kind, name=CONTAINER_NAME, port_name=PORT_NAME, tf_config=cluster)
-        container["env"][1:1] = [
-            {"name": TASK_TYPE_ENV, "value": kind},
-            {"name": TASK_INDEX_ENV,
-             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{JOB_INDEX_ANNOTATION}']"}}}]
-        pod_labels = {**labels(job), "tensorfleet.io/replica-type": kind}
-        return {"name": kind, "replicas": count,
-                "template": {"metadata": {"labels": dict(pod_labels)},
-                             "spec": {"completions": 1, "parallelism": 1, "backoffLimit": _backoff_limit(job),
-                                      "template": {"metadata": {"labels": dict(pod_labels)},
-                                                   "spec": {"restartPolicy": RESTART_POLICIES[job.restart],
-                                                            "containers": [container]}}}}}
-
+    Raises:
+        ConfigError: the name is too long for the pod names JobSet would make (its webhook would refuse it).
+    """
+    check_name_length(job.name, "jobset", job.num_ps, job.num_workers)
+    cluster = jobset_cluster(job)
     return {"apiVersion": JOBSET_API, "kind": "JobSet", "metadata": _metadata(job, job.name),
-            "spec": {"network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
-                     "failurePolicy": {"maxRestarts": 0},
-                     "successPolicy": {"operator": "All", "targetReplicatedJobs": ["worker"]},
-                     "replicatedJobs": [replicated("ps", job.num_ps), replicated("worker", job.num_workers)]}}
+            "spec": _jobset_spec([_one_pod_per_job(job, "ps", job.num_ps, cluster),
+                                  _one_pod_per_job(job, "worker", job.num_workers, cluster)], workers="worker")}
+
+
+def render_trainjob(job: K8sJob) -> list[dict[str, Any]]:
+    """Kubeflow Trainer v2: a ``TrainingRuntime`` whose template is the JobSet, then the ``TrainJob`` naming it
+    (Trainer's webhook wants the runtime to exist first).
+
+    Trainer's rules: the replicated job marked as the trainer (``node``) has ``replicas: 1`` and a container named
+    ``node``; Trainer scales its one Job to ``trainer.numNodes`` pods and applies the TrainJob's ``trainer``
+    (image, command, resources) to that container only, so the workers are the M indexed pods of ``node`` (index:
+    the Job's completion index) and the ps keep a replicated job of their own, as in ``jobset``. Since the M
+    workers share one Job, a worker's restarts are counted per index (``backoffLimitPerIndex``, which Kubernetes
+    allows only with the pod policy ``Never``: a failed worker's pod is replaced, under the same name), and
+    ``maxFailedIndexes: 0`` fails the Job as soon as one worker has used them, as one task's Job would.
+
+    Raises:
+        ConfigError: the name is too long for the pod names JobSet would make.
+    """
+    check_name_length(job.name, "trainjob", job.num_ps, job.num_workers)
+    cluster = trainjob_cluster(job)
+    command = ["python", job.script, *job.script_args]
+    if len(command) > TRAINER_MAX_ITEMS:
+        raise ConfigError(f"a TrainJob's trainer command holds at most {TRAINER_MAX_ITEMS} items: python, SCRIPT "
+                          f"and {TRAINER_MAX_ITEMS - 2} arguments, not {len(job.script_args)}")
+    node_restarts = job.max_restarts if job.restart == "on-failure" else 0
+    node = _replicated_job(job, "worker", cluster, name=TRAINER_NODE, replicas=1, container=TRAINER_NODE,
+                           index_annotation=COMPLETION_INDEX_ANNOTATION, restart_policy="Never",
+                           job_spec={"completionMode": "Indexed", "completions": job.num_workers,
+                                     "parallelism": job.num_workers, "backoffLimitPerIndex": node_restarts,
+                                     "maxFailedIndexes": 0})
+    node["template"]["metadata"]["labels"][TRAINER_ANCESTOR_LABEL] = TRAINER_ANCESTOR
+    runtime = {"apiVersion": TRAINER_API, "kind": "TrainingRuntime", "metadata": _metadata(job, job.name),
+               "spec": {"mlPolicy": {"numNodes": job.num_workers},
+                        "template": {"metadata": {"labels": labels(job)},
+                                     "spec": _jobset_spec([_one_pod_per_job(job, "ps", job.num_ps, cluster), node],
+                                                          workers=TRAINER_NODE)}}}
+    trainjob = {"apiVersion": TRAINER_API, "kind": "TrainJob", "metadata": _metadata(job, job.name),
+                "spec": {"runtimeRef": {"apiGroup": TRAINER_GROUP, "kind": "TrainingRuntime",
+                                        "name": job.name},
+                         "trainer": {"numNodes": job.num_workers, "image": job.image, "command": command,
+                                     "resourcesPerNode": _resources(job, "worker")}}}
+    return [runtime, trainjob]
 
 
 RENDERERS: dict[str, Callable[[K8sJob], list[dict[str, Any]]]] = {
     "manifests": render_manifests, "tfjob": lambda job: [*_secrets(job), render_tfjob(job)],
-    "jobset": lambda job: [*_secrets(job), render_jobset(job)]}
+    "jobset": lambda job: [*_secrets(job), render_jobset(job)],
+    "trainjob": lambda job: [*_secrets(job), *render_trainjob(job)]}
 
 
 def to_yaml(docs: Sequence[dict[str, Any]]) -> str:
@@ -342,19 +463,22 @@ _OPTIONS: tuple[tuple[str, str, Callable[[str], Any], Any, str, str], ...] = (
     ("--gpus-per-worker", "TENSORFLEET_GPUS_PER_WORKER", _integer(0), 0, "K",
      f"{GPU_RESOURCE} per worker (ps get none)"),
     ("--namespace", "TENSORFLEET_NAMESPACE", str, "default", "NS", "namespace of every object"),
-    ("--name", "TENSORFLEET_NAME", str, "tensorfleet", "NAME", "job name, the prefix of every object name"),
+    ("--name", "TENSORFLEET_NAME", str, "tensorfleet", "NAME",
+     "job name, the prefix of every object name; what each format derives from it must fit in 63 characters"),
     ("--token-secret", "TENSORFLEET_TOKEN_SECRET", str, "", "SECRET",
      "an existing Secret whose key 'token' holds the job's token (kubectl create secret generic SECRET "
      "--from-file=token=FILE): the output then holds no secret; by default a new token is rendered in a Secret"),
     ("--restart", "TENSORFLEET_RESTART", _choice(tuple(RESTART_POLICIES)), "on-failure", "POLICY",
      "on-failure (restart a task up to --max-restarts times) or never"),
-    ("--max-restarts", "TENSORFLEET_MAX_RESTARTS", _integer(0), 3, "R", "restarts per task with on-failure"),
+    ("--max-restarts", "TENSORFLEET_MAX_RESTARTS", _integer(0), 3, "R",
+     "restarts per task with on-failure (tfjob: of the whole job, all tasks together: its runPolicy.backoffLimit)"),
     ("--port", "TENSORFLEET_PORT", _integer(1, 65535), 2222, "P", "gRPC port of every task"),
     ("--cpu", "TENSORFLEET_CPU", str, "1", "C", "CPU request of every task"),
     ("--memory", "TENSORFLEET_MEMORY", str, "2Gi", "MEM", "memory request of every task"),
     ("--format", "TENSORFLEET_FORMAT", _choice(FORMATS), "manifests", "FORMAT",
      "manifests (a token Secret, Services, Jobs), jobset (the Secret and one JobSet: Kubeflow Trainer v2's "
-     "base) or tfjob (the Secret and one TFJob of Kubeflow's v1 training operator, deprecated)"),
+     "base), trainjob (the Secret, a Kubeflow Trainer v2 TrainingRuntime and the TrainJob naming it) or tfjob "
+     "(the Secret and one TFJob of Kubeflow's v1 training operator, deprecated)"),
 )
 
 
@@ -368,7 +492,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     actions = k8s.add_subparsers(dest="k8s_command", required=True, metavar="ACTION")
     render = actions.add_parser(
         "render", usage="tensorfleet k8s render [FLAGS] SCRIPT [-- SCRIPT_ARGS ...]",
-        help="write a token Secret, Services and Jobs (or a TFJob) running SCRIPT as YAML",
+        help="write a token Secret, Services and Jobs (or a JobSet, a TrainJob, a TFJob) running SCRIPT as YAML",
         description="Write the Kubernetes objects of a fleet of N ps and M workers, each running SCRIPT (a path "
                     "inside IMG) with its own TF_CONFIG. Arguments after '--' go to SCRIPT. Nothing is sent "
                     "to a cluster: apply the output with 'kubectl apply -f'.",
@@ -402,6 +526,8 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
 def job_from_args(args: argparse.Namespace) -> tuple[K8sJob, str]:
     """The K8sJob and the format named by parsed ``k8s render`` arguments (flags, then environment)."""
     values = _resolve(args)
+    if isinstance(values["name"], str):  # the format's limit first: the one the name must meet
+        check_name_length(values["name"], values["format"], values["ps"], values["workers"])
     extra = list(args.script_args)  # what the CLI left for the script: its '--' and our misplaced flags handled
     job = K8sJob(name=values["name"], num_ps=values["ps"], num_workers=values["workers"], image=values["image"],
                  script=args.script, script_args=tuple(extra), gpus_per_worker=values["gpus_per_worker"],

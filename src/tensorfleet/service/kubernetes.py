@@ -215,9 +215,8 @@ class KubernetesBackend:
         """The job as ``k8s.py`` renders it. Names depend only on the record, so every call finds the same
         objects; the token is new each time and used only by ``start`` (the others never read it)."""
         config = job.job_config
-        pod_index = "-0" if self.format == "jobset" else ""  # a JobSet's pod host name: NAME-worker-<i>-0
         return k8s.K8sJob(name=kubernetes_name(job.id, job.name, workers=config.workers, ps=config.ps,
-                                               more=pod_index),
+                                               format=self.format),
                           num_ps=config.ps, num_workers=config.workers, image=self.image,
                           script=self._script(config.script), script_args=tuple(config.args),
                           gpus_per_worker=config.gpus_per_worker, namespace=self.namespace,
@@ -335,17 +334,16 @@ def _api_error(exc: Any) -> TensorfleetError:
     return LaunchError(text)
 
 
-def kubernetes_name(job_id: int, name: str, *, workers: int, ps: int, more: str = "") -> str:
-    """``tf-<id>-<name>``, DNS-safe and short enough for ``k8s.py``'s longest task name (``-worker-<M-1>``, and
-    ``more`` after it: a JobSet's pod index).
+def kubernetes_name(job_id: int, name: str, *, workers: int, ps: int, format: str = "manifests") -> str:
+    """``tf-<id>-<name>``, DNS-safe and short enough for every name ``k8s.py`` derives from it in ``format``
+    (``-worker-<M-1>``; a JobSet's pod names, ``-worker-<M-1>-0-xxxxx``, that its webhook checks).
 
     Example:
         >>> kubernetes_name(7, "MNIST_mlp.v2", workers=2, ps=1)
         'tf-7-mnist-mlp-v2'
     """
     prefix = f"tf-{job_id}"
-    suffix = max(len(f"-ps-{ps - 1}"), len(f"-worker-{workers - 1}")) + len(more)
-    room = k8s.MAX_NAME_LENGTH - suffix
+    room = k8s.max_name_length(format, ps, workers)
     tail = _NOT_DNS.sub("-", name.lower()).strip("-")
     full = f"{prefix}-{tail}" if tail else prefix
     return full[:max(room, len(prefix))].rstrip("-")
