@@ -177,8 +177,19 @@ def freshness(step_times: dict[int, float], reloads: list[dict]) -> dict:
     if not latencies:
         return {"steps": 0}
     values = np.array(latencies)
-    return {"steps": len(values), "mean_s": float(values.mean()), "p50_s": float(np.percentile(values, 50)),
-            "p95_s": float(np.percentile(values, 95)), "max_s": float(values.max())}
+    figures = {"mean_s": values.mean(), "p50_s": np.percentile(values, 50), "p95_s": np.percentile(values, 95),
+               "max_s": values.max()}
+    # Milliseconds: the clocks of the ps and of serving are read apart, finer is noise.
+    return {"steps": len(values), **{name: round(float(value), 3) for name, value in figures.items()}}
+
+
+def freshness_text(figures: dict) -> str:
+    """The console's line of ``freshness``'s figures."""
+    if not figures.get("steps"):
+        return "freshness: no stream step reached serving"
+    return (f"freshness: {figures['steps']} stream steps reached serving {figures['mean_s']:.2f} s after their "
+            f"update on average (p50 {figures['p50_s']:.2f} s, p95 {figures['p95_s']:.2f} s, "
+            f"max {figures['max_s']:.2f} s)")
 
 
 def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec) -> None:
@@ -254,7 +265,7 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
             reloads = (serving.model() or {}).get("reloads", [])
             report["freshness"] = freshness(step_times, reloads) if args.delta_every else None
             if report["freshness"]:
-                print(f"freshness: {json.dumps(report['freshness'])}")
+                print(freshness_text(report["freshness"]))
     if args.report and replica.is_chief:
         Path(args.report).write_text(json.dumps(report, indent=1))
 

@@ -186,7 +186,8 @@ def test_the_form_imports_a_job_file_and_shows_the_launchers_errors(browser_page
 
         page.set_input_files("#job-file", str(bad))
         page.click("#import")
-        expect(page.locator("#form-error")).to_contain_text("unknown field(s) wokers; valid fields:")
+        expect(page.locator("#form-error")).to_contain_text(
+            "unknown field(s) wokers (did you mean workers?); valid fields:")
 
         page.fill("#workers", "2")
         page.fill("#gpus", "1000")  # the browser checks the bounds of the numbers; the service, the rest
@@ -288,7 +289,8 @@ def test_the_new_job_form_lists_runnable_scripts_first_and_says_every_error(brow
     imported("", None, 400, "choose a job file (.yaml, .yml or .toml) to import")
     imported("job.json", '{"script": "paced_job.py"}', 400, "job file 'job.json' must end in .yaml, .yml or .toml")
     imported("bad.yaml", "script: [paced_job.py\n", 400, "job file 'bad.yaml' is not valid YAML")
-    imported("bad.toml", 'script = "paced_job.py"\nwokers = 3\n', 400, "unknown field(s) wokers; valid fields:")
+    imported("bad.toml", 'script = "paced_job.py"\nwokers = 3\n', 400,
+             "unknown field(s) wokers (did you mean workers?); valid fields:")
     imported("noscript.yaml", "workers: 3\n", 400, "job file 'noscript.yaml' names no script")
     imported("outside.yaml", "script: ../outside.py\n", 400, "is outside the workspace")
     imported("sync.yaml", "script: paced_job.py\nmode: semi\n", 400, "mode 'semi' is not valid")

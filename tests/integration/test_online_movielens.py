@@ -38,3 +38,5 @@ def test_an_online_replay_trains_in_time_order_and_serving_follows_its_deltas(tm
     assert sum("applied)" in line for line in server.output) >= 5, "".join(server.output)
     assert "prequential RMSE" in job.output and "served RMSE" in job.output
     assert re.search(r"serving \d+\.\d steps behind on average", job.output), job.output  # one decimal, not 15
+    assert re.search(r"freshness: 30 stream steps reached serving \d+\.\d\d s after their update", job.output), \
+        job.output  # issue 44: seconds to the hundredth, not 15 decimals

@@ -157,6 +157,52 @@ def test_a_dashboard_port_in_use_is_one_line_exit_2_and_nothing_starts(tmp_path)
     assert "started" not in done.stdout
 
 
+def test_a_task_port_in_use_is_refused_before_anything_starts(tmp_path):
+    """Issue 44: with --port P and P+1 taken, the task on it crashed twice with a traceback; now one line, exit 2."""
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "tensorfleet.cli", "launch", "--port", str(port - 1), "--ps", "1",
+                   "--workers", "2", "--logdir", str(tmp_path / "logs"), str(PACED)]
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+        dry = subprocess.run(command[:4] + ["--dry-run"] + command[4:], cwd=REPO, capture_output=True, text=True,
+                             timeout=60)
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    line = done.stderr.strip()
+    assert len(line.splitlines()) == 1, line
+    held = re.fullmatch(r"tensorfleet launch: error: ports? ([\d, ]+) of 127\.0\.0\.1 (?:is|are) taken, and the "
+                        rf"job's 3 tasks listen on {port - 1}\.\.{port + 1} \(--port {port - 1}\): stop what holds "
+                        r"(?:it|them), give another --port, or leave --port out for free ports", line)
+    assert held is not None and str(port) in held[1].split(", "), line
+    assert not (tmp_path / "logs").exists()  # nothing started, nothing written
+    assert dry.returncode == 0 and f"ports from {port - 1} (" in dry.stdout, dry.stdout + dry.stderr
+    assert "taken now: a run would refuse to start)" in dry.stdout
+
+
+def test_the_dashboard_on_a_task_port_is_refused(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "launch", "--port", "23100", "--dashboard",
+                           "23101", "--logdir", str(tmp_path / "logs"), str(PACED)], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == ("tensorfleet launch: error: the dashboard's port 23101 is one of the tasks' ports "
+                                   "23100..23102 (--port 23100): give the dashboard another port")
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_between_graph_script_under_coordinator_ends_at_once_saying_what_to_do(tmp_path):
+    """Issue 44: examples/mnist_mlp.py (run_task) under --coordinator trained on every worker by itself."""
+    done = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "launch", "--coordinator", "--ps", "1",
+                           "--workers", "1", "--logdir", str(tmp_path / "logs"), "examples/mnist_mlp.py", "--",
+                           "--train_steps", "50"], cwd=REPO, capture_output=True, text=True, timeout=90)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert ("mnist_mlp.py: error: this script is between-graph (it calls tfl.run_task: each worker trains by "
+            "itself), but 'tensorfleet launch --coordinator' started it for in-graph replication") in output
+    assert "launch it without --coordinator, or write it with tfl.run_coordinated" in output
+    assert "Traceback" not in output and "training begins" not in output, output
+    assert "restart 1" not in output  # exit 2: never retried
+
+
 def _gone(pid: int) -> bool:
     """Dead, or a zombie (this test process is a subreaper: orphans come back to it to be reaped)."""
     try:

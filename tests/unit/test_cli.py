@@ -171,8 +171,8 @@ def test_a_job_file_turns_the_dashboard_on_with_true(tmp_path, monkeypatch, caps
 
 
 @pytest.mark.parametrize("cores, argv, warned", [
-    (2, ["--workers", "50"], "tensorfleet launch: warning: 51 tasks (1 ps + 50 workers) on 2 core(s): they will "
-                             "share the cores and the job will be slow; starting it anyway"),
+    (2, ["--workers", "50"], "tensorfleet launch: warning: 51 tasks (1 ps + 50 workers) on 2 core(s): they would "
+                             "share the cores and the job would be slow\n"),
     (2, ["--ps", "1", "--workers", "3"], "warning: 4 tasks (1 ps + 3 workers) on 2 core(s)"),
     (2, ["--ps", "3", "--workers", "2"], "warning: 5 tasks (3 ps + 2 workers) on 2 core(s)"),
     (2, ["--ps", "1", "--workers", "2"], None),  # the quickstart's fleet on this machine: fine
@@ -189,3 +189,13 @@ def test_more_tasks_than_cores_is_a_warning_once_and_the_job_still_starts(cores,
         assert "warning" not in err, err
     else:
         assert err.count("warning") == 1 and warned in err, err
+        assert "start" not in err, err  # issue 44: a dry run said "starting it anyway"
+
+
+def test_more_tasks_than_cores_says_a_real_run_starts_anyway(monkeypatch, capsys):
+    from tensorfleet.launch import local
+    monkeypatch.setattr(local, "usable_cores", lambda: 2)
+    monkeypatch.setattr(local, "launch", lambda config, **options: 0)  # what would start: nothing here
+    assert main(["launch", "--workers", "50", "examples/hello_cluster.py"]) == 0
+    assert capsys.readouterr().err == ("tensorfleet launch: warning: 51 tasks (1 ps + 50 workers) on 2 core(s): they "
+                                       "will share the cores and the job will be slow; starting it anyway\n")

@@ -41,7 +41,8 @@ def test_flags_beat_environment_which_beats_the_job_file(script):
 
 
 @pytest.mark.parametrize("text, says", [
-    ("script: train.py\nworker: 2\n", "unknown field(s) worker; valid fields: args, backend, coordinator, dashboard"),
+    ("script: train.py\nworker: 2\n", "unknown field(s) worker (did you mean workers?); valid fields: args, backend, "
+                                     "coordinator, dashboard"),
     ("script: train.py\nworkers: 0\n", "workers must be at least 1, got 0"),
     ("script: train.py\nworkers: two\n", "workers must be an integer, got 'two'"),
     ("script: train.py\nmode: semi\n", "mode 'semi' is not valid: use 'sync' or 'async'"),
@@ -54,6 +55,38 @@ def test_flags_beat_environment_which_beats_the_job_file(script):
     ("script: [unclosed\n", "is not valid YAML"),
 ])
 def test_bad_job_files_say_what_is_wrong_and_what_is_valid(script, text, says):
+    Path("job.yaml").write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        job_config("job.yaml", None, NO_FLAGS, environ={})
+    assert says in str(caught.value)
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("job.yaml", "script: train.py\nworkers: [1, 2\n", "job file 'job.yaml' is not valid YAML: job.yaml:3:1: expected "
+     "',' or ']', but got '<stream end>' (while parsing a flow sequence at line 2, column 10)"),
+    ("job.yaml", "script: train.py\n  ps: 1\n", "job file 'job.yaml' is not valid YAML: job.yaml:2:5: mapping values "
+     "are not allowed here"),
+    ("job.yaml", "script: train.py\nname: \x07\n", "job.yaml:2:7: unacceptable character #x0007"),
+    ("job.toml", 'script = "train.py"\nps = 1\nps = 2\n', "job file 'job.toml' is not valid TOML: job.toml:3:7: "
+     "Cannot overwrite a value"),
+    ("job.toml", 'script = "train.py"\nps = [\n', "job file 'job.toml' is not valid TOML: job.toml:3:1: Invalid value"),
+])
+def test_a_job_file_that_does_not_parse_says_where_as_file_line_column(script, name, text, says, capsys):
+    """Issue 44: pyyaml's line and column were lost (only 'while parsing a flow sequence' was left)."""
+    from tensorfleet.cli import main
+    Path(name).write_text(text)
+    assert main(["launch", "--dry-run", name]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("text, says", [
+    ("script: train.py\nwokers: 3\nmax-restart: 2\n", "unknown field(s) max_restart (did you mean max_restarts?), "
+                                                       "wokers (did you mean workers?); valid fields: args,"),
+    ("script: train.py\nzzz: 1\n", "unknown field(s) zzz; valid fields: args,"),  # nothing close: no guess
+])
+def test_an_unknown_job_file_field_suggests_the_closest_valid_one(script, text, says):
+    """Issue 44: an unknown flag got 'did you mean'; an unknown job-file field did not."""
     Path("job.yaml").write_text(text)
     with pytest.raises(ConfigError) as caught:
         job_config("job.yaml", None, NO_FLAGS, environ={})
@@ -93,6 +126,28 @@ def test_cli_with_a_bad_job_file_exits_2_and_starts_nothing(script, capsys):
     err = capsys.readouterr().err
     assert err.strip() == "tensorfleet launch: error: workers must be at least 1, got -1"
     assert not Path("logs").exists()
+
+
+@pytest.mark.parametrize("coordinator", [True, "outside"])
+def test_a_coordinator_job_tells_its_tasks_and_a_between_graph_script_refuses_it(script, coordinator, monkeypatch,
+                                                                                capsys):
+    """Issue 44: a between-graph script (run_task) under --coordinator trained on every worker by itself, silently."""
+    import argparse
+
+    from tensorfleet.cluster.environment import IN_GRAPH_ENV
+    from tensorfleet.launch.local import LocalLauncher
+    from tensorfleet.launch.task import run_task
+    launcher = LocalLauncher(JobConfig("train.py", ps=1, workers=1, coordinator=coordinator).validate())
+    assert {launcher.task_env(task).get(IN_GRAPH_ENV) for task in launcher.tasks} == {"1"}
+    assert IN_GRAPH_ENV not in LocalLauncher(JobConfig("train.py", ps=1, workers=1).validate()).task_env(
+        launcher.tasks[0])
+    monkeypatch.setenv(IN_GRAPH_ENV, "1")
+    trained = []
+    assert run_task(argparse.Namespace(), lambda *task: trained.append(task)) == 2  # 2: the launcher never retries
+    err = capsys.readouterr().err
+    assert not trained and len(err.strip().splitlines()) == 1, err
+    assert "this script is between-graph" in err and "launch it without --coordinator, or write it with " \
+        "tfl.run_coordinated" in err
 
 
 def test_gpus_are_split_into_disjoint_blocks_or_refused():

@@ -128,7 +128,7 @@ def run_launch(args: argparse.Namespace, line: CommandLine) -> int:
             return 0
         return launcher.run()
     from tensorfleet.launch.local import launch, usable_cores  # the launcher's imports: paid by this command only
-    _warn_if_oversubscribed(config.ps, config.workers, usable_cores())
+    _warn_if_oversubscribed(config.ps, config.workers, usable_cores(), dry_run=args.dry_run)
     return launch(config, dry_run=args.dry_run, progress_every_s=args.progress_every)
 
 
@@ -146,14 +146,17 @@ def _job_config(args: argparse.Namespace, line: CommandLine) -> JobConfig:
     return job_config(None, args.target, {**flags, "args": extra})
 
 
-def _warn_if_oversubscribed(ps: int, workers: int, cores: int) -> None:
+def _warn_if_oversubscribed(ps: int, workers: int, cores: int, *, dry_run: bool = False) -> None:
     """Say once that a fleet far larger than the machine will be slow; it runs anyway (a test fleet on a laptop
     is a fine thing to start). Workers compute all the time, a ps mostly waits: 1 ps + 2 workers on 2 cores is
-    the quickstart's fleet and runs well, so only more workers than cores, or tasks past twice the cores, warn."""
+    the quickstart's fleet and runs well, so only more workers than cores, or tasks past twice the cores, warn.
+    A dry run starts nothing, so its warning says what a run would be, never that one starts."""
     tasks = ps + workers
     if workers > cores or tasks > 2 * cores:
+        what = ("would share the cores and the job would be slow" if dry_run else
+                "will share the cores and the job will be slow; starting it anyway")
         print(f"tensorfleet launch: warning: {tasks} tasks ({ps} ps + {workers} workers) on {cores} core(s): they "
-              f"will share the cores and the job will be slow; starting it anyway", file=sys.stderr, flush=True)
+              f"{what}", file=sys.stderr, flush=True)
 
 
 # ----- dashboard

@@ -8,6 +8,9 @@
   exit: a finished ps then need not linger (``finished_linger_s``).
 * ``TENSORFLEET_LOGDIR``: the job's ``--logdir``, where the chief writes its TensorBoard
   summaries (``train/session.py``, ``default_summary_dir``).
+* ``TENSORFLEET_IN_GRAPH=1``, for a job of in-graph replication (``--coordinator`` or
+  ``--coordinator-outside``): its script must call ``run_coordinated``; ``run_task`` (a between-graph
+  script) refuses to run in it (a ``chief`` job in TF_CONFIG alone does not say so: a TFJob has one too).
 
 A task started by other means (by hand, by Kubernetes) has neither, and works without them.
 They live here, low in the layers, because both a ps and a worker read them (and a ps must not
@@ -25,6 +28,8 @@ from tensorfleet.errors import ConfigError
 STATUS_DIR_ENV = "TENSORFLEET_STATUS_DIR"
 # The job's --logdir, set by `tensorfleet launch` for every task: where the chief writes TensorBoard summaries.
 LOGDIR_ENV = "TENSORFLEET_LOGDIR"
+# Set by `tensorfleet launch --coordinator` (and --coordinator-outside) for every task: the job is in-graph replication.
+IN_GRAPH_ENV = "TENSORFLEET_IN_GRAPH"
 # In the logdir of `tensorfleet launch --coordinator-outside`: what a Python session needs to join the fleet as its
 # coordinator (its TF_CONFIG, and the file holding the job token: tensorfleet.coordinator.outside.join_fleet).
 COORDINATOR_FILE = "coordinator.json"

@@ -22,6 +22,7 @@ says what is wrong and what would be valid (the CLI prints it and exits 2).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import tomllib
@@ -161,7 +162,7 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
         data = tomllib.loads(text) if path.suffix.lower() == ".toml" else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"job file {str(path)!r} is not valid {path.suffix[1:].upper()}: "
-                          f"{str(exc).splitlines()[0]}") from None
+                          f"{_parse_error_text(path, text, exc)}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -169,7 +170,7 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
     fields = {str(key).replace("-", "_"): value for key, value in data.items()}
     unknown = sorted(set(fields) - FIELDS)
     if unknown:
-        raise ConfigError(f"job file {str(path)!r}: unknown field(s) {', '.join(unknown)}; "
+        raise ConfigError(f"job file {str(path)!r}: unknown field(s) {', '.join(map(_with_suggestion, unknown))}; "
                           f"valid fields: {', '.join(sorted(FIELDS))}")
     if isinstance(fields.get("args"), list):  # numbers in a YAML list are meant as text: [--steps, 2000]
         fields["args"] = [str(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a
@@ -180,6 +181,40 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
         fields["env"] = {k: str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
                          for k, v in fields["env"].items()}
     return fields
+
+
+def _with_suggestion(name: str) -> str:
+    """``name`` with the nearest valid field, as an unknown flag gets the nearest flag: a typo is fixed at once."""
+    close = difflib.get_close_matches(name, sorted(FIELDS), 1)
+    return f"{name} (did you mean {close[0]}?)" if close else name
+
+
+_TOML_PLACE = re.compile(r"^(.*) \(at (?:line (\d+), column (\d+)|end of document)\)$", re.DOTALL)
+
+
+def _parse_error_text(path: Path, text: str, exc: Exception) -> str:
+    """``FILE:LINE:COLUMN: problem`` of a YAML or TOML parse error (1-based, as editors count), so that the one
+    line says where to look; pyyaml's many-line message and tomllib's "(at line L, column C)" both carry it."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark, problem = exc.problem_mark, exc.problem or str(exc).splitlines()[0]
+        if exc.context and exc.context_mark is not None:
+            problem += f" ({exc.context} at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1})"
+        return f"{path}:{mark.line + 1}:{mark.column + 1}: {problem}"
+    if isinstance(exc, yaml.reader.ReaderError):  # a character YAML refuses: a position in the text
+        line, column = _line_and_column(text, exc.position)
+        return f"{path}:{line}:{column}: {str(exc).splitlines()[0]}"
+    match = _TOML_PLACE.match(str(exc))
+    if isinstance(exc, tomllib.TOMLDecodeError) and match:
+        problem, line, column = match.groups()
+        if line is None:
+            line, column = _line_and_column(text, len(text))
+        return f"{path}:{line}:{column}: {problem}"
+    return str(exc).splitlines()[0]
+
+
+def _line_and_column(text: str, position: int) -> tuple[int, int]:
+    """The 1-based line and column of a character offset into ``text``."""
+    return text.count("\n", 0, position) + 1, position - (text.rfind("\n", 0, position) + 1) + 1
 
 
 # Every launch setting can also come from TENSORFLEET_<FIELD> (TENSORFLEET_WORKERS=4, TENSORFLEET_MODE=sync).

@@ -34,10 +34,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Callable, Iterable, TextIO
 
-from tensorfleet.cluster.environment import COORDINATOR_FILE, COORDINATOR_TOKEN_FILE, LOGDIR_ENV, STATUS_DIR_ENV
-from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.cluster.environment import (COORDINATOR_FILE, COORDINATOR_TOKEN_FILE, IN_GRAPH_ENV, LOGDIR_ENV,
+                                             STATUS_DIR_ENV)
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, parse_address
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch.config import JobConfig
 from tensorfleet.launch.console import Console
@@ -85,6 +86,20 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+def taken_ports(ports: Iterable[int], host: str = "127.0.0.1") -> list[int]:
+    """The ``ports`` of ``host`` that a task could not listen on now: another process holds them."""
+    taken = []
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            # As the tasks' servers do: a port a finished job left in TIME_WAIT is free for them.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError:
+                taken.append(port)
+    return taken
 
 
 def local_cluster(num_ps: int, num_workers: int, host: str = "127.0.0.1", *,
@@ -188,6 +203,8 @@ class LocalLauncher:
             env[LOGDIR_ENV] = str(self.logdir.resolve())  # where the chief's TensorBoard summaries go
         if self.config.mode is not None:
             env["TENSORFLEET_MODE"] = self.config.mode  # the default of --sync/--async in add_training_flags
+        if self.config.coordinator:
+            env[IN_GRAPH_ENV] = "1"  # a between-graph script (run_task) refuses it rather than train on its own
         if BUSY_POLL_ENV not in os.environ and BUSY_POLL_ENV not in self.config.env:
             env[BUSY_POLL_ENV] = str(busy_poll_for(len(self.tasks)))
         if self._gpus is not None:
@@ -212,7 +229,7 @@ class LocalLauncher:
                  "dashboard: " + ("off" if c.dashboard is None else f"http://127.0.0.1:{c.dashboard or 'FREE_PORT'}/"),
                  f"command of every task: {shlex.join(self.command)}",
                  "ports are free now; a real run picks them again unless --port is given" if c.port is None else
-                 f"ports from {c.port}", ""]
+                 f"ports from {c.port}" + self._taken_ports_note(), ""]
         for task in self.tasks:
             lines.append(f"{task.short} ({task_role(self.cluster, task)}) at "
                          f"{self.cluster.task_address(task.job_name, task.index)}")
@@ -223,6 +240,35 @@ class LocalLauncher:
             lines += [f"    {key}={SECRET_SHOWN if key == auth.TOKEN_ENV else shlex.quote(value)}"
                       for key, value in self.task_env(task).items()]
         return "\n".join(lines)
+
+    def _task_ports(self) -> list[int]:
+        return [parse_address(self.cluster.task_address(t.job_name, t.index))[1] for t in self.tasks]
+
+    def _taken_ports_note(self) -> str:
+        taken = taken_ports(self._task_ports()) if self.config.backend == "local" else []
+        return f" ({', '.join(map(str, taken))} taken now: a run would refuse to start)" if taken else ""
+
+    def check_ports(self) -> None:
+        """With ``--port P`` the tasks listen on P, P+1, ...: refuse before anything starts when one of them is
+        taken (its task would crash at start-up, twice, with a traceback). Free ports need no check.
+
+        Raises:
+            ConfigError: naming the taken port(s) and what to do.
+        """
+        if self.config.port is None or self.config.backend != "local":
+            return
+        ports = self._task_ports()
+        span = f"{ports[0]}..{ports[-1]}" if len(ports) > 1 else str(ports[0])
+        if self.config.dashboard in ports:
+            raise ConfigError(f"the dashboard's port {self.config.dashboard} is one of the tasks' ports {span} "
+                              f"(--port {self.config.port}): give the dashboard another port")
+        taken = taken_ports(ports)
+        if taken:
+            many = len(taken) > 1
+            raise ConfigError(f"port{'s' * many} {', '.join(map(str, taken))} of 127.0.0.1 {'are' if many else 'is'} "
+                              f"taken, and the job's {len(ports)} tasks listen on {span} (--port {self.config.port}): "
+                              f"stop what holds {'them' if many else 'it'}, give another --port, or leave --port out "
+                              "for free ports")
 
     # --- processes ------------------------------------------------------------------------------
 
@@ -341,6 +387,7 @@ class LocalLauncher:
 
     def run(self) -> int:
         """Start the job, supervise it until it ends, print the summary; return 0, 1 (failed) or 130 (stopped)."""
+        self.check_ports()
         if self.logdir is None:
             self.logdir = Path(tempfile.mkdtemp(prefix=f"tensorfleet-{self.config.job_name}-"))
         self.logdir.mkdir(parents=True, exist_ok=True)

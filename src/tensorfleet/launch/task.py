@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from tensorfleet.cluster.environment import finished_linger_s
+from tensorfleet.cluster.environment import IN_GRAPH_ENV, env_switch, finished_linger_s
 from tensorfleet.cluster.spec import (ClusterSpec, TaskSpec, bind_address, cluster_from_flags, insecure_from_flags,
                                       is_loopback_host, memory_budget_from_flags, parse_address)
 from tensorfleet.errors import ConfigError, TensorfleetError
@@ -41,13 +41,30 @@ def run_task(args: argparse.Namespace, train: TrainFn, *, intra_op_threads: int 
         train: ``train(args, cluster, task)``, called on chief and worker tasks.
         intra_op_threads: torch threads for this process (one per task suits a machine shared by tasks).
     Returns:
-        the process exit code: 0, or 2 when the cluster flags or TF_CONFIG are wrong, or when a ps on a
+        the process exit code: 0, or 2 when the cluster flags or TF_CONFIG are wrong, when a ps on a
         non-loopback address has no job token (TENSORFLEET_TOKEN) and was not given ``--insecure``
-        (or ``TENSORFLEET_INSECURE=1``).
+        (or ``TENSORFLEET_INSECURE=1``), or when ``tensorfleet launch --coordinator`` started this script
+        (between-graph: it would train on every worker by itself, with no coordinator driving them).
 
     Example:
         >>> sys.exit(run_task(parse_args(), train))   # doctest: +SKIP
     """
+    try:
+        if env_switch(IN_GRAPH_ENV, default=False, meaning="1 for a job of in-graph replication, else 0"):
+            raise ConfigError(BETWEEN_GRAPH_IN_IN_GRAPH_JOB)
+    except ConfigError as exc:
+        return _config_error(exc)
+    return _serve_or_train(args, train, intra_op_threads=intra_op_threads)
+
+
+BETWEEN_GRAPH_IN_IN_GRAPH_JOB = (
+    "this script is between-graph (it calls tfl.run_task: each worker trains by itself), but 'tensorfleet launch "
+    "--coordinator' started it for in-graph replication, where a coordinator drives the workers: launch it "
+    "without --coordinator, or write it with tfl.run_coordinated (as examples/mnist_coordinator.py)")
+
+
+def _serve_or_train(args: argparse.Namespace, train: TrainFn, *, intra_op_threads: int) -> int:
+    """``run_task`` once the job is known to be between-graph (and a ps of ``run_coordinated``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cluster, task = cluster_from_flags(args)
@@ -109,7 +126,7 @@ def run_coordinated(args: argparse.Namespace, setup: SetupFn, drive: DriveFn, *,
     except TensorfleetError as exc:
         return _config_error(exc)
     if task.job_name == "ps":
-        return run_task(args, lambda *unused: None, intra_op_threads=intra_op_threads)
+        return _serve_or_train(args, lambda *unused: None, intra_op_threads=intra_op_threads)
     torch.set_num_threads(intra_op_threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     replica, workers = setup(cluster, task), cluster.num_tasks("worker")
