@@ -403,6 +403,29 @@ def test_a_failed_job_shows_its_error_line_first_and_the_traceback_below(browser
     assert tops == sorted(tops), tops
 
 
+def test_a_job_its_parser_refused_shows_the_parsers_line_and_the_form_leaves_the_mode_to_the_script(
+        browser_page: Page, service, workspace):
+    """``/jobs`` is the list; the new-job form sends no mode unless one is chosen; a job whose script's argument
+    parser refused its flags shows the parser's line first, its usage below."""
+    page, url = browser_page, service.url
+    (workspace / "flags.py").write_text("import argparse\nimport tensorfleet\n\nparser = argparse.ArgumentParser()\n"
+                                        "parser.add_argument('--steps', type=int)\nparser.parse_args()\n")
+    sign_in(page, url)
+    page.goto(url + "/jobs")
+    expect(page).to_have_url(url + "/")
+    page.click("#new-job-link")
+    expect(page.locator("#mode")).to_have_value("")
+    expect(page.locator("#mode option:checked")).to_have_text("as the script defaults")
+    page.select_option("#script", "flags.py")
+    page.fill("#args", "--bogus")
+    page.fill("#workers", "1")
+    page.click("#create")
+    expect(page.locator("#job-state")).to_have_text("failed", timeout=60_000)
+    expect(page.locator("#job-error-line")).to_have_text("flags.py: error: unrecognized arguments: --bogus")
+    expect(page.locator("#job-traceback")).to_contain_text(re.compile(r"^usage: flags.py \[-h\]"))
+    expect(page.locator("dl.facts")).to_contain_text("mode as the script defaults")
+
+
 def test_the_job_page_follows_a_scale_without_a_reload(browser_page: Page, service, tmp_path):
     page, url, api = browser_page, service.url, service.client()
     last_step = tmp_path / "last_step"

@@ -7,6 +7,7 @@ import http.client
 import http.cookiejar
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -376,3 +377,63 @@ def test_a_job_file_is_taken_by_one_rule_from_the_cli_and_the_api(home, workspac
         assert missing.returncode == 2 and "cannot be read: No such file or directory" in missing.stderr
         for job_id in (1, job["id"]):
             wait_state(service, job_id, {"stopped", "failed", "succeeded"}, 60)
+
+
+def signed_in_browser(url: str) -> urllib.request.OpenerDirector:
+    """A browser's session: signed in as admin with a cookie, following redirects."""
+    browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+    browser.open(url + "/login", urllib.parse.urlencode({"user": "admin", "password": ADMIN_PASSWORD}).encode())
+    return browser
+
+
+def csrf_of(page: str) -> str:
+    return page.split('name="csrf-token" content="', 1)[1].split('"', 1)[0]
+
+
+def test_the_new_job_forms_default_mode_is_the_scripts_own(home, workspace):
+    """The form sends no mode unless one is chosen: a script that is sync by default runs sync from it, as under
+    'tensorfleet launch' without --sync or --async."""
+    with running_service(home, workspace) as service:
+        browser = signed_in_browser(service.url)
+        form = browser.open(service.url + "/jobs/new").read().decode()
+        mode = form.split('<select name="mode" id="mode">', 1)[1].split("</select>", 1)[0]
+        assert re.search(r'<option value="" selected>as the script defaults</option>', mode), mode
+        assert "selected" not in mode.replace('<option value="" selected>', "")
+        fields = {"csrf": csrf_of(form), "script": "paced_job.py", "args": " ".join(FAST), "ps": "1", "workers": "1",
+                  "mode": "", "restart": "on-failure", "max_restarts": "3", "backend": "local"}
+        created = browser.open(service.url + "/jobs/new", urllib.parse.urlencode(fields).encode())
+        job_id = int(created.url.rsplit("/", 1)[1])
+        assert service.job(job_id)["config"].get("mode") is None
+        assert "mode as the script defaults" in created.read().decode()
+        wait_state(service, job_id, {"succeeded", "failed", "lost"})
+
+
+def test_jobs_is_the_jobs_list_and_no_page_asks_for_a_missing_favicon(home, workspace):
+    with running_service(home, workspace) as service:
+        url = service.url
+        browser = signed_in_browser(url)
+        job_id = service.client().call("POST", "/api/jobs", job_fields(FAST, workers=1))["id"]
+        for path, target in (("/jobs", "/"), ("/jobs/", "/"), ("/jobs?state=queued", "/?state=queued")):
+            answer = browser.open(url + path)
+            assert answer.status == 200 and answer.url == url + target, path
+            assert 'id="jobs"' in answer.read().decode(), path
+        listed = browser.open(url + "/jobs").read().decode()
+        assert f'data-job="{job_id}"' in listed
+        for path in ("/", "/jobs/new", f"/jobs/{job_id}", f"/jobs/{job_id}/dashboard/", "/login"):
+            assert '<link rel="icon" href="data:,">' in browser.open(url + path).read().decode(), path
+        wait_state(service, job_id, {"succeeded", "failed", "lost"})
+
+
+def test_a_job_its_argument_parser_refused_shows_the_parsers_line(home, workspace):
+    (workspace / "flags.py").write_text("import argparse\nimport tensorfleet\n\nparser = argparse.ArgumentParser()\n"
+                                        "parser.add_argument('--steps', type=int)\nparser.parse_args()\n")
+    with running_service(home, workspace) as service:
+        job_id = service.client().call("POST", "/api/jobs", {"script": "flags.py", "workers": 1,
+                                                             "args": ["--bogus"]})["id"]
+        failed = wait_state(service, job_id, {"succeeded", "failed", "lost"}, 60)
+        assert failed["state"] == "failed", failed["reason"]
+        assert failed["error_line"] == "flags.py: error: unrecognized arguments: --bogus", failed["reason"]
+        assert failed["traceback"].startswith("usage: flags.py [-h] [--steps STEPS]")
+        assert "exit code 2; not restarted" in failed["summary"]
+        page = signed_in_browser(service.url).open(f"{service.url}/jobs/{job_id}").read().decode()
+        assert re.search(r'id="job-error-line"\s*>flags.py: error: unrecognized arguments: --bogus</p>', page), page

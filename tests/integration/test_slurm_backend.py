@@ -56,6 +56,11 @@ def ranks() -> dict[int, int]:
     return found
 
 
+def slurm_state(cluster, job: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=cluster.env, capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+
+
 def accuracy(output: str) -> float:
     return float(re.findall(r"\[worker:0\] test accuracy: ([\d.]+)", output)[-1])
 
@@ -75,19 +80,22 @@ def test_the_seed_job_runs_through_sbatch_and_leaves_nothing(cluster, tmp_path):
 
 
 def test_a_rendered_script_runs_under_sbatch_itself(cluster, tmp_path):
-    logdir = tmp_path / "by-hand"
+    """As the README says: ``slurm render ... > job.sbatch`` then ``sbatch job.sbatch`` in the user's folder, which
+    holds nothing else: the output lands there, the job's folder is made by the job."""
+    user, logdir = tmp_path / "user", tmp_path / "by-hand"
+    user.mkdir()
     rendered = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "slurm", "render", "--ps", "1", "--workers",
                                "2", "--logdir", str(logdir), str(MNIST), "--", "--train_steps", "300"],
-                              cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=60)
+                              cwd=user, env=cluster.env, capture_output=True, text=True, timeout=60)
     assert rendered.returncode == 0, rendered.stderr
-    (tmp_path / "job.sbatch").write_text(rendered.stdout)
-    logdir.mkdir()
-    job = subprocess.run(["sbatch", "--parsable", str(tmp_path / "job.sbatch")], env=cluster.env,
+    (user / "job.sbatch").write_text(rendered.stdout)
+    job = subprocess.run(["sbatch", "--parsable", "job.sbatch"], cwd=user, env=cluster.env,
                          capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     poll(lambda: job not in cluster.jobs(), 180, f"job {job} to end")
-    output = (logdir / f"slurm-{job}.out").read_text()
+    output = (user / f"slurm-{job}.out").read_text()
     assert "[slurm] every rank finished" in output, output
     assert float(re.findall(r"^\d+: test accuracy: ([\d.]+)", output, re.M)[-1]) > 0.85, output
+    assert (logdir / "train").is_dir()  # the chief's TensorBoard summaries, in the folder the job made
 
 
 def test_a_rank_killed_mid_run_runs_the_step_again_from_the_last_checkpoint(cluster, tmp_path):
@@ -104,6 +112,29 @@ def test_a_rank_killed_mid_run_runs_the_step_again_from_the_last_checkpoint(clus
                      output), output
     restored = re.findall(r"\[worker:0\].*restor\w* .*?step (\d+)", output)
     assert restored and int(restored[-1]) >= 200, output  # from the checkpoint, not from the start
+    assert accuracy(output) > 0.9, output
+    assert not cluster.jobs() and not ranks()
+
+
+def test_a_requeued_job_is_followed_from_the_reruns_first_line(cluster, tmp_path):
+    """``scontrol requeue``: Slurm runs the batch script again from the top and writes its output file afresh; the
+    launcher reads it again from its start, so the rerun's first lines (the chief's restore) reach the console."""
+    ckpt = tmp_path / "ckpt"
+    run = launch(cluster, tmp_path, ["--async"], ["--train_steps", "2500", "--checkpoint_dir", str(ckpt),
+                                                  "--save_checkpoint_steps", "200"])
+    poll(lambda: len(ranks()) == 3 and any(p.name != "model.ckpt-0.safetensors" for p in ckpt.glob("model.ckpt-*")),
+         120, "the job to train and checkpoint")
+    job = (run.logdir / "slurm.jobid").read_text().strip()
+    subprocess.run(["scontrol", "requeue", job], env=cluster.env, check=True, capture_output=True, timeout=30)
+    poll(lambda: slurm_state(cluster, job) == "PENDING", 60, f"job {job} to wait to run again")
+    # A requeued job waits a couple of minutes (Slurm's begin time) before it runs again: now, here.
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env, check=True,
+                   capture_output=True, timeout=30)
+    code, output = run.wait(timeout_s=300)
+    assert code == 0, output
+    rerun = output[output.index(f"[slurm] job {job}, requeued 1 time(s)"):]
+    restored = re.findall(r"\[worker:0\].*restor\w* .*?step (\d+)", rerun)
+    assert restored and int(restored[0]) >= 200, output  # the rerun's own first lines, from the checkpoint
     assert accuracy(output) > 0.9, output
     assert not cluster.jobs() and not ranks()
 
@@ -137,6 +168,11 @@ def test_the_job_service_runs_stops_and_shows_slurm_jobs(cluster, tmp_path, monk
         assert "test accuracy" in api.call("GET", f"/api/jobs/{done}/logs/worker:0")["text"]
         tasks = {t["name"]: t for t in api.call("GET", f"/api/jobs/{done}/tasks")["tasks"]}
         assert set(tasks) == {"ps:0", "worker:0", "worker:1"} and tasks["worker:1"]["env"]["SLURM_PROCID"] == "2"
+        picture = api.call("GET", f"/jobs/{done}/dashboard/api/status")  # the job page's dashboard: Slurm's word
+        assert picture["job"]["state"] == "succeeded" and "COMPLETED, exit code 0:0" in picture["job"]["problem"]
+        assert [(t["name"], t["state"]) for t in picture["tasks"]] == [("ps:0", "done"), ("worker:0", "done"),
+                                                                       ("worker:1", "done")]
+        assert [t["state"] for t in api.call("GET", f"/api/jobs/{done}/tasks")["tasks"]] == ["done"] * 3
 
         stopped = api.call("POST", "/api/jobs", {"script": "examples/mnist_mlp.py", "ps": 1, "workers": 2,
                                                  "mode": "async", "backend": "slurm",

@@ -19,6 +19,7 @@ from tensorfleet.service.jobs import Capacity, JobService, PermissionDeniedError
 from tensorfleet.service.local import LocalBackend
 from tensorfleet.service.store import JobRecord, JobState, JobStore
 from tensorfleet.service.responses import reason_parts
+from tensorfleet.service.runner import last_error, parser_error
 
 
 class Clock:
@@ -168,6 +169,22 @@ def test_a_failed_jobs_reason_puts_the_error_line_first():
     assert parts["traceback"].startswith("Traceback") and parts["traceback"].endswith("does not fit")
     assert reason_parts("stopped by admin") == {"error_line": None, "summary": "stopped by admin", "traceback": None}
     assert reason_parts(None)["summary"] is None
+
+
+def test_a_job_its_argument_parser_refused_shows_the_parsers_error_line(tmp_path):
+    log = tmp_path / "worker-0.log"
+    log.write_text("starting\nusage: flags.py [-h] [--steps STEPS]\n                [--rate RATE]\n"
+                   "flags.py: error: unrecognized arguments: --bogus\n")
+    words = parser_error(log)
+    assert words == ("usage: flags.py [-h] [--steps STEPS]\n                [--rate RATE]\n"
+                     "flags.py: error: unrecognized arguments: --bogus")
+    assert last_error(log) == words
+    reason = f"worker:0 exited with code 2; not restarted because exit code 2 means bad flags\n{words}"
+    assert reason_parts(reason) == {"error_line": "flags.py: error: unrecognized arguments: --bogus",
+                                    "summary": "worker:0 exited with code 2; not restarted because exit code 2 "
+                                               "means bad flags", "traceback": words}
+    log.write_text("flags.py: error: no usage before it\nstep 3\n")
+    assert parser_error(log) is None and reason_parts("x: error: y")["error_line"] is None
 
 
 # ----- the service's rules, over a backend that records what it is asked

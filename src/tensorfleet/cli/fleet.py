@@ -269,7 +269,7 @@ def _add_slurm(commands: argparse._SubParsersAction) -> None:
 
 
 def run_slurm(args: argparse.Namespace, line: CommandLine) -> int:
-    from tensorfleet.launch.slurm import SlurmLauncher, check_slurm_config
+    from tensorfleet.launch.slurm import check_slurm_config, rendered_script
 
     if args.target is None:
         line.parser.error(f"a SCRIPT or a job file (job.yaml / job.toml) is needed; usage: {line.parser.usage}")
@@ -279,7 +279,7 @@ def run_slurm(args: argparse.Namespace, line: CommandLine) -> int:
     config = _job_config(args, line)
     config.env.setdefault(GRPC_VERBOSITY, line.task_grpc_verbosity)
     check_slurm_config(config)
-    print(SlurmLauncher(config).script_text(), end="")
+    print(rendered_script(config), end="")
     return 0
 
 

@@ -14,13 +14,23 @@ shard from its last checkpoint, as after a ps restart under the local launcher; 
 ``--checkpoint_dir`` on a file system every node sees, or a restarted step trains from the start. A requeue of the
 job by Slurm (a node failure, ``scontrol requeue``) runs the batch script again from the top: the same holds.
 
+**Where its files go**: the job's output (``slurm-JOBID.out``) must be in a folder that exists when ``sbatch``
+is run, since Slurm opens it before the script runs. A rendered script (``slurm render``) writes it in the folder
+it was rendered in (the job's working directory, Slurm's own default place); the launcher writes it into the job's
+folder, which it makes before submitting. The tasks' own files (TensorBoard summaries, final status) go to the
+job's folder (``--logdir``), which the script makes as it starts; without ``--logdir``, a new folder under
+``$XDG_STATE_HOME/tensorfleet/slurm`` (``~/.local/state/...``: home folders are what a cluster's nodes share), named
+at the start and at the end, never one in the current directory.
+
 **The launcher** (``SlurmLauncher``) submits with ``sbatch --parsable``, polls ``squeue`` for the job's state, and
 tails the job's output file: each ``N: line`` of rank N goes to the console as ``[ps:0] line`` and to that task's
 log in the job's folder (``ps-0.log``), as the local launcher's logs are; the batch script's own lines come as
-``[slurm] ...``. Ctrl-C or SIGTERM cancels the job (``scancel``) and waits until Slurm has ended it. The exit code is
+``[slurm] ...``. A requeue truncates (or replaces) the output file: the launcher then reads it from its start.
+``picture()`` is what Slurm and the output tell of the job in the dashboard's shape (the job service shows it):
+no live figures, since the ranks' Status servers are on the cluster's nodes. Ctrl-C or SIGTERM cancels the job (``scancel``) and waits until Slurm has ended it. The exit code is
 0 when the job completed, 130 when it was cancelled, 1 otherwise; its final state comes from ``scontrol show job``
-(``sacct`` where accounting is on). The job's folder (``--logdir``, by default ``./tensorfleet-slurm/NAME-TIME``)
-must be on a file system the batch host shares with this machine.
+(``sacct`` where accounting is on). The job's folder must be on a file system the batch host shares with this
+machine.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Any, Callable, TextIO
 
 from tensorfleet.cluster.environment import LOGDIR_ENV, STATUS_DIR_ENV
 from tensorfleet.cluster.slurm import PS_ENV
@@ -45,6 +55,7 @@ SCRIPT_FILE = "job.sbatch"
 JOB_ID_FILE = "slurm.jobid"  # the submitted job's id, in the job's folder
 RESTART_WORDS = "(a rank died): running it again"  # the batch script's line when it runs the step again
 OUTPUT_FILE = "slurm-%j.out"
+HEAD_BYTES = 256  # the start of the output file the launcher remembers, to tell a new one (a requeue's) apart
 POLL_S = 1.0  # how often squeue is asked, and the output file read
 CANCEL_WAIT_S = 60.0  # after scancel, how long Slurm may take to end the job
 COMMAND_TIMEOUT_S = 30.0  # sbatch, squeue, scancel, scontrol
@@ -52,12 +63,19 @@ MAX_BACKOFF_S = 30.0
 TOKEN_LINE = ('export TENSORFLEET_TOKEN="${TENSORFLEET_TOKEN:-$(%s -c '
               '"import secrets; print(secrets.token_urlsafe(32))")}"')
 LABEL = re.compile(r"^\s*(\d+): ?(.*)$")
+SRUN_EXIT = re.compile(r"^srun: error: \S+: tasks? ([\d,\-]+): (?:Exited with exit code (\d+)|(.+))$")
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE")
+PICTURE_STATES = {"PENDING": "starting", "CONFIGURING": "starting", "RUNNING": "running", "COMPLETING": "running",
+                  "REQUEUED": "restarting", "REQUEUE_HOLD": "restarting", "COMPLETED": "succeeded",
+                  "CANCELLED": "stopped"}  # Slurm's job state -> the dashboard's; any other ended one: failed
 
 
 def default_logdir(config: JobConfig) -> Path:
-    return Path("tensorfleet-slurm") / f"{config.job_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """A new job folder's name when no ``--logdir`` is given: in the user's state folder (home folders are shared
+    with a cluster's nodes), never in the current directory. Made by whoever needs it first (see the module)."""
+    state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    return state / "tensorfleet" / "slurm" / f"{config.job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
 def task_of_rank(rank: int, ps: int) -> str:
@@ -65,14 +83,17 @@ def task_of_rank(rank: int, ps: int) -> str:
     return f"ps:{rank}" if rank < ps else f"worker:{rank - ps}"
 
 
-def render_sbatch(config: JobConfig, logdir: Path, *, python: str = sys.executable) -> str:
-    """The batch script of ``config``'s job (see the module's docstring); its output goes to ``logdir``."""
+def render_sbatch(config: JobConfig, logdir: Path, *, output: Path | None = None,
+                  python: str = sys.executable) -> str:
+    """The batch script of ``config``'s job (see the module's docstring): the tasks' files in ``logdir`` (made as it
+    starts), its output in ``output``, a folder that must exist at submit time (default: the current one)."""
     logdir = logdir.resolve()
+    output = (output or Path.cwd()).resolve()
     tasks = config.ps + config.workers
     lines = ["#!/bin/bash",
              f"#SBATCH --job-name={config.job_name}",
              f"#SBATCH --ntasks={tasks}",
-             f"#SBATCH --output={logdir / OUTPUT_FILE}",
+             f"#SBATCH --output={output / OUTPUT_FILE}",
              f"#SBATCH --chdir={Path.cwd()}"]
     if config.slurm_nodes:
         lines.append(f"#SBATCH --nodes={config.slurm_nodes}")
@@ -85,6 +106,10 @@ def render_sbatch(config: JobConfig, logdir: Path, *, python: str = sys.executab
     lines += ["# Written by 'tensorfleet slurm render': one task per ps and worker, roles by rank (the first "
               f"{config.ps} are the ps).",
               "set -u",
+              # the first line differs from run to run: a follower of the output tells a requeue's file apart
+              f"echo \"[slurm] job $SLURM_JOB_ID, requeued ${{SLURM_RESTART_COUNT:-0}} time(s): the tasks' files in \""
+              f"{shlex.quote(str(logdir))}",
+              f"mkdir -p {shlex.quote(str(logdir))}",
               f"export {PS_ENV}={config.ps}",
               f"export {STATUS_DIR_ENV}={shlex.quote(str(logdir))} {LOGDIR_ENV}={shlex.quote(str(logdir))}",
               "export PYTHONUNBUFFERED=1",
@@ -119,6 +144,11 @@ def render_sbatch(config: JobConfig, logdir: Path, *, python: str = sys.executab
         "done",
     ]
     return "\n".join(lines) + "\n"
+
+
+def rendered_script(config: JobConfig) -> str:
+    """What ``slurm render`` prints: ``sbatch`` runs it as it is, its output in the folder it was rendered in."""
+    return render_sbatch(config, Path(config.logdir) if config.logdir else default_logdir(config))
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess:
@@ -159,20 +189,30 @@ class SlurmLauncher:
     """Submits ``config``'s job to Slurm and follows it to its end (see the module's docstring)."""
 
     def __init__(self, config: JobConfig, *, out: TextIO | None = None,
-                 on_restart: Callable[[str], None] | None = None) -> None:
+                 on_restart: Callable[[str], None] | None = None,
+                 on_poll: Callable[[SlurmLauncher], None] | None = None) -> None:
         """``on_restart``: called with the batch script's line each time it runs the step again (the job
-        service counts them)."""
+        service counts them); ``on_poll``: after each look at the job, and once at its end (the job service
+        writes ``picture()``)."""
         self.config = config
         self.out = out or sys.stdout
         self.logdir = Path(config.logdir) if config.logdir else default_logdir(config)
         self.on_restart = on_restart
+        self.on_poll = on_poll
         self.job_id: str | None = None
+        self.state: str | None = None  # Slurm's word for the job, as last seen
+        self.exit_code: str | None = None  # "N:S", once Slurm says
+        self.restarts = 0  # the step run again by the batch script
         self._interrupted: str | None = None
         self._logs: dict[str, TextIO] = {}
+        self._rank_ends: dict[int, tuple[int | None, str]] = {}  # rank -> (exit code, srun's words), this step
         self._partial = ""
+        self._offset = 0  # how far the output file was read
+        self._inode: int | None = None  # which output file that was (a requeue may write a new one)
+        self._head = b""  # its first bytes (HEAD_BYTES at most)
 
     def script_text(self) -> str:
-        return render_sbatch(self.config, self.logdir)
+        return render_sbatch(self.config, self.logdir, output=self.logdir)
 
     def submit(self) -> str:
         """Write the batch script into the job's folder and submit it; return the job id."""
@@ -214,41 +254,62 @@ class SlurmLauncher:
         self._interrupted = signal.Signals(signum).name
 
     def _follow(self) -> tuple[str | None, str | None]:
-        offset, last_state, cancelled_at = 0, None, None
+        last_state, cancelled_at = None, None
         while True:
-            offset = self._pump(offset)
+            self._pump()
             if self._interrupted and cancelled_at is None:
                 self.say(f"received {self._interrupted}; cancelling job {self.job_id}")
                 _run(["scancel", self.job_id])
                 cancelled_at = time.monotonic()
             state, code = job_state(self.job_id)
+            self.state, self.exit_code = state or self.state, code
             if state != last_state and state is not None:
                 self.say(f"job {self.job_id} is {state}")
                 last_state = state
             if state is None or state in ENDED:
                 time.sleep(POLL_S / 2)  # the last lines Slurm wrote
-                self._pump(offset, final=True)
+                self._pump(final=True)
+                self._polled()
                 return state, code
+            self._polled()
             if cancelled_at is not None and time.monotonic() - cancelled_at > CANCEL_WAIT_S:
                 raise LaunchError(f"job {self.job_id} was cancelled but Slurm still lists it {state} after "
                                   f"{CANCEL_WAIT_S:g} s: see squeue -j {self.job_id}")
             time.sleep(POLL_S)
 
-    def _pump(self, offset: int, *, final: bool = False) -> int:
-        """Hand out the output written since ``offset``; return the new offset."""
+    def _polled(self) -> None:
+        if self.on_poll is not None:
+            self.on_poll(self)
+
+    def _pump(self, *, final: bool = False) -> None:
+        """Hand out the output written since the last read; from the start again when the file was truncated or
+        replaced (a requeue writes it afresh: its first lines are the rerun's, the restore included): it is shorter
+        than what was read, another file, or it starts otherwise (the batch script's first line counts requeues)."""
         try:
             with open(self.output_path, "rb") as output:
-                output.seek(offset)
+                stat = os.fstat(output.fileno())
+                head = output.read(HEAD_BYTES)
+                if stat.st_ino != self._inode or stat.st_size < self._offset or head[:len(self._head)] != self._head:
+                    self._restart_output(stat.st_ino)
+                self._head = head
+                output.seek(self._offset)
                 data = output.read()
         except FileNotFoundError:
-            return offset
+            return
+        self._offset += len(data)
         text = self._partial + data.decode(errors="replace")
         lines = text.split("\n")
         self._partial = "" if final else lines.pop()  # an unfinished line waits for the rest of it
         for line in lines:
             if line or final:
                 self._line(line)
-        return offset + len(data)
+
+    def _restart_output(self, inode: int) -> None:
+        """A new output file (the first, or a requeue's): read it from its start; an unfinished last line of the
+        old one is handed out as it is."""
+        if self._inode is not None and self._partial:
+            self._line(self._partial)
+        self._inode, self._offset, self._partial, self._head = inode, 0, "", b""
 
     def _line(self, line: str) -> None:
         labelled = LABEL.match(line)
@@ -256,8 +317,7 @@ class SlurmLauncher:
             if line:
                 self.out.write(line if line.startswith("[slurm]") else f"[slurm] {line}")
                 self.out.write("\n")
-            if RESTART_WORDS in line and self.on_restart is not None:
-                self.on_restart(line)
+            self._note(line)
             return
         task = task_of_rank(int(labelled.group(1)), self.config.ps)
         self.out.write(f"[{task}] {labelled.group(2)}\n")
@@ -266,6 +326,58 @@ class SlurmLauncher:
             log = self._logs[task] = open(self.logdir / f"{task.replace(':', '-')}.log", "a", encoding="utf-8")
         log.write(labelled.group(2) + "\n")
         log.flush()
+
+    def _note(self, line: str) -> None:
+        """What a line of Slurm's or of the batch script's says of the tasks: a step run again, ranks ended."""
+        if RESTART_WORDS in line:
+            self.restarts += 1
+            self._rank_ends.clear()
+            if self.on_restart is not None:
+                self.on_restart(line)
+        ended = SRUN_EXIT.match(line)
+        if ended is not None:
+            code = int(ended.group(2)) if ended.group(2) else None
+            for rank in _ranks(ended.group(1)):
+                self._rank_ends[rank] = (code, ended.group(3) or f"exited with code {code}")
+
+    def picture(self) -> dict[str, Any]:
+        """The job as Slurm and its output tell it, in the dashboard's shape: each rank's task (running once its
+        log has lines), how it ended where srun said, the job's Slurm state and exit code; no live figures (the
+        ranks' Status servers are on the cluster's nodes), which ``problem`` says."""
+        job_state_now = PICTURE_STATES.get(self.state or "PENDING", "failed" if self.state in ENDED else "running")
+        where = f"Slurm job {self.job_id or '(not submitted yet)'} is {self.state or 'being submitted'}"
+        exit_text = f", exit code {self.exit_code}" if self.exit_code and self.state in ENDED else ""
+        job = {"name": self.config.job_name, "mode": self.config.mode, "state": job_state_now, "global_step": None,
+               "restarts": self.restarts,
+               "problem": f"{where}{exit_text}. No live figures on Slurm (the tasks run on the cluster's nodes): the "
+                          f"tasks below are what Slurm and their logs say; their output is under Logs."}
+        tasks = [self._task_picture(rank, job_state_now) for rank in range(self.config.ps + self.config.workers)]
+        return {"job": job, "tasks": tasks, "history": []}
+
+    def _task_picture(self, rank: int, job_state_now: str) -> dict[str, Any]:
+        name = task_of_rank(rank, self.config.ps)
+        code, how = self._rank_ends.get(rank, (None, ""))
+        if job_state_now == "succeeded":
+            state, code = "done", 0
+        elif rank in self._rank_ends:
+            state = "failed" if code else ("done" if code == 0 else "stopped")
+        elif job_state_now == "running":
+            state = "running" if name in self._logs else "starting"
+        else:  # starting (pending), restarting (requeued), stopped (cancelled), failed without srun's word on it
+            state = job_state_now
+        role = "ps" if name.startswith("ps:") else "chief" if name == "worker:0" else "worker"
+        return {"name": name, "role": role, "address": None, "state": state, "restarts": self.restarts,
+                "exit_code": code, "pid": None, "step": None, "global_step": None, "loss": None,
+                "problem": how or None}
+
+
+def _ranks(text: str) -> list[int]:
+    """The ranks of srun's ``0-2,5``."""
+    ranks: list[int] = []
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        ranks += range(int(first), int(last or first) + 1)
+    return ranks
 
 
 def check_slurm_config(config: JobConfig) -> None:

@@ -27,8 +27,9 @@ from tensorfleet.web import json_safe
 
 SCRIPT_GROUP_LABELS = {"job": "training scripts (they call run_task)",
                        "script": "other scripts (with a __main__ block)", "module": "other Python files"}
-NEW_JOB_FORM = {"ps": "1", "workers": "2", "restart": "on-failure", "max_restarts": "3", "backend": "local",
-                "mode": "async"}  # what the form holds before anyone types in it
+# What the form holds before anyone types in it: no mode, so the script's default, as 'tensorfleet launch' without
+# --sync or --async.
+NEW_JOB_FORM = {"ps": "1", "workers": "2", "restart": "on-failure", "max_restarts": "3", "backend": "local"}
 
 
 class Renderer:

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.service.accounts import Session
 from tensorfleet.service.jobs import JobService
+from tensorfleet.service.runner import PARSER_ERROR
 from tensorfleet.service.store import JobRecord, JobState
 
 LIST_LIMIT = 500  # the newest jobs the list shows (each reads its picture file)
@@ -59,11 +60,23 @@ def reason_parts(reason: str | None) -> dict[str, str | None]:
         return {"error_line": None, "summary": None, "traceback": None}
     at = reason.find(TRACEBACK_START)
     if at < 0:
-        return {"error_line": None, "summary": reason, "traceback": None}
+        return _parser_parts(reason)
     traceback = reason[at:].strip("\n")
     lines = [line for line in traceback.splitlines()[1:] if line.strip()]
     error = next((line for line in reversed(lines) if not line.startswith((" ", "\t"))), None)
     return {"error_line": error, "summary": reason[:at].strip("\n") or None, "traceback": traceback}
+
+
+def _parser_parts(reason: str) -> dict[str, str | None]:
+    """A reason ending with the script's argument parser refusing its flags (``runner.parser_error``): its
+    ``PROG: error: ...`` line first, the usage below as a traceback would be; any other reason is all summary."""
+    lines = reason.splitlines()
+    errors = [i for i, line in enumerate(lines) if PARSER_ERROR.match(line)]
+    usages = [i for i, line in enumerate(lines[:errors[-1]] if errors else []) if line.startswith("usage: ")]
+    if not usages:
+        return {"error_line": None, "summary": reason, "traceback": None}
+    return {"error_line": lines[errors[-1]], "summary": "\n".join(lines[:usages[-1]]).strip("\n") or None,
+            "traceback": "\n".join(lines[usages[-1]:errors[-1] + 1])}
 
 
 def job_json(job: JobRecord, picture: dict[str, Any] | None, now: float) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -45,6 +46,7 @@ LAUNCHER_LOG = "launcher.log"
 TICK_S = 1.0
 CLAIM_WAIT_S = 30.0  # how long a new runner waits for the service to record it running
 TRACEBACK_LINES = 40
+PARSER_ERROR = re.compile(r"^[^\s:]+: error: \S")  # argparse's last line: "PROG: error: MESSAGE"
 
 
 def write_json(path: Path, value: Any) -> None:
@@ -66,6 +68,23 @@ def last_traceback(log: Path, limit: int = TRACEBACK_LINES) -> str | None:
     block = lines[starts[-1]:]
     end = next((i for i, line in enumerate(block[1:], 1) if line and not line.startswith(" ")), len(block) - 1)
     return "\n".join(block[:end + 1][-limit:])
+
+
+def parser_error(log: Path, limit: int = TRACEBACK_LINES) -> str | None:
+    """The script's argument parser refusing its flags at the end of a task's log (argparse's ``usage: ...``
+    lines, then ``PROG: error: ...``, exit 2), or None: the reason a job failed without a traceback."""
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()[-limit:]
+    except OSError:
+        return None
+    errors = [i for i, line in enumerate(lines) if PARSER_ERROR.match(line)]
+    usages = [i for i, line in enumerate(lines[:errors[-1]] if errors else []) if line.startswith("usage: ")]
+    return "\n".join(lines[usages[-1]:errors[-1] + 1]) if usages else None
+
+
+def last_error(log: Path) -> str | None:
+    """What a failed task's log ends with that says why: its last traceback, else its parser's refusal."""
+    return last_traceback(log) or parser_error(log)
 
 
 class JobRunner:
@@ -134,7 +153,8 @@ class JobRunner:
 
     def _run_on_slurm(self, config: JobConfig) -> int:
         """The service's Slurm backend: submit the job's batch script and follow it (``launch/slurm.py``). The
-        tasks' logs land in the job's folder as a local job's do; there is no dashboard picture."""
+        tasks' logs land in the job's folder as a local job's do; the picture is what Slurm and those logs say
+        (``SlurmLauncher.picture``: no live figures)."""
         from tensorfleet.launch.slurm import SlurmLauncher, check_slurm_config, task_of_rank
 
         config.backend = "slurm"
@@ -142,7 +162,9 @@ class JobRunner:
             try:
                 check_slurm_config(config)
                 launcher = SlurmLauncher(config, out=out,
-                                         on_restart=lambda line: self.store.count_restart(self.job_id, line))
+                                         on_restart=lambda line: self.store.count_restart(self.job_id, line),
+                                         on_poll=lambda followed: write_json(self.jobdir / PICTURE_FILE,
+                                                                             followed.picture()))
                 command = [sys.executable, str(Path(config.script).resolve()), *config.args]
                 write_json(self.jobdir / TASKS_FILE, [
                     {"name": task, "role": "chief" if task == "worker:0" else task.split(":")[0], "command": command,
@@ -162,7 +184,7 @@ class JobRunner:
         elif code == 130:
             self._finish(JobState.STOPPED, f"Slurm job {launcher.job_id} was cancelled")
         else:
-            tracebacks = [t for t in (last_traceback(path) for path in sorted(self.jobdir.glob("*-*.log"))) if t]
+            tracebacks = [t for t in (last_error(path) for path in sorted(self.jobdir.glob("*-*.log"))) if t]
             self._finish(JobState.FAILED, f"Slurm job {launcher.job_id} failed (see launcher.log)" +
                          (f"\n{tracebacks[0]}" if tracebacks else ""))
         return code
@@ -227,7 +249,7 @@ class JobRunner:
                           if e["task"] == record.name and e["event"] == "failed"), {})
             reason = (f"{record.name} {event.get('how', 'failed')}; not restarted because "
                       f"{event.get('reason', 'its restart policy says so')}")
-            traceback = last_traceback(launcher.log_path(record.task))
+            traceback = last_error(launcher.log_path(record.task))
             return JobState.FAILED, reason + (f"\n{traceback}" if traceback else "")
         return JobState.FAILED, f"the launcher exited with code {code}"
 

@@ -56,6 +56,7 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
         Route("/logout", page(sign_in.logout), methods=["POST"]),
         Route("/healthz", healthz),
         Route("/", page(pages.jobs)),
+        Route("/jobs", jobs_list),
         Route("/jobs/new", page(new_job.form), methods=["GET"]),
         Route("/jobs/new", page(new_job.submit), methods=["POST"]),
         Route(job, page(pages.job)),
@@ -79,6 +80,12 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
     app = Starlette(routes=routes)
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     return app
+
+
+async def jobs_list(request: Request) -> Response:
+    """``/jobs`` is the jobs list at ``/`` (a job is ``/jobs/N``: its parent is a path people type)."""
+    query = request.url.query
+    return RedirectResponse("/" + (f"?{query}" if query else ""), 307, headers=HEADERS)
 
 
 class SignedIn:
