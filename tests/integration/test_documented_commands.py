@@ -52,6 +52,8 @@ NOT_RUN = {
                "rendered here and validated against the API schema in tests/unit/test_k8s*.py",
     "curl": "asks a running `tensorfleet serve-model`; tests/integration/test_serve_model.py does",
     "openssl": "makes a token for `kubectl create secret` (not run: kubectl)",
+    "sbatch": "submits to a Slurm cluster: tests/integration/test_slurm_backend.py renders a script and sbatches "
+              "it as written on a live one, tests/unit/test_slurm_launch.py on fake Slurm commands",
 }
 # `python -m MODULE` commands not run here, with the reason.
 NOT_RUN_MODULES = {

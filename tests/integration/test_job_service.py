@@ -81,6 +81,12 @@ def test_a_job_runs_to_success_with_its_logs_tasks_history_and_dashboard(home, w
         done = wait_state(service, job["id"], {"succeeded", "failed", "lost"})
         assert done["state"] == "succeeded", done["reason"]
         assert done["progress"]["global_step"] >= 150
+        accuracy = done["metrics"]["accuracy"]  # what the script reported at its end (tfl.report_metrics)
+        assert 0.50015 <= accuracy <= 0.5 + done["progress"]["global_step"] / 1e6  # at the chief's last step
+        browser = signed_in_browser(service.url)
+        shown = f"accuracy {accuracy:.4f}"
+        assert shown in browser.open(service.url + "/").read().decode()  # the jobs list
+        assert re.search(rf'id="job-metrics">{shown}<', browser.open(f"{service.url}/jobs/{job['id']}").read().decode())
         log = api.call("GET", f"/api/jobs/{job['id']}/logs/worker:0")
         assert "worker:0 done at global step" in log["text"]
         rest = api.call("GET", f"/api/jobs/{job['id']}/logs/worker:0?offset={log['next_offset']}")

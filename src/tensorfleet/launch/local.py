@@ -42,7 +42,7 @@ from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, parse_address
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch.config import JobConfig
 from tensorfleet.launch.console import Console
-from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks, progress_line, task_role
+from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks, metrics_text, progress_line, task_role
 from tensorfleet.launch.output import TaskOutput
 from tensorfleet.launch.scaling import RESIZE_RETRY_S, Scaler
 from tensorfleet.launch.supervisor import Decision, Supervisor, TaskRecord, describe_exit
@@ -163,6 +163,7 @@ class LocalLauncher:
         self._pumps: dict[str, threading.Thread] = {}  # the output pump of each task's latest incarnation
         self._events_written = 0
         self._interrupted: str | None = None
+        self._silent_said: set[str] = set()  # coordinators from outside said to have stopped answering
         self.dashboard = None
         self.started_with: dict[str, dict[str, str]] = {}  # task -> the variables its current process started with
         self.spawns = 0  # processes started so far (restarts and scaled-up workers included)
@@ -291,11 +292,19 @@ class LocalLauncher:
         descriptor = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(descriptor, "w", encoding="utf-8") as out:
             out.write(self.token)
-        joining = {"tf_config": self.cluster.to_tf_config(record.task), "token_file": str(token_file)}
+        joining = {"tf_config": self.cluster.to_tf_config(record.task), "token_file": str(token_file),
+                   "launcher_pid": os.getpid()}  # join_fleet refuses the file of a launcher that has ended
         (self.logdir / COORDINATOR_FILE).write_text(json.dumps(joining, indent=1), encoding="utf-8")
         self.supervisor.awaited(record.name, address=record.address)
         self.console.line(f"[launch] {record.name}, the coordinator, is not started here: join from a Python "
                           f"session with tfl.join_fleet({str(self.logdir.resolve())!r})")
+
+    def _withdraw_hand_over(self) -> None:
+        """The job is over: what a coordinator from outside would join with goes (a later join_fleet of this
+        logdir waits for the next launcher instead of joining a fleet that is gone)."""
+        if self.logdir is not None and any(record.outside for record in self.supervisor.records):
+            for name in (COORDINATOR_FILE, COORDINATOR_TOKEN_FILE):
+                (self.logdir / name).unlink(missing_ok=True)
 
     def _spawn(self, record: TaskRecord) -> None:
         task = record.task
@@ -409,6 +418,7 @@ class LocalLauncher:
             self.monitor.poll()  # the final statuses the tasks left, for the summary and the dashboard
             self.monitor.stop()
             self.write_events()
+            self._withdraw_hand_over()
             for s, handler in previous.items():
                 signal.signal(s, handler)
         self.failed = failed
@@ -436,6 +446,7 @@ class LocalLauncher:
             self.output.release_due(lambda name: self.supervisor.by_name[name].answered)
             if self.on_tick is not None:
                 self.on_tick(self)
+            self._say_silent_outside()
             now = time.monotonic()
             if now - last_progress >= 1.0:
                 last_progress = now
@@ -453,11 +464,25 @@ class LocalLauncher:
         deadline = time.monotonic() + (float("inf") if outside else PS_EXIT_GRACE_S)
         while self.processes and time.monotonic() < deadline and not self._interrupted:
             self._reap()
+            self._say_silent_outside()
             time.sleep(LOOP_S / 2)
         if not self.processes and all(r.state == "done" for r in self.supervisor.records if r.role == "ps"):
             for record in outside:  # a ps exits 0 once every replica, the coordinator too, said Done
                 self.supervisor.joined_done(record.name)
         self.write_events()
+
+    def _say_silent_outside(self) -> None:
+        """Say it once when a coordinator from outside stops answering (its Python session ended or died: the
+        fleet waits for one), and once when it answers again."""
+        silent = set(self.monitor.silent_outside())
+        where = str(self.logdir.resolve()) if self.logdir is not None else "LOGDIR"
+        for name in sorted(silent - self._silent_said):
+            self.console.line(f"[launch] {name}, the coordinator, stopped answering: its Python session ended or "
+                              f"died. The ps and workers wait for it: join again with tfl.join_fleet({where!r}), "
+                              f"or stop the job with Ctrl-C")
+        for name in sorted(self._silent_said - silent):
+            self.console.line(f"[launch] {name}, the coordinator, answers again")
+        self._silent_said = silent
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._interrupted = signal.Signals(signum).name
@@ -586,8 +611,11 @@ class LocalLauncher:
         else:
             outcome = "succeeded" if code == 0 else "FAILED"
         restarts = self.supervisor.total_restarts
+        job = self.monitor.picture()["job"]
         say(f"[launch] job {self.config.job_name} {outcome} after {elapsed:.1f} s (exit code {code}), "
-            f"{restarts} restart{'s' if restarts != 1 else ''}, global step {self.monitor.picture()['job']['global_step']}")
+            f"{restarts} restart{'s' if restarts != 1 else ''}, global step {job['global_step']}")
+        if job["metrics"]:
+            say(f"[launch] metrics: {metrics_text(job['metrics'])}")
         for record in failed:
             event = next(e for e in reversed(self.supervisor.events) if e["task"] == record.name)
             say(f"[launch] {record.name} failed: {event['how']}; not restarted because {event['reason']}")

@@ -139,9 +139,15 @@ def run_coordinated(args: argparse.Namespace, setup: SetupFn, drive: DriveFn, *,
             ClosureServer(cluster, task, WorkerContext(session=session)).serve()
         write_final_status(task, PROCESS_STATUS.as_meta())
         return 0
-    with TrainingSession(replica, **(session_options or {})) as session:
-        with Coordinator(cluster, session=session, max_pending=max_pending or 2 * workers) as coordinator:
-            drive(coordinator, session)  # a driver that raised shuts the coordinator down at once
+    status_server = serve_status(cluster, task)  # the launcher and the dashboard follow the job through it
+    try:
+        with TrainingSession(replica, **(session_options or {})) as session:
+            with Coordinator(cluster, session=session, max_pending=max_pending or 2 * workers) as coordinator:
+                drive(coordinator, session)  # a driver that raised shuts the coordinator down at once
+    finally:
+        if status_server is not None:
+            status_server.stop(0)
+    write_final_status(task, PROCESS_STATUS.as_meta())
     return 0
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Generic, Sequence, TypeVar, overload
+from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar, overload
 
 import torch
 from torch import nn
@@ -237,10 +237,11 @@ class TowerReplica:
         self.module.zero_grad(set_to_none=True)
         return self.global_step
 
-    def report(self, *, loss: float | None = None, examples: int = 0, target_step: int | None = None) -> None:
+    def report(self, *, loss: float | None = None, examples: int = 0, target_step: int | None = None,
+               metrics: Mapping[str, float] | None = None) -> None:
         """Tower 0 answers the task's Status RPC; the other towers' figures are the worker's already."""
         if self.replica is not None:
-            self.replica.report(loss=loss, examples=examples, target_step=target_step)
+            self.replica.report(loss=loss, examples=examples, target_step=target_step, metrics=metrics)
 
     # --- tower 0 leads, the others follow --------------------------------------------------------
 

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
 from tensorfleet.errors import ConfigError, TensorfleetError
+from tensorfleet.launch.monitor import metrics_text
 from tensorfleet.service.accounts import Session
 from tensorfleet.service.forms import (FORM_FIELDS, check_choices, clone_name, form_from_settings, settings_from_form,
                                        unshown_text)
@@ -41,6 +42,7 @@ class Renderer:
         self._templates.filters["when"] = (lambda t: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
                                            if t else "")
         self._templates.filters["age"] = _age
+        self._templates.filters["metrics"] = metrics_text
 
     def __call__(self, template: str, session: Session | None, status: int = 200, **context: Any) -> Response:
         # ``template``, not ``name``: the sign-in page's context has a ``name`` (the user name typed) of its own.
@@ -76,7 +78,8 @@ class JobPages:
             return self._render("error.html", session, 404, error=str(exc))
         tasks, events = service.tasks(job_id), service.events(job_id)
         owner = job.owner == session.user.name or session.user.admin
-        return self._render("job.html", session, status, job=job_json(job, None, service.store.now()), tasks=tasks,
+        job_view = job_json(job, service.picture(job), service.store.now())  # the metrics from its last picture
+        return self._render("job.html", session, status, job=job_view, tasks=tasks,
                             events=events, can_change=owner, error=error, confirm=confirm)
 
     def button(self, do: Callable[[Session, int, Any], int | Response]) -> Handler:

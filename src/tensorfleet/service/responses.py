@@ -91,6 +91,7 @@ def job_json(job: JobRecord, picture: dict[str, Any] | None, now: float) -> dict
         "workers_target": job.workers_target, "config": job.config,
         "progress": {key: progress.get(key) for key in ("global_step", "target_step", "steps_per_sec",
                                                           "examples_per_sec", "eta_s")},
+        "metrics": progress.get("metrics") or None,  # what the script reported (tfl.report_metrics)
     }
 
 

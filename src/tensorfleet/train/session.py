@@ -238,6 +238,9 @@ class TrainingSession:
         conditions follow training as on a chief that trains."""
         self.local_step = result.local_step
         self.replica.global_step = max(self.replica.global_step, result.global_step)
+        # the coordinator's Status says the closures' loss and examples (the progress line's, the dashboard's)
+        self.replica.report(loss=result.loss if math.isfinite(result.loss) else None,
+                            examples=result.batch_size or 0)
         for hook in self.hooks:
             hook.after_step(self, result)
 

@@ -8,7 +8,7 @@ implement them. On a ``TowerReplica``, the ps side (``client``, ``placement``, `
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     from torch import nn
@@ -60,7 +60,8 @@ class TrainingReplica(Protocol):
 
     def load_averages(self) -> int: ...
 
-    def report(self, *, loss: float | None = None, examples: int = 0, target_step: int | None = None) -> None: ...
+    def report(self, *, loss: float | None = None, examples: int = 0, target_step: int | None = None,
+               metrics: Mapping[str, float] | None = None) -> None: ...
 
     # --- the ps side (a TowerReplica's tower 0 only) ----------------------------------------------
 

@@ -23,6 +23,11 @@ function showText(id, text) {
   element.hidden = !text;
 }
 
+function formatMetric(value) {  // as the launcher's summary and the jobs list write it
+  const size = Math.abs(value);
+  return size >= 1e4 || (size > 0 && size < 1e-3) ? value.toPrecision(4) : value.toFixed(4);
+}
+
 async function refreshState() {
   try {
     const response = await fetch(`/api/jobs/${jobId}`, { cache: "no-store", credentials: "same-origin" });
@@ -32,6 +37,8 @@ async function refreshState() {
     // which a reload would send again.
     if (job.state !== section.dataset.state) { window.location.assign(`/jobs/${jobId}`); return; }
     document.getElementById("job-restarts").textContent = String(job.restarts);
+    const metrics = Object.entries(job.metrics || {}).map(([name, value]) => `${name} ${formatMetric(value)}`);
+    document.getElementById("job-metrics").textContent = metrics.join(", ") || "none reported yet";
     document.getElementById("job-reason-box").hidden = !job.reason;
     showText("job-error-line", job.error_line);
     document.getElementById("job-reason").textContent = job.summary || "";

@@ -30,6 +30,16 @@ function cell(field, text, href) {
   return td;
 }
 
+// "accuracy 0.9771, rmse 0.9114": what the job's script reported (tfl.report_metrics), as the launcher says it.
+function metricsText(metrics) {
+  return Object.entries(metrics || {}).map(([name, value]) => `${name} ${formatMetric(value)}`).join(", ");
+}
+
+function formatMetric(value) {
+  const size = Math.abs(value);
+  return size >= 1e4 || (size > 0 && size < 1e-3) ? value.toPrecision(4) : value.toFixed(4);
+}
+
 function row(job) {
   const tr = document.createElement("tr");
   tr.dataset.job = job.id;
@@ -41,6 +51,7 @@ function row(job) {
     cell("state", job.state),
     cell("progress", progress),
     cell("steps_per_sec", p.steps_per_sec ? p.steps_per_sec.toFixed(1) : ""),
+    cell("metrics", metricsText(job.metrics)),
     cell("restarts", String(job.restarts)),
     cell("age", age(job.age_s)),
     cell("owner", job.owner),
