@@ -81,12 +81,6 @@ SKIPPED_SNIPPETS = {
 # Variables of the page's lines whose type is known, so that their methods and keywords are checked too.
 TYPED = {"coordinator": "Coordinator", "session": "TrainingSession", "replica": "Replica", "value": "RemoteValue",
          "values": "RemoteValues", "server": "Server", "cluster": "ClusterSpec"}
-# Commands that fail as documented because of a bug, until it is fixed (strict: a fix makes the test fail, so
-# that the entry goes).
-KNOWN_BROKEN = {
-    ("launch", "--ray-address"): "launch --dry-run --backend ray checks this machine's GPUs (LocalLauncher."
-                                 "dry_run_text), although a job on a Ray cluster takes its GPUs there",
-}
 SESSION_PORTS = ("127.0.0.1:2222", "127.0.0.1:2223", "127.0.0.1:2224")
 
 
@@ -278,13 +272,7 @@ def check_launch(command: docs.Command, ours: list[str], script_args: list[str],
         done = tensorfleet_cli(args, cwd)
         assert done.returncode == 2 and "GPU" in done.stderr, done.stdout + done.stderr
         args[args.index("--gpus-per-worker") + 1] = "0"
-    broken = [why for (subcommand, flag), why in KNOWN_BROKEN.items()
-              if subcommand == ours[0] and flag in ours and gpus and visible_gpus() < gpus * workers]
     done = tensorfleet_cli(args, cwd)
-    if broken:  # strict: once it is fixed, this fails until the entry goes
-        assert done.returncode != 0, f"fixed, it seems: drop its entry from KNOWN_BROKEN ({broken[0]})"
-        assert "GPU" in done.stderr, done.stdout + done.stderr  # broken as known, not otherwise
-        pytest.xfail(broken[0])
     assert done.returncode == 0, done.stdout + done.stderr
 
 

@@ -79,6 +79,8 @@ def test_without_an_address_a_local_ray_runs_the_job_and_goes_with_it(launches):
     started = [e for e in run.events() if e["event"] == "started"]
     assert {e["task"] for e in started} == {"ps:0", "worker:0", "worker:1"}
     assert all(e["address"].startswith("127.0.0.1:") and e["node"] for e in started)  # one node: this machine
+    assert "Started a local Ray instance" not in output and "(raylet)" not in output, output  # Ray's own lines ...
+    assert "Started a local Ray instance" in (Path(run.logdir) / "ray.log").read_text()  # ... are the logdir's
     poll(lambda: gone(started_pids(run)), 30, "the tasks' processes to be gone")
     poll(lambda: not (ray_processes() - before), 30, "the job's local Ray to be gone")
 
@@ -211,6 +213,43 @@ def test_the_job_service_runs_jobs_on_the_cluster_as_its_free_resources_allow(cl
         stop_runners(tmp_path / "home")
 
 
+def test_a_task_no_node_takes_stops_the_job_with_its_summary_and_says_it_was_lost(cluster, launches,
+                                                                                  keep_processes):
+    """Issue 44: worker:1's node dies while the cluster's other CPUs are held, so no node can take it. Its exit is
+    "lost with its node (node id ...)" (console, events.jsonl, summary), not a SIGKILL; after --ray-replace-timeout
+    the launcher stops the job properly: exit 1, the summary, and why. Ray's own lines stay in LOGDIR/ray.log."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    made, nodes = cluster
+    run = launches(["--ray-address", made.address, "--ps", "1", "--workers", "2", "--async",
+                    "--ray-replace-timeout", "10"], ["--train_steps", "1000000"], env=LOOPBACK)
+    poll(lambda: run.events_of("worker:1", "running"), 120, "worker:1 to train")
+    holder = placement_group([{"CPU": 1.0}] * int(ray.available_resources()["CPU"]), strategy="SPREAD")
+    first = run.events_of("worker:1", "started")[0]
+    doomed = node_name(nodes, first["node"])
+    try:
+        assert holder.wait(timeout_seconds=30), "the cluster's free CPUs to be held"
+        made.remove_node(nodes[doomed], allow_graceful=False)
+        code, output = run.wait(timeout_s=180)
+    finally:
+        remove_placement_group(holder)
+        nodes[doomed] = made.add_node(num_cpus=NODE_CPUS, resources={doomed: 1})  # as it was, for the tests after
+        keep_processes.keep({p.pid for p in psutil.Process().children(recursive=True)})
+    lost = f"lost with its node (node id {first['node']})"
+    assert code == 1, output
+    assert f"[launch] worker:1 {lost}; restarting in" in output, output
+    assert (f"[launch] worker:1 failed: {lost}; not restarted because no node of the Ray cluster took it within "
+            "10 s (--ray-replace-timeout") in output, output
+    assert re.search(r"\[launch\] job mnist-mlp FAILED after [\d.]+ s \(exit code 1\)", output), output
+    assert re.search(r"\[launch\] worker:1 +worker +failed +lost ", output), output
+    assert "SIGKILL" not in output and "(raylet)" not in output, output
+    ended = [e for e in run.events() if e["task"] == "worker:1" and e["event"] in ("exited", "failed")]
+    assert [e["how"] for e in ended] == [lost, lost], ended
+    assert "--ray-replace-timeout" in ended[-1]["reason"], ended
+    assert (Path(run.logdir) / "ray.log").exists()
+    poll(free_cpus_back, 60, "the job's placement group and actors to be released")
+
+
 def taken(address: str) -> socket.socket:
     """A listener on ``address`` (bound as soon as the port is free: the task that had it may still be dying)."""
     host, _, port = address.rpartition(":")
@@ -244,6 +283,7 @@ def test_a_task_whose_node_dies_comes_back_on_another_and_the_job_finishes(clust
     first = run.events_of(task, "started")[0]
     doomed = node_name(nodes, first["node"])
     made.remove_node(nodes[doomed], allow_graceful=False)  # its raylet killed, and every process of the node
+    removed_at = len(run.lines)
     listener = taken(first["address"]) if port == "taken" else None
     try:
         poll(lambda: len(run.events_of(task, "started")) == 2, 120, f"{task} to start again")
@@ -267,9 +307,10 @@ def test_a_task_whose_node_dies_comes_back_on_another_and_the_job_finishes(clust
         assert "restarted empty; every shard restored to global step" in output, output
     else:
         assert ps["global_step"] <= ps["applied_updates"], ps  # the step never counts an update not applied
-        # While Ray placed worker:1 again, the launcher's loop went on: the progress line followed worker:0.
-        between = output.split(f"[worker:1] [launch] the task's Ray actor is gone", 1)[1]
-        between = between.split("[launch] started worker:1 (restart 1)", 1)[0]
+        # While Ray declared the node dead and placed worker:1 again, the launcher's loop went on: the progress line
+        # followed worker:0. The loss is told as one (issue 44), not as a SIGKILL.
+        between = "".join(run.lines[removed_at:]).split("[launch] started worker:1 (restart 1)", 1)[0]
         assert between.count("[launch] step ") >= 5, between  # once a second: Ray took ~15 s
+        assert f"[launch] worker:1 lost with its node (node id {first['node']}); restarting" in between, between
     nodes[doomed] = made.add_node(num_cpus=NODE_CPUS, resources={doomed: 1})  # as it was, for any test after
     keep_processes.keep({p.pid for p in psutil.Process().children(recursive=True)})

@@ -7,8 +7,10 @@ right from the gradient worker 1 sends back)."""
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from tensorfleet.coordinator import placement
 from tensorfleet.coordinator.placement import PlacedModule, RpcGroup, place_module
 from tensorfleet.errors import ConfigError, InvalidArgumentError
 from tensorfleet.launch.local import free_ports
+from tensorfleet.testing.fleet import poll
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
@@ -279,6 +282,7 @@ def test_run_placed_under_the_launcher(tmp_path):
     losses = re.search(r"placed job: loss ([\d.]+) -> ([\d.]+) on chief:0", output)
     assert losses is not None and float(losses[2]) < float(losses[1]), output[-3000:]
     assert "placed Linear on /job:worker/replica:0/task:0/device:CPU:0" in output
+    assert "global step 20" in output, output[-3000:]  # the chief's steps, through its Status (issue 44)
 
 
 MEMBER = """
@@ -307,7 +311,7 @@ def test_a_worker_whose_chief_dies_leaves_in_seconds():
         killed = time.monotonic()
         _, err = members[1].communicate(timeout=60)
         assert members[1].returncode != 0
-        assert "UnavailableError: worker:0: the chief (chief:0) does not answer any more" in err, err[-2000:]
+        assert "ChiefLeftError: worker:0: the chief (chief:0) does not answer any more" in err, err[-2000:]
         assert time.monotonic() - killed < placement.ALIVE_EVERY_S + 20
     finally:
         stop(members)
@@ -326,3 +330,110 @@ def test_the_placed_seed_example_trains_with_its_output_layer_on_worker_0(tmp_pa
     assert done.returncode == 0, output[-3000:]
     assert "output layer on worker:0" in output, output[-3000:]
     assert float(re.search(r"\[chief:0\] test accuracy: ([\d.]+)", output).group(1)) > 0.8, output[-3000:]
+
+
+# --- a placed job's failures (issue 44) ---------------------------------------------------------------------
+
+PLACED_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mnist_placed.py"
+NOISE = ("UserWarning", "DeprecationWarning", "tensorpipe_agent.cpp", "Leaking RRef")
+
+
+def placed_launch(tmp_path, *script_args: str):
+    from tensorfleet.testing.local_cluster import LauncherProcess
+
+    return LauncherProcess(tmp_path / "logs", ["--coordinator", "--ps", "1", "--workers", "1", "--progress-every", "1"],
+                           PLACED_EXAMPLE, script_args)
+
+
+def test_a_configuration_error_of_the_placed_chief_ends_the_job_at_once_saying_why(tmp_path):
+    """A device worker 0 lacks: the chief exits 2 with the error as its last line, the launcher does not start it
+    again (no 120 s wait for a worker that already left), and the worker is stopped, not "done"."""
+    run = placed_launch(tmp_path, "--train_steps", "300", "--device", "/job:worker/task:0/device:GPU:99")
+    began = time.monotonic()
+    try:
+        code, output = run.wait(timeout_s=90)
+    finally:
+        run.kill()
+    assert code == 1, output
+    assert time.monotonic() - began < 60, output
+    chief = [line for line in output.splitlines() if line.startswith("[chief:0] ")]
+    assert chief[-1].startswith("[chief:0] mnist_placed.py: error: cannot place on '/device:GPU:99'"), output
+    assert "chief:0 failed: exit code 2; not restarted because exit code 2 means bad flags" in output, output
+    assert "restarting" not in output, output
+    assert (run.logdir / "chief-0.log").read_text().splitlines()[-1] == chief[-1].removeprefix("[chief:0] ")
+    states = {e["task"]: e for e in run.events() if e["event"] in ("exited", "failed", "stopped")}
+    assert states["chief:0"]["event"] == "failed" and states["chief:0"]["code"] == 2, states
+    assert states["worker:0"]["event"] == "stopped", states  # it waited for its chief; it never said "done"
+
+
+def test_a_crashed_placed_chief_resumes_from_its_checkpoint_with_the_worker_that_waited(tmp_path):
+    """The chief SIGKILLed mid-run (as by a std::bad_alloc): worker 0 does not exit "done" but waits for it, the
+    launcher starts the chief again, it finds the worker and resumes from its checkpoint, and the summary's global
+    step is the real one. torch's warnings and TensorPipe's lines stay in the logs."""
+    run = placed_launch(tmp_path, "--train_steps", "1500", "--save_checkpoint_steps", "300")
+    checkpoint = run.logdir / "checkpoints" / "placed.safetensors"
+    try:
+        poll(checkpoint.exists, 120, "the chief's first checkpoint")
+        chief = run.events_of("chief:0", "started")[0]["pid"]
+        os.kill(chief, signal.SIGKILL)
+        code, output = run.wait(timeout_s=240)
+    finally:
+        run.kill()
+    assert code == 0, output
+    assert "chief:0 killed by SIGKILL; restarting" in output, output
+    resumed = int(re.search(r"\[chief:0\] resuming from the checkpoint of step (\d+)", output).group(1))
+    assert resumed >= 300 and resumed % 300 == 0, output
+    assert "global step 1500" in output and "1 restart," in output, output
+    assert [e["task"] for e in run.events() if e["event"] == "started"].count("worker:0") == 1, run.events()
+    worker_log = (run.logdir / "worker-0.log").read_text()
+    assert re.search(r"worker:0: the chief \(chief:0\) does not answer any more: .*; waiting up to 120 s for it to "
+                     r"come back \(restarted\) at the RPC rendezvous 127\.0\.0\.1:\d+", worker_log), worker_log
+    assert worker_log.count("worker:0 joined the torch RPC group") == 2, worker_log
+    assert float(re.search(r"\[chief:0\] test accuracy: ([\d.]+)", output).group(1)) > 0.9, output
+    final = json.loads((run.logdir / "chief-0.status.json").read_text())
+    assert final["global_step"] == 1500 and final["state"] == "done", final
+    assert not [line for line in output.splitlines() if any(word in line for word in NOISE)], output
+    assert "tensorpipe_agent.cpp" in worker_log  # kept, where they belong
+
+
+WAITING_MEMBER = '''
+import argparse, sys, time
+import tensorfleet as tfl
+from tensorfleet.coordinator.placement import run_placed
+
+
+def drive(group):
+    print("driving", flush=True)
+    time.sleep(600)  # until SIGKILLed
+
+
+parser = argparse.ArgumentParser()
+tfl.add_cluster_flags(parser)
+sys.exit(run_placed(parser.parse_args(), drive, start_timeout_s={timeout_s}))
+'''
+
+
+def test_a_worker_waits_a_bounded_time_for_its_chief_to_come_back_saying_so(tmp_path):
+    """By hand, no launcher to restart the chief: the worker waits ``start_timeout_s`` for it (as a new image of
+    its process, same pid), then exits 1 saying what it waited for."""
+    ports = free_ports(2)
+    tf_config = {"cluster": {"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]}}
+    script = tmp_path / "member.py"
+    script.write_text(WAITING_MEMBER.format(timeout_s=8))
+    members = {}
+    for role in ("chief", "worker"):
+        env = {**os.environ, "TF_CONFIG": json.dumps({**tf_config, "task": {"type": role, "index": 0}})}
+        members[role] = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True)
+    try:
+        while members["chief"].stdout.readline().strip() != "driving":  # bounded by the test's timeout
+            assert members["chief"].poll() is None, "the chief exited before it drove"
+        members["chief"].kill()
+        out, _ = members["worker"].communicate(timeout=90)
+    finally:
+        stop(list(members.values()))
+    assert members["worker"].returncode == 1, out
+    assert "waiting up to 8 s for it to come back" in out, out
+    assert re.search(r"^member\.py: error: worker:0: waited 8 s for the chief \(chief:0\) to come back at the RPC "
+                     r"rendezvous 127\.0\.0\.1:\d+ \(it left: worker:0: the chief \(chief:0\) does not answer any more",
+                     out.splitlines()[-1]), out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -9,16 +10,15 @@ import pytest
 
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch import onray
-from tensorfleet.launch.config import JobConfig
+from tensorfleet.launch.config import JobConfig, job_config
 
 SCRIPT = __file__
 
 
 def test_ray_settings_without_the_ray_backend_are_refused():
-    with pytest.raises(ConfigError, match="ray_address and ray_placement are for backend ray"):
-        JobConfig(script=SCRIPT, ray_address="10.0.0.1:6379").validate()
-    with pytest.raises(ConfigError, match="ray_address and ray_placement are for backend ray"):
-        JobConfig(script=SCRIPT, ray_placement="pack").validate()
+    for setting in ({"ray_address": "10.0.0.1:6379"}, {"ray_placement": "pack"}, {"ray_replace_timeout": 30}):
+        with pytest.raises(ConfigError, match="ray_address, ray_placement and ray_replace_timeout are for backend ray"):
+            JobConfig(script=SCRIPT, **setting).validate()
     with pytest.raises(ConfigError, match="backend 'lsf' is not valid: use one of local, ray, slurm"):
         JobConfig(script=SCRIPT, backend="lsf").validate()
     with pytest.raises(ConfigError, match="ray_placement 'strict' is not valid: use one of spread, pack"):
@@ -56,3 +56,77 @@ def test_the_job_service_names_the_ray_settings_it_does_not_use():
 
     used, ignored = split_settings({"script": "train.py", "backend": "ray", "ray-address": "h:6379"})
     assert "backend" not in used and set(ignored) == {"backend", "ray_address"}
+
+
+def test_the_wait_for_a_node_is_a_flag_a_job_file_field_and_a_variable(tmp_path):
+    """How long a task whose node died waits for another node (issue 44): --ray-replace-timeout,
+    ray_replace_timeout in a job file, TENSORFLEET_RAY_REPLACE_TIMEOUT; the default stays the backend's."""
+    from tensorfleet.cli import fleet
+
+    job = tmp_path / "job.yaml"
+    job.write_text(f"script: {SCRIPT}\nbackend: ray\nray_replace_timeout: 45\n")
+    assert job_config(str(job), None, {}, environ={}).ray_replace_timeout == 45
+    assert job_config(str(job), None, {}, environ={"TENSORFLEET_RAY_REPLACE_TIMEOUT": "90"}).ray_replace_timeout == 90
+    parser = fleet.argparse.ArgumentParser()
+    fleet._add_job_flags(parser)
+    args = parser.parse_args(["--backend", "ray", "--ray-replace-timeout", "600", SCRIPT])
+    assert job_config(None, SCRIPT, {"backend": args.backend, "ray_replace_timeout": args.ray_replace_timeout},
+                      environ={}).ray_replace_timeout == 600
+    assert JobConfig(script=SCRIPT, backend="ray").validate().ray_replace_timeout is None  # onray's default: 300 s
+    for wrong in (0, -5, "soon", True, 86401):
+        with pytest.raises(ConfigError, match=r"ray_replace_timeout must be a number of seconds in \(0, 86400\]"):
+            JobConfig(script=SCRIPT, backend="ray", ray_replace_timeout=wrong).validate()
+
+
+def test_the_node_that_died_is_read_from_rays_error():
+    """The GCS's cause of an actor's death, as the driver's RayActorError carries it."""
+    ray = pytest.importorskip("ray")
+
+    message = ("The actor died unexpectedly before finishing this task.\n\tclass_name: TaskActor\n"
+               "The actor died because its node has died. Node Id: 3f2a9c0d11\n")
+    assert onray.dead_node(ray.exceptions.RayActorError(error_msg=message)) == "3f2a9c0d11"
+    assert onray.dead_node(ray.exceptions.ActorDiedError()) is None  # no cause: the launcher asks Ray about the node
+
+
+def test_rays_own_lines_go_to_the_logdir_not_the_console(tmp_path, capsys):
+    """What the Ray driver prints of its cluster (``(raylet) ...``, from its error-message thread) and Ray's log
+    lines go to LOGDIR/ray.log (issue 44): held until the logdir is known, the console never sees them."""
+    pytest.importorskip("ray")
+    from ray._private import worker
+
+    connection = onray.RayConnection.__new__(onray.RayConnection)  # its diversion only: no Ray is started
+    connection.lines, connection._diverted = onray.RayLines(), None
+    original = worker.print_to_stdstream
+    connection._divert()
+    try:
+        worker.print_to_stdstream({"lines": ["Task was killed due to the node running low on memory."],
+                                   "pid": "raylet", "is_err": False}, ignore_prefix=False)
+        logging.getLogger("ray").warning("Token authentication is enabled for this Ray cluster.")
+        connection.lines.open(tmp_path / onray.RAY_LOG)
+        worker.print_to_stdstream({"lines": ["The node with node id: 3f2a has been marked dead"], "pid": "raylet",
+                                   "is_err": False}, ignore_prefix=False)
+    finally:
+        connection._restore()
+        connection.lines.close()
+    assert capsys.readouterr() == ("", "")
+    assert worker.print_to_stdstream is original and not any(
+        isinstance(h, onray._LinesHandler) for h in logging.getLogger("ray").handlers)
+    lines = (tmp_path / onray.RAY_LOG).read_text().splitlines()
+    assert lines[0] == "(raylet) Task was killed due to the node running low on memory."
+    assert " WARNING " in lines[1] and lines[1].endswith(" -- Token authentication is enabled for this Ray cluster.")
+    assert lines[2] == "(raylet) The node with node id: 3f2a has been marked dead"
+
+
+def test_a_dry_run_on_a_ray_cluster_does_not_count_this_machines_gpus(capsys, monkeypatch):
+    """A job on a Ray cluster takes its GPUs on the cluster's nodes (issue 44): its dry run on a machine without
+    GPUs prints the plan; a local Ray (no address) runs on this machine, whose GPUs do count."""
+    from tensorfleet.cli import main
+    from tensorfleet.launch import local
+
+    monkeypatch.setattr(local, "visible_gpus", lambda: 0)
+    assert main(["launch", "--dry-run", "--backend", "ray", "--ray-address", "10.0.0.5:6379", "--workers", "4",
+                 "--gpus-per-worker", "1", SCRIPT]) == 0
+    out, err = capsys.readouterr()
+    assert "backend ray: 10.0.0.5:6379" in out and "warning" not in err, (out, err)
+    code = main(["launch", "--dry-run", "--backend", "ray", "--workers", "4", "--gpus-per-worker", "1", SCRIPT])
+    assert code == 2 and "GPU" in capsys.readouterr().err

@@ -145,3 +145,31 @@ def test_a_task_that_answered_in_between_starts_counting_afresh():
     assert supervisor.exited("worker:1", 1) is Decision.RESTART  # a first crash at start-up again
     supervisor.started("worker:1", 101)
     assert supervisor.exited("worker:1", 1) is Decision.FAILED  # ... and its repeat
+
+
+def test_a_task_lost_with_its_node_is_told_so_not_as_a_signal():
+    """A backend that lost the process (a Ray node died) says so before the stand-in exit (-9) arrives: the event,
+    the restart line and the summary tell the loss, and the next incarnation's exits are its own again."""
+    supervisor = fleet()
+    supervisor.lost("worker:1", "lost with its node (node id 8f3a)")
+    assert supervisor.exited("worker:1", -9) is Decision.RESTART
+    record = supervisor.by_name["worker:1"]
+    assert record.how_ended == "lost with its node (node id 8f3a)"
+    assert supervisor.events[-1]["how"] == "lost with its node (node id 8f3a)"
+    rows = {line.split()[0]: line.split() for line in supervisor.summary_table().splitlines()[2:]}
+    assert rows["worker:1"][3] == "lost"
+    supervisor.started("worker:1", 99)
+    supervisor.exited("worker:1", -9)
+    assert record.how_ended == "killed by SIGKILL" and supervisor.events[-1]["how"] == "killed by SIGKILL"
+
+
+def test_a_lost_task_no_node_takes_fails_with_the_reason():
+    supervisor = fleet()
+    supervisor.lost("worker:1", "lost with its node (node id 8f3a)")
+    supervisor.exited("worker:1", -9)
+    supervisor.gave_up("worker:1", "no node of the Ray cluster took it within 10 s")
+    record = supervisor.by_name["worker:1"]
+    assert record.state == "failed" and supervisor.failed() == [record] and supervisor.due() == []
+    assert supervisor.events[-1] == {**supervisor.events[-1], "event": "failed", "task": "worker:1", "code": -9,
+                                     "how": "lost with its node (node id 8f3a)",
+                                     "reason": "no node of the Ray cluster took it within 10 s"}

@@ -78,3 +78,28 @@ def test_grpc_core_log_lines_stay_off_the_console():
     output.add("worker:0", "I1123 17:00:00.123456 140000 ev_epoll1_linux.cc:373] something")
     output.add("worker:0", "step 1")
     assert shown == ["[worker:0] step 1"]
+
+
+def test_torch_warnings_and_tensorpipe_lines_stay_off_the_console():
+    """torch's own warnings (with the source line Python prints under each) and its C++ log lines, TensorPipe's
+    among them (with the RRefs listed after a shutdown's leak warning), are the task log's only."""
+    output, shown, _ = make()
+    output.release("worker:0")
+    for line in [
+            "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py:3500: UserWarning: You are "
+            "using a Backend <class 'torch.distributed.distributed_c10d.ProcessGroupGloo'> as a ProcessGroup.",
+            "  current_device = _get_object_coll_device(group)",
+            "step 1",
+            "[W1128 21:27:13.754064725 tensorpipe_agent.cpp:723] RPC agent for worker:0 encountered error when "
+            "reading incoming request from chief:0: eof",
+            "[W tensorpipe_agent.cpp:917] RPC agent for worker:0 encountered error when sending outgoing request",
+            "[W1128 21:28:36.880407234 rref_context.cpp:161] Detected RRef Leaks during shutdown. ...: ",
+            "Leaking RRef GloballyUniqueId(created_on=0, local_id=0) with fork Id GloballyUniqueId(created_on=0, "
+            "local_id=1)",
+            "",
+            "step 2",
+            "  indented output of the job's own",
+            "/home/me/train.py:12: UserWarning: the job's own warning"]:
+        output.add("worker:0", line)
+    assert shown == ["[worker:0] step 1", "[worker:0] step 2", "[worker:0]   indented output of the job's own",
+                     "[worker:0] /home/me/train.py:12: UserWarning: the job's own warning"]

@@ -2,7 +2,8 @@
 
     tensorfleet launch [--ps N] [--workers M] [--sync|--async] [--restart on-failure|never]
                        [--max-restarts R] [--logdir DIR] [--dashboard [PORT]] [--dry-run]
-                       [--backend local|ray [--ray-address ADDR] [--ray-placement spread|pack]]
+                       [--backend local|ray [--ray-address ADDR] [--ray-placement spread|pack]
+                                            [--ray-replace-timeout S]]
                        [--backend slurm [--slurm-partition P] [--slurm-nodes N] [--slurm-time T]] SCRIPT [-- ARGS]
     tensorfleet launch [flags that override the file] job.yaml|job.toml
     tensorfleet dashboard --cluster SPEC [--port PORT]
@@ -90,6 +91,9 @@ def _add_job_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--ray-placement", dest="ray_placement", choices=("spread", "pack"),
                      help="with --backend ray: spread the tasks over the nodes (default: the ps on different "
                      "nodes) or pack them on few")
+    run.add_argument("--ray-replace-timeout", dest="ray_replace_timeout", type=float, metavar="S",
+                     help="with --backend ray: how long a task whose node died waits for another node to take it "
+                     "(default 300 s); then it fails and the job stops, with its summary")
     run.add_argument("--coordinator", action="store_const", const=True, default=None,
                      help="in-graph replication: one more task, the chief, runs SCRIPT as the coordinator that "
                      "drives the workers (the script calls tfl.run_coordinated)")
@@ -128,7 +132,8 @@ def run_launch(args: argparse.Namespace, line: CommandLine) -> int:
             return 0
         return launcher.run()
     from tensorfleet.launch.local import launch, usable_cores  # the launcher's imports: paid by this command only
-    _warn_if_oversubscribed(config.ps, config.workers, usable_cores(), dry_run=args.dry_run)
+    if config.backend == "local" or config.ray_address is None:  # a Ray cluster's tasks run on its nodes
+        _warn_if_oversubscribed(config.ps, config.workers, usable_cores(), dry_run=args.dry_run)
     return launch(config, dry_run=args.dry_run, progress_every_s=args.progress_every)
 
 
@@ -138,6 +143,7 @@ def _job_config(args: argparse.Namespace, line: CommandLine) -> JobConfig:
     flags = {name: getattr(args, name) for name in ("ps", "workers", "gpus_per_worker", "mode", "restart",
                                                     "max_restarts", "restart_backoff", "logdir", "dashboard",
                                                     "port", "name", "backend", "ray_address", "ray_placement",
+                                                    "ray_replace_timeout",
                                                     "slurm_partition", "slurm_nodes", "slurm_time", "coordinator")}
     if is_job_file(args.target):
         if extra:

@@ -44,6 +44,20 @@ loopback address only (not every interface, torch's default), and TensorPipe's a
 the loopback interface (``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` while the group starts); any user of the
 machine can still reach 127.0.0.1, as with every loopback service.
 
+**Failures.** A chief whose ``drive`` fails on a configuration error (a device a task lacks, a wrong setting)
+exits 2 with the error as its last line, and the launcher does not start it again: the same command would fail
+the same way. A chief that crashes (an exception, a signal, a ``std::bad_alloc``) leaves its workers waiting: a
+worker does not exit "done" while its chief may come back, but waits up to ``start_timeout_s`` for the chief's
+return (the launcher restarts it) at the same rendezvous, and says so. torch RPC cannot join a second group in one
+process (its RRef context stays bound to the first agent), so a worker that waits starts itself afresh: the same
+command, in the same process (``exec``: same pid, same output). A restarted chief resumes from the checkpoint
+its ``drive`` wrote (``save_checkpoint`` / ``restore_checkpoint``: the model's values, placed parts included, and
+the step), or trains from step 0 and says so.
+
+**Progress.** ``train_step`` counts the chief's steps (``RpcGroup.global_step``; a restored checkpoint's step
+counts from there) and its Status says them, as a worker's does: the launcher's progress line, dashboard and
+summary show the job's real global step.
+
 **Why it is not the default.** Every step moves the activations at the cut and their gradients, through one
 program; between-graph replication moves each worker's parameters and gradients and nothing else, and scales
 with the workers. ``benchmarks/remote_placement.py`` measures both.
@@ -53,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import pickle
@@ -60,8 +75,10 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, NoReturn
 from urllib.parse import parse_qs, urlencode, urlparse
 
 import torch
@@ -71,13 +88,17 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.distributed.nn.api.remote_module import RemoteModule
 from torch.distributed.optim import DistributedOptimizer
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
 
 from tensorfleet.cluster.device import DeviceSpec, device as torch_device
 from tensorfleet.cluster.environment import temporary_environ
 from tensorfleet.cluster.spec import (ClusterSpec, TaskSpec, cluster_from_flags, insecure_from_env,
                                       insecure_from_flags, is_loopback_host, parse_address)
-from tensorfleet.errors import (ClusterSpecError, ConfigError, DeadlineExceededError, InvalidArgumentError,
-                                TensorfleetError, UnavailableError)
+from tensorfleet.errors import (ClusterSpecError, ConfigError, DataError, DeadlineExceededError,
+                                InvalidArgumentError, TensorfleetError, UnavailableError, WireError)
+from tensorfleet.train.atomic import write_atomically
+from tensorfleet.worker.status import PROCESS_STATUS, serve_status, write_final_status
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +107,26 @@ START_TIMEOUT_S = 120.0  # how long a task waits for the others to join the grou
 RPC_TIMEOUT_S = 60.0  # one call's deadline (torch's default)
 SHUTDOWN_TIMEOUT_S = 60.0  # how long leaving the group may take once the chief has left its block
 ALIVE_EVERY_S = 5.0  # how often a serving worker checks that the chief is still there
+REJOIN_ENV = "TENSORFLEET_RPC_REJOIN"  # a worker's note to its next image: until when to wait for the chief, and why
+CHECKPOINT_FILE = "placed.safetensors"
+USAGE_EXIT = 2  # a configuration error: the launcher does not start the task again
+# What a restart cannot fix: the same command fails the same way (a wire error is not one: the wire failed).
+CONFIGURATION_ERRORS = (ClusterSpecError, ConfigError, InvalidArgumentError, DataError)
 _SCHEME = "tensorfleet"  # the rendezvous scheme this module registers with torch.distributed
 _INTERFACE_ENVS = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
 _current: "RpcGroup | None" = None
 _released = threading.Event()  # set on a worker when the chief leaves the group
+
+# torch's own notices on every task of every placed job, about torch's internals (a process group it builds for
+# init_rpc; the TorchScript optimizers DistributedOptimizer picks): nothing a user of this module can act on.
+warnings.filterwarnings("ignore", message=r"You are using a Backend .* as a ProcessGroup", category=UserWarning)
+warnings.filterwarnings("ignore", message=r"`TorchScript` support for functional optimizers is deprecated",
+                        category=DeprecationWarning)
+
+
+class ChiefLeftError(UnavailableError):
+    """A worker's chief left the group without releasing it (it died or failed): it may come back. Recoverable."""
 
 
 # --- names and addresses ---------------------------------------------------------------------------
@@ -224,6 +260,9 @@ class RpcGroup:
         self.start_timeout_s, self.rpc_timeout_s = start_timeout_s, rpc_timeout_s
         self.transports, self.channels = transports, channels
         self.started = self.served = False
+        self.global_step = 0  # the chief's steps so far (train_step counts them; a restored checkpoint's first)
+        self.returning: str | None = None  # a worker waiting for its chief's return: why the chief left ...
+        self.return_wait_s = 0.0  # ... and how long it waits in all (its earlier image's part included)
 
     @property
     def name(self) -> str:
@@ -281,9 +320,13 @@ class RpcGroup:
 
     def _start_error(self, exc: Exception) -> TensorfleetError:
         host, port = self.address
-        waited_for = ("every worker to connect" if self.is_chief else f"the chief ({self.chief_name})")
+        waited_for = "every worker to connect" if self.is_chief else f"the chief ({self.chief_name})"
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+        timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+        if timed_out and self.returning is not None:
+            return DeadlineExceededError(f"{self.name}: waited {self.return_wait_s:.0f} s for {waited_for} to come "
+                                         f"back at the RPC rendezvous {host}:{port} (it left: {self.returning})")
+        if timed_out:
             return DeadlineExceededError(f"{self.name}: waited {self.start_timeout_s:g} s for {waited_for} at the "
                                          f"RPC rendezvous {host}:{port}; every member ({', '.join(rpc_name(t) for t in self.members)}) "
                                          f"must start, with the same cluster and rendezvous port ({text})")
@@ -295,7 +338,7 @@ class RpcGroup:
         """A worker's part: answer the chief's calls until it leaves the group.
 
         Raises:
-            UnavailableError: the chief stopped answering (it died): nothing would ever release this worker.
+            ChiefLeftError: the chief stopped answering (it died): nothing would ever release this worker.
             DeadlineExceededError: ``timeout_s`` passed first.
         """
         if self.is_chief:
@@ -315,11 +358,13 @@ class RpcGroup:
         try:
             rpc.rpc_sync(self.chief_name, _alive, timeout=max(self.rpc_timeout_s, ALIVE_EVERY_S))
         except RuntimeError as exc:
-            raise UnavailableError(f"{self.name}: the chief ({self.chief_name}) does not answer any more: "
-                                   f"{str(exc).splitlines()[0] if str(exc) else exc!r}") from None
+            raise ChiefLeftError(f"{self.name}: the chief ({self.chief_name}) does not answer any more: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else exc!r}") from None
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> None:
-        self.close(graceful=exc is None or self.is_chief)
+        # A chief whose block raised does not release its workers: released, they would exit "done" while it may
+        # yet come back (restarted); they find it gone instead, and wait for it.
+        self.close(graceful=exc is None)
 
     def close(self, graceful: bool = True) -> None:
         """Leave the group. The chief releases the workers first; a worker that has not served does now.
@@ -354,6 +399,23 @@ class RpcGroup:
         except RuntimeError as exc:  # the local agent is shut down all the same (torch's finally)
             log.warning("%s: torch RPC did not shut down gracefully: %s", self.name,
                         str(exc).splitlines()[0] if str(exc) else exc)
+
+    # -- progress
+
+    def set_progress(self, *, global_step: int | None = None, target_step: int | None = None) -> None:
+        """What this task's Status says of training (the launcher's progress line, dashboard and summary read it):
+        the global step it is at (a chief that resumed from a checkpoint starts at its step), and the step it
+        trains to."""
+        if global_step is not None:
+            self.global_step = global_step
+            PROCESS_STATUS.global_step = global_step
+        PROCESS_STATUS.report(target_step=target_step)
+
+    def _stepped(self, loss: float) -> None:
+        """One more step of ``train_step``, told to the Status."""
+        self.global_step += 1
+        PROCESS_STATUS.pushed(self.global_step, 0)
+        PROCESS_STATUS.report(loss=loss)
 
     # -- placement
 
@@ -568,41 +630,134 @@ def train_step(loss_fn: Callable[[], torch.Tensor], optimizer: DistributedOptimi
         loss = loss_fn()
         dist_autograd.backward(context_id, [loss])
         optimizer.step(context_id)
-    return loss.detach()
+    loss = loss.detach()
+    if _current is not None:
+        _current._stepped(float(loss))
+    return loss
+
+
+# --- checkpoints: what a restarted chief resumes from ------------------------------------------------------
+
+
+def save_checkpoint(model: nn.Module, directory: str | Path, step: int) -> Path:
+    """Write ``model``'s values (its placed parts' read from the tasks that hold them) and ``step`` to
+    ``directory/placed.safetensors``, whole or not at all (safetensors: tensors and text, nothing pickled).
+
+    Returns:
+        the file's path.
+    """
+    path = Path(directory) / CHECKPOINT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {key: value.detach().contiguous() for key, value in model.state_dict().items()}
+    write_atomically(path, safetensors_bytes(state, metadata={"global_step": str(step)}))
+    return path
+
+
+def restore_checkpoint(model: nn.Module, directory: str | Path) -> int | None:
+    """Load the checkpoint of ``directory`` (``save_checkpoint``'s) into ``model``, its placed parts included,
+    and start the group's step at its step.
+
+    Returns:
+        the checkpoint's step, or None when ``directory`` holds none.
+    """
+    path = Path(directory) / CHECKPOINT_FILE
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as checkpoint:
+        step = int((checkpoint.metadata() or {}).get("global_step", 0))
+        model.load_state_dict({key: checkpoint.get_tensor(key) for key in checkpoint.keys()})
+    if _current is not None:
+        _current.set_progress(global_step=step)
+    return step
 
 
 # --- a task's entry point -----------------------------------------------------------------------------
 
 
 def run_placed(args: argparse.Namespace, drive: Callable[[RpcGroup], None], *, port: int | None = None,
-               intra_op_threads: int = 1) -> int:
+               intra_op_threads: int = 1, start_timeout_s: float = START_TIMEOUT_S) -> int:
     """Run this process's task of a program that places parts of its model on workers: the chief joins the
     group and calls ``drive(group)``; a worker joins and serves until the chief is done; a ps exits (it takes
     no part). The cluster comes from the classic flags or TF_CONFIG (``add_cluster_flags``), so the same script
     runs by hand and under ``tensorfleet launch --coordinator`` (its chief drives).
 
+    A worker whose chief left without releasing it (it crashed, or failed) waits up to ``start_timeout_s`` for
+    the chief's return, as a new process image (see the module docstring, Failures).
+
     Returns:
-        the exit code: 0, or 2 for a wrong cluster or setting (a non-loopback cluster without ``--insecure``).
+        the exit code: 0; 2 for a wrong cluster or setting (a non-loopback cluster without ``--insecure``), or a
+        configuration error raised by ``drive`` (``CONFIGURATION_ERRORS``: a device a task lacks, say), the error
+        the last line printed; 1 when a worker waited for its chief's return in vain.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from tensorfleet.worker.status import serve_status  # only for a task that runs
-
     try:
         cluster, task = cluster_from_flags(args)
         if task not in cluster.replicas:
             log.info("%s takes no part in placing modules: it exits", task.name)
             return 0
-        group = RpcGroup(cluster, task, port=port, insecure=insecure_from_flags(args))
+        group = RpcGroup(cluster, task, port=port, insecure=insecure_from_flags(args), start_timeout_s=start_timeout_s)
+        _note_return(group)
     except (ClusterSpecError, ConfigError) as exc:
-        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc, USAGE_EXIT)
     torch.set_num_threads(intra_op_threads)
     status_server = serve_status(cluster, task)  # what the launcher and the dashboard ask about
+    PROCESS_STATUS.begin(task, is_chief=group.is_chief)
     try:
         with group:
             if group.is_chief:
                 drive(group)
+    except CONFIGURATION_ERRORS as exc:
+        if isinstance(exc, WireError):
+            raise
+        PROCESS_STATUS.finished(failed=True)
+        return _error(exc, USAGE_EXIT)  # printed after the group is left: nothing of torch's comes after it
+    except ChiefLeftError as exc:
+        _stop(status_server)
+        _wait_for_the_chief(group, exc)
+    except DeadlineExceededError as exc:
+        if group.returning is None:
+            raise
+        return _error(exc, 1)  # the chief never came back: nothing left to serve
     finally:
-        if status_server is not None:
-            status_server.stop(0)
+        _stop(status_server)
+    PROCESS_STATUS.finished()
+    write_final_status(task, PROCESS_STATUS.as_meta())  # the launcher's summary reads the last step here
     return 0
+
+
+def _error(exc: Exception, code: int) -> int:
+    print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr, flush=True)
+    return code
+
+
+def _stop(status_server: Any) -> None:
+    """Stop answering Status and free the port (a new image of this process binds it again)."""
+    if status_server is not None:
+        status_server.stop(0).wait(5.0)
+
+
+def _wait_for_the_chief(group: RpcGroup, why: ChiefLeftError) -> NoReturn:
+    """Start this worker afresh, to wait for its chief's return: the same command in this process (``exec``), told
+    until when to wait (``REJOIN_ENV``). A new image because torch RPC cannot join a second group in one process."""
+    host, port = group.address
+    log.warning("%s; waiting up to %.0f s for it to come back (restarted) at the RPC rendezvous %s:%d", why.message,
+                group.start_timeout_s, host, port)
+    os.environ[REJOIN_ENV] = json.dumps({"until": time.time() + group.start_timeout_s, "wait_s": group.start_timeout_s,
+                                         "why": why.message})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, sys.orig_argv)
+
+
+def _note_return(group: RpcGroup) -> None:
+    """A worker started afresh to wait for its chief (``_wait_for_the_chief``): wait only what is left, and say
+    why when the wait ends in vain. The note is for this image only (not for processes it starts)."""
+    note = os.environ.pop(REJOIN_ENV, None)
+    if note is None or group.is_chief:
+        return
+    try:
+        fields = json.loads(note)
+        until, wait_s, why = float(fields["until"]), float(fields["wait_s"]), str(fields["why"])
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{REJOIN_ENV}={note!r} is not the note a waiting worker leaves: unset it") from None
+    group.start_timeout_s, group.return_wait_s, group.returning = max(1.0, until - time.time()), wait_s, why

@@ -61,6 +61,8 @@ class JobConfig:
     backend: str = "local"  # where the tasks run: "local" (processes of this machine), "ray" or "slurm" (clusters)
     ray_address: str | None = None  # backend ray: the cluster to join (None: a local Ray started for the job)
     ray_placement: str = "spread"  # backend ray: "spread" the tasks over the nodes, or "pack" them on few
+    # backend ray: seconds a task whose node died waits for another node before the job stops (None: 300)
+    ray_replace_timeout: float | None = None
     coordinator: bool | str = False  # in-graph replication: one more task, the chief, runs the script as
     # coordinator; "outside": the chief is a Python session of this machine that joins (tfl.join_fleet)
     slurm_partition: str | None = None  # backend slurm: sbatch --partition
@@ -110,9 +112,15 @@ class JobConfig:
                               f"{', '.join(RAY_PLACEMENTS)}")
         if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address.strip()):
             raise ConfigError(f"ray_address must be a Ray cluster's address (host:port), got {self.ray_address!r}")
-        if self.backend != "ray" and (self.ray_address is not None or self.ray_placement != "spread"):
-            raise ConfigError("ray_address and ray_placement are for backend ray: add --backend ray (or "
-                              "'backend: ray' in the job file)")
+        if self.ray_replace_timeout is not None and (
+                isinstance(self.ray_replace_timeout, bool) or not isinstance(self.ray_replace_timeout, (int, float))
+                or not 0 < self.ray_replace_timeout <= 86400):
+            raise ConfigError(f"ray_replace_timeout must be a number of seconds in (0, 86400], got "
+                              f"{self.ray_replace_timeout!r}")
+        if self.backend != "ray" and (self.ray_address is not None or self.ray_placement != "spread"
+                                      or self.ray_replace_timeout is not None):
+            raise ConfigError("ray_address, ray_placement and ray_replace_timeout are for backend ray: add --backend "
+                              "ray (or 'backend: ray' in the job file)")
         if not isinstance(self.coordinator, bool) and self.coordinator != "outside":
             raise ConfigError(f"coordinator must be true, false or 'outside', got {self.coordinator!r}")
         if self.coordinator and (self.backend != "local" or self.gpus_per_worker):
@@ -220,8 +228,8 @@ def _line_and_column(text: str, position: int) -> tuple[int, int]:
 # Every launch setting can also come from TENSORFLEET_<FIELD> (TENSORFLEET_WORKERS=4, TENSORFLEET_MODE=sync).
 ENV_FIELDS = {"ps": int, "workers": int, "gpus_per_worker": int, "mode": str, "restart": str, "max_restarts": int,
               "restart_backoff": float, "logdir": str, "dashboard": int, "port": int, "name": str, "backend": str,
-              "ray_address": str, "ray_placement": str, "slurm_partition": str, "slurm_nodes": int,
-              "slurm_time": str}
+              "ray_address": str, "ray_placement": str, "ray_replace_timeout": float, "slurm_partition": str,
+              "slurm_nodes": int, "slurm_time": str}
 
 
 def env_overrides(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:

@@ -365,7 +365,7 @@ class LocalLauncher:
             decision = self.supervisor.exited(name, code)
             self._show_output_of_exit(record)
             if decision is Decision.RESTART:
-                self.console.line(f"[launch] {name} {describe_exit(code)}; restarting in "
+                self.console.line(f"[launch] {name} {record.how_ended}; restarting in "
                                   f"{record.restart_at - time.monotonic():.1f} s "
                                   f"(restart {record.restarts} of {self.config.max_restarts})")
             elif decision is Decision.FAILED:
@@ -670,7 +670,10 @@ def launch(config: JobConfig, *, out: TextIO | None = None, dry_run: bool = Fals
     """Run the job of ``config`` as a local cluster (or print what would start); return the exit code."""
     out = out or sys.stdout  # looked up now: a default bound at import would miss a replaced sys.stdout
     if dry_run:
-        text = LocalLauncher(config, out=out).dry_run_text()
+        # A job on a Ray cluster takes its GPUs there: this machine's are not the ones to count.
+        remote = config.backend == "ray" and config.ray_address is not None
+        gpus = config.gpus_per_worker * config.workers if remote else None
+        text = LocalLauncher(config, out=out, gpus_available=gpus).dry_run_text()
         if config.backend == "ray":
             text = (f"backend ray: {config.ray_address or 'a local Ray started for the job'}, placement "
                     f"{config.ray_placement}, one actor per task (1 CPU each; a worker also its GPUs); the "

@@ -19,15 +19,23 @@ changes is where a task's process runs and how its output reaches the launcher:
 * **Ray itself.** Without ``--ray-address`` a local Ray is started for the job and stopped after it (the
   embedded default: the command works on a laptop); with one, the launcher joins that cluster as a driver.
 
-* **Moves.** A task whose node dies is placed again by Ray on a live node, at its old address when that is free
-  there, else at a new one: the job's cluster goes one version on, and every task's actor writes it to the
-  task's cluster file, where a worker whose ps stopped answering looks for the ps's address
-  (``cluster/registry.py``). A ps restarted empty is restored by the chief as after any ps restart.
+* **Moves.** A task whose node dies is "lost with its node (node id ...)" (the console, events.jsonl, the
+  summary), and placed again by Ray on a live node, at its old address when that is free there, else at a new
+  one: the job's cluster goes one version on, and every task's actor writes it to the task's cluster file, where
+  a worker whose ps stopped answering looks for the ps's address (``cluster/registry.py``). A ps restarted empty
+  is restored by the chief as after any ps restart. A task no node takes within ``--ray-replace-timeout``
+  seconds (``ray_replace_timeout``; default ``REPLACE_TIMEOUT_S``) fails, and the job stops as after any task
+  that fails for good, with its summary and the reason: a job that lacks a task for good cannot end (the
+  launcher waits for every worker, and nothing trains without a ps), so waiting on would only hide it.
+* **Ray's own lines.** What the Ray driver prints of its cluster (``(raylet) ...`` lines: a node marked dead, a
+  worker killed, memory pressure) and Ray's own log lines go to ``LOGDIR/ray.log``, not the console.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -54,11 +62,19 @@ SUPPORTED_TEXT = ">=2.60,<2.61"
 INSTALL_HINT = "pip install 'tensorfleet[ray]'"
 CONNECT_TIMEOUT_S = 30.0  # an address that answers nothing fails within this
 PLACEMENT_TIMEOUT_S = 15.0  # a job the cluster cannot place fails within this
-REPLACE_TIMEOUT_S = 60.0  # a task whose node died waits this long for Ray to place its bundle elsewhere
+REPLACE_TIMEOUT_S = 300.0  # a task whose node died waits this long for a node (--ray-replace-timeout): Ray
+# needs ~15 s to declare a node dead, an autoscaler minutes to add one
+SCALE_UP_TIMEOUT_S = 60.0  # a worker added by a scale-up waits this long for Ray to place it
+RAY_LOG = "ray.log"  # in the logdir: what the Ray driver prints of its cluster, and Ray's own log lines
 PORT_WAIT_S = 15.0  # ... and for its port there, if that is free (its old process may still be going)
 OUTPUT_POLL_S = 0.1  # how soon a task's output is asked for again when none was waiting ...
 OUTPUT_POLL_MAX_S = 1.0  # ... doubling while it stays quiet, up to this
+UNAVAILABLE_S = 120.0  # an actor Ray calls unavailable this long counts as gone (a dead node is known in ~15 s)
 PLACEMENTS = {"spread": "SPREAD", "pack": "PACK"}
+
+
+class Unplaced(Exception):
+    """A task whose node died was placed on no other node in time (or the job stopped first): why, in words."""
 
 
 def import_ray() -> Any:
@@ -94,13 +110,68 @@ def _reachable(address: str, timeout_s: float) -> str | None:
     return reason
 
 
+class RayLines:
+    """Where the Ray driver's own lines go instead of the console: held until the job's logdir is known (``open``),
+    then appended to ``LOGDIR/ray.log``; still held at ``close`` (the launcher failed before it had a logdir),
+    they go to stderr, the one place left."""
+
+    MAX_HELD = 1000
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[str] = []
+        self._file: TextIO | None = None
+        self.path: Path | None = None
+
+    def write(self, line: str) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.write(line + "\n")
+                self._file.flush()
+            elif len(self._held) < self.MAX_HELD:
+                self._held.append(line)
+
+    def open(self, path: Path) -> None:
+        with self._lock:
+            self._file, self.path = open(path, "a", encoding="utf-8"), path
+            self._file.writelines(line + "\n" for line in self._held)
+            self._file.flush()
+            self._held = []
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            for line in self._held:
+                print(line, file=sys.stderr)
+            self._held = []
+
+
+class _LinesHandler(logging.Handler):
+    """Ray's log records, as its own handler would print them, into ``RayLines``."""
+
+    def __init__(self, lines: RayLines) -> None:
+        super().__init__()
+        self.lines = lines
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(filename)s:%(lineno)d -- %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.write(self.format(record))
+
+
 class RayConnection:
-    """This launcher as a Ray driver: of a cluster at ``address``, or of a local Ray started for the job."""
+    """This launcher as a Ray driver: of a cluster at ``address``, or of a local Ray started for the job.
+
+    What the driver prints of the cluster (``(raylet) ...``: Ray's error messages, which it prints from a thread of
+    its own) and Ray's log lines go to ``lines`` (``RayLines``), not the console, while connected."""
 
     def __init__(self, address: str | None, *, num_cpus: int, num_gpus: int) -> None:
         self.ray = import_ray()
         self.owned = address is None
         self._guard = None
+        self.lines = RayLines()
+        self._diverted: tuple[Any, list[logging.Handler]] | None = None
         self.joined = self.ray.is_initialized()  # this process is a driver already (a test, a notebook): kept
         if self.joined:
             self.owned = False
@@ -114,18 +185,44 @@ class RayConnection:
         options: dict[str, Any] = {"log_to_driver": False, "include_dashboard": False}
         if self.owned:
             options.update(num_cpus=num_cpus, num_gpus=num_gpus)
+        self._divert()
         try:
             self.ray.init(address=address, **options)
         except Exception as exc:  # noqa: BLE001 - Ray says why in its own exceptions: in one line, with the way out
+            self._restore()
+            self.lines.close()
             raise ConfigError(f"cannot join the Ray cluster at {address or 'a new local Ray'}: "
                               f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
         self._guard = _guard_processes(os.getpid()) if self.owned else None  # Ray's processes are ours now
+
+    def _divert(self) -> None:
+        """Ray's lines to ``lines``: its error messages (the driver prints them through ``print_to_stdstream``,
+        looked up at each call) and its ``ray`` logger's records."""
+        from ray._private import worker
+
+        logger = logging.getLogger("ray")
+        self._diverted = (worker.print_to_stdstream, logger.handlers[:])
+        worker.print_to_stdstream = self._print_to_lines
+        logger.handlers = [_LinesHandler(self.lines)]
+
+    def _print_to_lines(self, data: dict[str, Any], ignore_prefix: bool = False) -> None:
+        for line in data.get("lines", ()):
+            self.lines.write(f"({data.get('pid', 'ray')}) {line}")
+
+    def _restore(self) -> None:
+        if self._diverted is not None:
+            from ray._private import worker
+
+            worker.print_to_stdstream, logging.getLogger("ray").handlers = self._diverted
+            self._diverted = None
 
     def close(self) -> None:
         """Leave the cluster (a local Ray started for the job is stopped with it, and its guard with it); a
         connection this process had before is left as it was."""
         if self.ray.is_initialized() and not self.joined:
             self.ray.shutdown()
+        self._restore()
+        self.lines.close()
         if self._guard is not None:
             self._guard.kill()  # SIGKILL: it goes without killing anything (Ray's processes ended above)
             self._guard.wait()
@@ -288,11 +385,15 @@ class RemoteProcess:
     """A task's process on a Ray node as the launcher's loop sees a local one: ``pid``, ``poll()``, ``wait()`` and
     its output as ``stdout.readline()`` (read by the launcher's output pump, which polls the actor).
 
-    A node that dies takes the actor with it: the process counts as killed (-9)."""
+    A node that dies takes the actor with it: the process counts as killed (-9), and ``on_gone`` hears why. An actor
+    Ray calls only unavailable (its node stopped answering: dying, or a blip) is asked again, up to
+    ``UNAVAILABLE_S``, until Ray knows: alive again, or dead and why (a node declared dead: after its health checks)."""
 
-    def __init__(self, ray: Any, actor: Any, pid: int, on_gone: Callable[[], None] | None = None) -> None:
+    def __init__(self, ray: Any, actor: Any, pid: int,
+                 on_gone: Callable[[Exception], None] | None = None) -> None:
         self._ray, self._actor, self.pid = ray, actor, pid
         self._on_gone = on_gone  # called once, from the output pump, when the actor is found gone
+        self._unavailable_since: float | None = None
         self.returncode: int | None = None
         self._lines: deque[str] = deque()
         self.stdout = self
@@ -313,14 +414,27 @@ class RemoteProcess:
     def _fetch(self) -> None:
         try:
             code, lines = self._ray.get(self._actor.poll.remote())
-        except self._ray.exceptions.RayError:
-            code, lines = -signal.SIGKILL, ["[launch] the task's Ray actor is gone (its node died?)"]
-            if self._on_gone is not None:
-                self._on_gone()
-                self._on_gone = None
-        self._lines.extend(lines)
-        if code is not None:
-            self.returncode = code
+            self._unavailable_since = None
+        except self._ray.exceptions.ActorUnavailableError as exc:
+            self._unavailable_since = self._unavailable_since or time.monotonic()
+            if time.monotonic() - self._unavailable_since < UNAVAILABLE_S:
+                return
+            self._gone(exc)
+        except self._ray.exceptions.RayError as exc:
+            self._gone(exc)
+        else:
+            self._lines.extend(lines)
+            if code is not None:
+                self.returncode = code
+
+    def _gone(self, exc: Exception) -> None:
+        """The actor is gone: so is the process (a stand-in exit code, -9); ``on_gone`` hears why."""
+        node = dead_node(exc)
+        self._lines.append("[launch] the task's Ray actor is gone" + (f": its node {node} died" if node else ""))
+        if self._on_gone is not None:
+            self._on_gone(exc)
+            self._on_gone = None
+        self.returncode = -signal.SIGKILL
 
     def poll(self) -> int | None:
         """The exit code, once the output pump read the last line (None before)."""
@@ -340,6 +454,15 @@ class RemoteProcess:
             return False
 
 
+_NODE_DIED = re.compile(r"its node has died\. Node Id: ([0-9a-f]+)")
+
+
+def dead_node(error: Exception) -> str | None:
+    """The node whose death took an actor, as Ray's error for the actor says it (None: it does not say)."""
+    found = _NODE_DIED.search(str(error))
+    return found.group(1) if found else None
+
+
 class RayLauncher(LocalLauncher):
     """``LocalLauncher`` whose tasks run on a Ray cluster, one actor each (see the module's docstring)."""
 
@@ -357,6 +480,8 @@ class RayLauncher(LocalLauncher):
         self.cluster_version = 0  # one more each time a task moves to a new address
         self._added: dict[str, Any] = {}  # a worker added by a scale-up beyond the group's bundles -> its own group
         self._placing: dict[str, Future] = {}  # task -> its new actor being placed (its node died)
+        self._unplaced: list[TaskRecord] = []  # tasks no node took in time: failed, for the loop's next reap
+        self.replace_timeout_s = config.ray_replace_timeout or REPLACE_TIMEOUT_S
         self._closing = False
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ray-place")
         try:
@@ -367,6 +492,14 @@ class RayLauncher(LocalLauncher):
         # A worker added by a scale-up gets its address where Ray places it (start_worker); until then the
         # scaler's cluster holds a placeholder, a port free here (the worker's host may not be this machine).
         self.scaler.free_ports = lambda count, _host: free_ports(count)
+
+    def run(self) -> int:
+        """``LocalLauncher.run``, with Ray's own lines in ``LOGDIR/ray.log`` from the start."""
+        if self.logdir is None:
+            self.logdir = Path(tempfile.mkdtemp(prefix=f"tensorfleet-{self.config.job_name}-"))
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self.connection.lines.open(self.logdir / RAY_LOG)
+        return super().run()
 
     # --- placement --------------------------------------------------------------------------------
 
@@ -444,19 +577,42 @@ class RayLauncher(LocalLauncher):
         """Start the task, unless its actor is still being placed again (its node died): then it is due again in
         a moment, and the loop goes on meanwhile (Ray takes ~15 s to give up on a node)."""
         placing = self._placing.get(record.name)
-        if placing is not None:
-            if not placing.done():
-                record.restart_at = time.monotonic() + OUTPUT_POLL_S * 5
-                return
-            del self._placing[record.name]
-            self._adopt(record, *placing.result())  # ConfigError: no node took it in REPLACE_TIMEOUT_S
-        super()._spawn(record)
+        try:
+            if placing is not None:
+                if not placing.done():
+                    record.restart_at = time.monotonic() + OUTPUT_POLL_S * 5
+                    return
+                del self._placing[record.name]
+                self._adopt(record, *placing.result())
+            super()._spawn(record)
+        except Unplaced as exc:  # no node took it within replace_timeout_s: it fails, and the job stops
+            self.supervisor.gave_up(record.name, str(exc))
+            self._unplaced.append(record)
 
-    def _actor_gone(self, name: str) -> None:
-        """A task's actor died (its node with it): start placing a new one now, while its restart waits."""
+    def _reap(self) -> list[TaskRecord]:
+        """``LocalLauncher._reap``, and the tasks no node took (``_spawn``): they failed for good too."""
+        failed, self._unplaced = super()._reap() + self._unplaced, []
+        return failed
+
+    def _actor_gone(self, name: str, error: Exception) -> None:
+        """A task's actor died (its node with it, mostly): its exit is told as lost, and a new actor is placed now,
+        while its restart waits."""
         record = self.supervisor.by_name.get(name)
-        if record is not None and name not in self._placing:
+        if record is None:
+            return
+        died, node = dead_node(error), self.nodes.get(name)
+        how = (f"lost with its node (node id {died or node})" if died or not self._alive(node) else
+               f"lost with its Ray actor (on node id {node})")
+        self.supervisor.lost(name, how)
+        if name not in self._placing:
             self._placing[name] = self._pool.submit(self._place_again, name, record.address)
+
+    def _alive(self, node: str | None) -> bool:
+        """Whether Ray counts ``node`` as alive."""
+        try:
+            return any(n.get("NodeID") == node and n.get("Alive") for n in self.ray.nodes())
+        except Exception:  # noqa: BLE001 - the cluster cannot say: not known to be alive
+            return False
 
     def _start_process(self, record: TaskRecord) -> RemoteProcess:
         try:
@@ -465,7 +621,7 @@ class RayLauncher(LocalLauncher):
             self._adopt(record, *self._place_again(record.name, record.address))
             pid = self._start_on_actor(record)
         return RemoteProcess(self.ray, self._actors[record.name], pid,
-                             on_gone=lambda name=record.name: self._actor_gone(name))
+                             on_gone=lambda error, name=record.name: self._actor_gone(name, error))
 
     def _start_on_actor(self, record: TaskRecord) -> int:
         """Start the task's process through its actor, with the cluster as it is now (the task may have moved)."""
@@ -479,20 +635,19 @@ class RayLauncher(LocalLauncher):
         that is free where Ray placed it, else at a new one. Changes nothing of the launcher's (it may run in a
         thread of its own): ``_adopt`` does, in the loop."""
         host, _, port = address.rpartition(":")
-        deadline = time.monotonic() + REPLACE_TIMEOUT_S
+        deadline = time.monotonic() + self.replace_timeout_s
         while not self._closing:  # until Ray has placed the task's bundle again on a live node
             actor = self._new_actor(name)
-            try:
+            try:  # each try bounded by what is left of the wait too: the wait is the user's (--ray-replace-timeout)
                 return actor, self.ray.get(actor.place.remote(int(port), self._host, PORT_WAIT_S),
-                                           timeout=PORT_WAIT_S + 5.0)
+                                           timeout=min(PORT_WAIT_S + 5.0, max(1.0, deadline - time.monotonic())))
             except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
                 self._kill_actor(actor)
                 if time.monotonic() > deadline:
-                    raise ConfigError(f"{name} lost its node, and Ray found no other node for it within "
-                                      f"{REPLACE_TIMEOUT_S:g} s (its bundle: {self._bundle_of_task(name)})"
-                                      ) from None
+                    raise Unplaced(f"no node of the Ray cluster took it within {self.replace_timeout_s:g} s "
+                                   f"(--ray-replace-timeout; its bundle: {self._bundle_of_task(name)})") from None
                 time.sleep(1.0)  # the bundle still on the dead node: Ray moves it once it knows the node is gone
-        raise ConfigError(f"{name} was not placed again: the job is stopping")
+        raise Unplaced(f"{name} was not placed again: the job is stopping")
 
     def _adopt(self, record: TaskRecord, actor: Any, place: dict[str, Any]) -> None:
         """The task's new actor and where it is; the cluster follows if that is a new address."""
@@ -558,10 +713,10 @@ class RayLauncher(LocalLauncher):
             from ray.util.placement_group import placement_group, remove_placement_group
 
             group = placement_group([self._worker_bundle()], name=f"tensorfleet-{self.config.job_name}-{record.name}")
-            if not group.wait(timeout_seconds=REPLACE_TIMEOUT_S):
+            if not group.wait(timeout_seconds=SCALE_UP_TIMEOUT_S):
                 remove_placement_group(group)
                 raise ConfigError(f"Ray could not place {record.name} (added by a scale-up) within "
-                                  f"{REPLACE_TIMEOUT_S:g} s: {self._unplaceable([self._worker_bundle()], 'PACK')}")
+                                  f"{SCALE_UP_TIMEOUT_S:g} s: {self._unplaceable([self._worker_bundle()], 'PACK')}")
             self._added[record.name] = group
         if record.name not in self._actors:
             actor = self._new_actor(record.name)

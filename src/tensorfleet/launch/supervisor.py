@@ -94,10 +94,20 @@ class TaskRecord:
     startup_exit: int | None = None  # the exit code of the last incarnation if it failed before answering
     leaving: bool = False  # removed by a scale-down: its exit ends it, it is not restarted
     outside: bool = False  # not the launcher's process: a coordinator that joins from a Python session
+    # Set when the backend lost the process rather than saw it exit (a Ray node that died): its exit code is only
+    # a stand-in, and this says what happened ("lost with its node (node id ...)") wherever the exit is told.
+    lost: str | None = None
 
     @property
     def name(self) -> str:
         return self.task.short
+
+    @property
+    def how_ended(self) -> str:
+        """The last exit in words: ``lost with its node (node id ...)``, ``exit code 1`` or ``killed by SIGKILL``."""
+        if self.lost is not None:
+            return self.lost
+        return "-" if self.exit_code is None else describe_exit(self.exit_code)
 
     def wall_s(self, now: float) -> float:
         if self.first_started is None:
@@ -157,7 +167,7 @@ class Supervisor:
             record = self.by_name[name]
             now = self.clock()
             record.state, record.pid, record.exit_code, record.restart_at = "starting", pid, None, None
-            record.answered = False
+            record.answered, record.lost = False, None
             record.last_started = now
             if record.first_started is None:
                 record.first_started = now
@@ -187,6 +197,11 @@ class Supervisor:
                 record.state, record.answered, record.startup_exit = "running", True, None
                 self._event(record, "running")
 
+    def lost(self, name: str, how: str) -> None:
+        """The backend lost task ``name``'s process (its node died): its coming exit is told as ``how``."""
+        with self._lock:
+            self.by_name[name].lost = how
+
     def exited(self, name: str, code: int) -> Decision:
         """Record an exit; return what happens next: ``DONE``, ``RESTART`` (at ``restart_at``), ``FAILED``
         or ``STOPPED``."""
@@ -196,7 +211,7 @@ class Supervisor:
             record.exit_code, record.pid = code, None
             if record.leaving and code != 0:  # scaled away: no restart, and not a failure of the job
                 record.state, record.ended = "stopped", now
-                self._event(record, "stopped", code=code, how=describe_exit(code), reason="it was leaving the job")
+                self._event(record, "stopped", code=code, how=record.how_ended, reason="it was leaving the job")
                 return Decision.STOPPED
             if code == 0:
                 record.state, record.ended = "done", now
@@ -212,12 +227,20 @@ class Supervisor:
                 record.restarts += 1
                 delay = self.policy.delay(record.restarts)
                 record.state, record.restart_at = "restarting", now + delay
-                self._event(record, "exited", code=code, how=describe_exit(code), restart=record.restarts,
+                self._event(record, "exited", code=code, how=record.how_ended, restart=record.restarts,
                             delay_s=delay)
                 return Decision.RESTART
             record.state, record.ended = "failed", now
-            self._event(record, "failed", code=code, how=describe_exit(code), reason=why)
+            self._event(record, "failed", code=code, how=record.how_ended, reason=why)
             return Decision.FAILED
+
+    def gave_up(self, name: str, reason: str) -> None:
+        """Task ``name``, waiting for its restart, cannot be started again (no node takes it): it fails, and so
+        does the job, with ``reason``."""
+        with self._lock:
+            record = self.by_name[name]
+            record.state, record.ended, record.restart_at = "failed", self.clock(), None
+            self._event(record, "failed", code=record.exit_code, how=record.how_ended, reason=reason)
 
     def _no_restart_reason(self, record: TaskRecord, code: int) -> str | None:
         if self.policy.mode == "never":
@@ -303,7 +326,7 @@ class Supervisor:
         now = self.clock()
         rows = [("task", "role", "state", "exit", "restarts", "wall time")]
         for r in self.records:
-            exit_text = "-" if r.exit_code is None else exit_label(r.exit_code)
+            exit_text = "lost" if r.lost is not None else "-" if r.exit_code is None else exit_label(r.exit_code)
             rows.append((r.name, r.role, r.state, exit_text, str(r.restarts), f"{r.wall_s(now):.1f} s"))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
