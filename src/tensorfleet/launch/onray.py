@@ -18,6 +18,13 @@ changes is where a task's process runs and how its output reaches the launcher:
   the task's log on the launcher's machine, and signals the process through the actor.
 * **Ray itself.** Without ``--ray-address`` a local Ray is started for the job and stopped after it (the
   embedded default: the command works on a laptop); with one, the launcher joins that cluster as a driver.
+* **The token.** A Ray call's arguments cross the network in clear (unless the cluster runs Ray's TLS,
+  ``RAY_USE_TLS=1``, which then protects them too), so the task's environment goes to its actor without the job
+  token: the token goes sealed to the actor's ephemeral X25519 key (``launch/sealed.py``: HKDF and
+  ChaCha20-Poly1305, fresh keys per start), and the actor opens it and gives it to the task's process in its
+  environment, on its node (never on a command line). A listener on Ray's channels reads public keys and a
+  ciphertext. Chosen over a token file (Ray's nodes share no file system by default) and over requiring Ray's TLS
+  (a cluster's setting, not the launcher's).
 
 * **Moves.** A task whose node dies is "lost with its node (node id ...)" (the console, events.jsonl, the
   summary), and placed again by Ray on a live node, at its old address when that is free there, else at a new
@@ -54,7 +61,9 @@ from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch.config import JobConfig
 from tensorfleet.launch.local import LocalLauncher, free_ports, visible_gpus, with_launcher_death
+from tensorfleet.launch.sealed import Opener, require, seal
 from tensorfleet.launch.supervisor import TaskRecord
+from tensorfleet.wire.auth import TOKEN_ENV, TOKEN_FILE_ENV
 from tensorfleet.worker.leave import LEAVE_SIGNAL
 
 SUPPORTED_RAY = ((2, 60), (2, 61))  # Ray >= 2.60, < 2.61: the pin of the [ray] extra
@@ -305,6 +314,11 @@ class TaskActor:
         self._lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._cluster_file = _node_dir() / f"cluster-{uuid.uuid4().hex}.json"  # the task's registry, see set_cluster
+        self._opener = Opener()  # the job token comes sealed to this actor's key (see start)
+
+    def public_key(self) -> str:
+        """This actor's ephemeral X25519 public key (hex): what the launcher seals the job token to."""
+        return self._opener.public_key()
 
     def place(self, port: int = 0, host: str | None = None, wait_s: float = 0.0) -> dict[str, Any]:
         """This node: its address (``host``, else the node's as Ray knows it), a port free on it now, and Ray's node
@@ -333,13 +347,16 @@ class TaskActor:
         write_cluster(self._cluster_file, cluster, version)
 
     def start(self, script_and_args: list[str], env: dict[str, str], cwd: str | None,
-              cluster: dict[str, list[str]], version: int) -> int:
+              cluster: dict[str, list[str]], version: int, token: dict[str, str]) -> int:
         """Start ``python SCRIPT ARGS`` here (this node's Python), dying with this actor; return its pid. The task
-        finds the job's current ``cluster`` in the file its environment names."""
+        finds the job's current ``cluster`` in the file its environment names, and the job token (``token``,
+        sealed to this actor's key: ``public_key``) in its environment."""
         self._lines.clear()
         self.set_cluster(cluster, version)
         command = with_launcher_death([sys.executable, *script_and_args])
         env = {**os.environ, **env, CLUSTER_FILE_ENV: str(self._cluster_file)}
+        env.pop(TOKEN_FILE_ENV, None)  # the job's token, not one this node's environment may name
+        env[TOKEN_ENV] = self._opener.open(token)
         self._process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, cwd=cwd if cwd and Path(cwd).is_dir() else None)
@@ -467,6 +484,7 @@ class RayLauncher(LocalLauncher):
     """``LocalLauncher`` whose tasks run on a Ray cluster, one actor each (see the module's docstring)."""
 
     def __init__(self, config: JobConfig, *, out: TextIO | None = None, **kwargs: Any) -> None:
+        require()  # the token's sealing (cryptography), checked before Ray starts
         tasks = config.ps + config.workers
         self.connection = RayConnection(config.ray_address, num_cpus=max(os.cpu_count() or 1, tasks),
                                         num_gpus=visible_gpus())
@@ -624,10 +642,14 @@ class RayLauncher(LocalLauncher):
                              on_gone=lambda error, name=record.name: self._actor_gone(name, error))
 
     def _start_on_actor(self, record: TaskRecord) -> int:
-        """Start the task's process through its actor, with the cluster as it is now (the task may have moved)."""
+        """Start the task's process through its actor, with the cluster as it is now (the task may have moved).
+        The job token goes sealed to the actor's key, never in the environment sent (see the module)."""
+        actor = self._actors[record.name]
         script = str(Path(self.config.script).resolve())
-        start = self._actors[record.name].start.remote([script, *self.config.args], self.task_env(record.task),
-                                                       os.getcwd(), self.cluster.as_dict(), self.cluster_version)
+        env = {key: value for key, value in self.task_env(record.task).items() if key != TOKEN_ENV}
+        token = seal(self.token, self.ray.get(actor.public_key.remote()))
+        start = actor.start.remote([script, *self.config.args], env, os.getcwd(), self.cluster.as_dict(),
+                                   self.cluster_version, token)
         return self.ray.get(start)
 
     def _place_again(self, name: str, address: str) -> tuple[Any, dict[str, Any]]:
