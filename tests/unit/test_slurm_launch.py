@@ -34,7 +34,7 @@ def test_the_script_asks_for_a_task_per_ps_and_worker_and_keeps_the_token_out_of
                  f"--kill-on-bad-exit=1 --distribution=block {sys.executable} {MNIST} --train_steps 50"):
         assert line in text, line
     assert "export NOTE='it'\"'\"'s here'" in text
-    assert 'TENSORFLEET_TOKEN="${TENSORFLEET_TOKEN:-$(' in text  # made when the job runs, never written here
+    assert "TENSORFLEET_TOKEN_FILE=$(" in text and "unset TENSORFLEET_TOKEN" in text  # made as the job runs
     assert "never" not in text
     assert "max_restarts=0" in render_sbatch(config(restart="never"), tmp_path)
 
@@ -212,3 +212,93 @@ def test_the_service_refuses_a_slurm_backend_where_slurm_is_not(tmp_path, monkey
     with JobStore(tmp_path / "jobs.sqlite") as store, \
             pytest.raises(ConfigError, match="--slurm needs Slurm's commands on the PATH .*serve from a Slurm login"):
         SlurmBackend(store)
+
+
+# The batch script run for real by a fake sbatch, its srun a fake that records what the step-launch request would
+# carry to the nodes: its arguments and its environment.
+RUNNING_SLURM = {
+    "sbatch": """#!/bin/bash
+script="${@: -1}"
+printf '%s\\0' "$@" > "$FAKE_RECORD/sbatch.argv"
+env -0 > "$FAKE_RECORD/sbatch.env"
+out=$(sed -n 's/^#SBATCH --output=//p' "$script"); out="${out//%j/42}"
+SLURM_JOB_ID=42 bash "$script" > "$out" 2>&1
+echo 42
+""",
+    "srun": """#!/bin/bash
+printf '%s\\0' "$@" > "$FAKE_RECORD/srun.argv"
+env -0 > "$FAKE_RECORD/srun.env"
+echo "0: ran"
+""",
+    "squeue": FAKE_SLURM["squeue"], "scontrol": FAKE_SLURM["scontrol"], "scancel": FAKE_SLURM["scancel"],
+}
+TOKEN = "a1" * 32
+
+
+def recorded(folder: Path, name: str) -> tuple[list[str], dict[str, str], bytes]:
+    """A fake command's arguments and environment, and both as they were written (to search for the token)."""
+    argv, env = (folder / f"{name}.argv").read_bytes(), (folder / f"{name}.env").read_bytes()
+    variables = dict(item.split("=", 1) for item in env.decode().split("\0") if "=" in item)
+    return argv.decode().split("\0")[:-1], variables, argv + env
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["token-given", "token-made-by-the-script"])
+def test_neither_sbatch_nor_srun_carries_the_token_the_ranks_get_its_file(tmp_path, monkeypatch, given):
+    """Issue 41: sbatch sends the script and its environment to slurmctld, srun the step's environment to every
+    node, both in clear: the token is in none of them. The ranks get TENSORFLEET_TOKEN_FILE, a file of mode 0600
+    in the job's folder that the batch script wrote (a token the launcher was given, or a new one), and the
+    launcher reads the token from it."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name, text in RUNNING_SLURM.items():
+        (folder / name).write_text(text)
+        (folder / name).chmod(0o755)
+    record = tmp_path / "record"
+    record.mkdir()
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_RECORD", str(record))
+    monkeypatch.delenv("TENSORFLEET_TOKEN_FILE", raising=False)
+    if given:
+        monkeypatch.setenv("TENSORFLEET_TOKEN", TOKEN)
+    else:
+        monkeypatch.delenv("TENSORFLEET_TOKEN", raising=False)
+    logdir = tmp_path / "job"
+    launcher = SlurmLauncher(config(logdir=str(logdir)), out=io.StringIO())
+    assert launcher.run() == 0, launcher.out.getvalue()
+    token_file = logdir / "job.token"
+    token = token_file.read_text().strip()
+    assert (token == TOKEN) if given else (len(token) == 64 and int(token, 16) >= 0)
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    assert launcher.token() == token
+    sbatch_argv, sbatch_env, sbatch_bytes = recorded(record, "sbatch")
+    srun_argv, srun_env, srun_bytes = recorded(record, "srun")
+    script = Path(sbatch_argv[-1]).read_bytes()
+    for carried in (sbatch_bytes, srun_bytes, script, render_sbatch(config(), logdir).encode()):
+        assert token.encode() not in carried
+    assert "TENSORFLEET_TOKEN" not in sbatch_env and "TENSORFLEET_TOKEN" not in srun_env
+    assert srun_env["TENSORFLEET_TOKEN_FILE"] == str(token_file.resolve())
+    assert sbatch_env.get("TENSORFLEET_TOKEN_FILE") == (str(token_file.resolve()) if given else None)
+    assert srun_argv[-1] == MNIST and "every rank finished" in launcher.out.getvalue()
+    assert not list(logdir.glob("job.token.*"))  # the writer's new file was renamed into place
+
+
+def test_a_token_file_of_the_users_is_used_as_it_is_and_a_planted_link_is_not_written_through(tmp_path):
+    """TENSORFLEET_TOKEN_FILE in the batch script's environment: the ranks get it, no file is made; a link planted
+    at the writer's file is never followed (a new file under a random name, renamed over the link)."""
+    script = tmp_path / "job.sbatch"
+    text = render_sbatch(config(), tmp_path / "job")
+    script.write_text(text.replace("  srun ", '  echo "$TENSORFLEET_TOKEN_FILE"; exit 0; srun ', 1))  # srun: the file
+    users = tmp_path / "mine.token"
+    users.write_text(TOKEN)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORFLEET_TOKEN")}
+    ran = subprocess.run(["bash", str(script)], env={**env, "SLURM_JOB_ID": "1", "TENSORFLEET_TOKEN_FILE": str(users)},
+                         capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0 and ran.stdout.splitlines()[-1] == str(users), ran.stdout + ran.stderr
+    assert not (tmp_path / "job" / "job.token").exists()
+    victim = tmp_path / "victim"
+    victim.write_text("theirs")
+    (tmp_path / "job" / "job.token").symlink_to(victim)
+    ran = subprocess.run(["bash", str(script)], env={**env, "SLURM_JOB_ID": "1"}, capture_output=True, text=True,
+                         timeout=60)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert victim.read_text() == "theirs" and not (tmp_path / "job" / "job.token").is_symlink()

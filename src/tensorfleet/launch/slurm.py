@@ -4,8 +4,20 @@ slurm`` submits it, follows it, streams its output and cancels it on Ctrl-C.
 **The batch script** asks for one task per ps and worker (``--ntasks``) and runs them as one job step,
 ``srun --label --kill-on-bad-exit=1 --distribution=block python SCRIPT ARGS``: every rank runs the script, and
 resolves its role and its peers from Slurm's environment (``cluster/slurm.py``: the first ``ps`` ranks are the
-ps). The job token is made in the batch script, at run time, unless the environment has one: it never sits in
-the file.
+ps).
+
+**The job token** never crosses the network in clear from us: not in the batch script (``sbatch`` sends the
+script and the submitter's environment to slurmctld, in clear), not in srun's step-launch request (which carries
+the step's environment to every node). The batch script writes it, on the batch node as it starts, into
+``job.token`` in the job's folder (``TOKEN_WRITER``: mode 0600, through a new file renamed into place, so never
+through a link someone planted), and gives the ranks ``TENSORFLEET_TOKEN_FILE``, its path, with
+``TENSORFLEET_TOKEN`` unset: srun carries a path only, and each rank reads the token from the file. The token is
+a new one unless the batch script's environment has one (``TENSORFLEET_TOKEN``, or a ``TENSORFLEET_TOKEN_FILE``
+of the user's, used as it is). The launcher submits without ``TENSORFLEET_TOKEN`` in sbatch's environment: a
+token it was given goes into ``job.token`` before it submits, and sbatch gets the file's path. The job's folder
+must be on a file system every node shares (as the script and the script's folder already must be): the token's
+protection there is that file system's (its permissions, and its transport: NFS without Kerberos privacy moves
+file contents in clear). The launcher reads the token from the file when it needs it (``token()``).
 
 **When a rank dies**, Slurm ends the whole step (``--kill-on-bad-exit``: the others are killed too). The batch
 script then runs the step again, every rank afresh, after the launcher's restart backoff (doubling up to 30 s), up
@@ -50,6 +62,7 @@ from tensorfleet.cluster.environment import LOGDIR_ENV, STATUS_DIR_ENV
 from tensorfleet.cluster.slurm import PS_ENV
 from tensorfleet.errors import ConfigError, LaunchError
 from tensorfleet.launch.config import JobConfig
+from tensorfleet.wire.auth import TOKEN_ENV, TOKEN_FILE_ENV, job_token
 
 SCRIPT_FILE = "job.sbatch"
 JOB_ID_FILE = "slurm.jobid"  # the submitted job's id, in the job's folder
@@ -60,8 +73,18 @@ POLL_S = 1.0  # how often squeue is asked, and the output file read
 CANCEL_WAIT_S = 60.0  # after scancel, how long Slurm may take to end the job
 COMMAND_TIMEOUT_S = 30.0  # sbatch, squeue, scancel, scontrol
 MAX_BACKOFF_S = 30.0
-TOKEN_LINE = ('export TENSORFLEET_TOKEN="${TENSORFLEET_TOKEN:-$(%s -c '
-              '"import secrets; print(secrets.token_urlsafe(32))")}"')
+TOKEN_FILE = "job.token"  # the job token, in the job's folder (see the module's docstring)
+# Run by the batch script (python -c TOKEN_WRITER FOLDER): the token of the environment, else a new one, into
+# FOLDER/job.token, made mode 0600 under a random name with O_EXCL|O_NOFOLLOW and renamed into place; prints the path.
+TOKEN_WRITER = (  # double quotes only: it goes into the batch script between single quotes as it is
+    "import os, secrets, sys\n"
+    f'path = os.path.join(sys.argv[1], "{TOKEN_FILE}")\n'
+    'new = path + "." + secrets.token_hex(8)\n'
+    "descriptor = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)\n"
+    'with os.fdopen(descriptor, "w") as out:\n'
+    '    out.write((os.environ.get("TENSORFLEET_TOKEN") or secrets.token_hex(32)) + "\\n")\n'
+    "os.replace(new, path)\n"
+    "print(path)\n")
 LABEL = re.compile(r"^\s*(\d+): ?(.*)$")
 SRUN_EXIT = re.compile(r"^srun: error: \S+: tasks? ([\d,\-]+): (?:Exited with exit code (\d+)|(.+))$")
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -112,14 +135,14 @@ def render_sbatch(config: JobConfig, logdir: Path, *, output: Path | None = None
               f"mkdir -p {shlex.quote(str(logdir))}",
               f"export {PS_ENV}={config.ps}",
               f"export {STATUS_DIR_ENV}={shlex.quote(str(logdir))} {LOGDIR_ENV}={shlex.quote(str(logdir))}",
-              "export PYTHONUNBUFFERED=1",
-              TOKEN_LINE % shlex.quote(python)]
+              "export PYTHONUNBUFFERED=1"]
     if config.mode is not None:
         lines.append(f"export TENSORFLEET_MODE={config.mode}")
     if config.gpus_per_worker:  # Slurm sets each rank's CUDA_VISIBLE_DEVICES (--gpus-per-task)
         lines.append(f"export TENSORFLEET_GPUS_PER_WORKER={config.gpus_per_worker}")
     for name, value in sorted(config.env.items()):
         lines.append(f"export {name}={shlex.quote(value)}")
+    lines += token_lines(logdir, python)  # after the job's env: a token there goes into the file too
     command = shlex.join([python, str(Path(config.script).resolve()), *config.args])
     restarts = config.max_restarts if config.restart == "on-failure" else 0
     lines += [
@@ -146,18 +169,30 @@ def render_sbatch(config: JobConfig, logdir: Path, *, output: Path | None = None
     return "\n".join(lines) + "\n"
 
 
+def token_lines(logdir: Path, python: str) -> list[str]:
+    """The batch script's lines that give the ranks the job token as a file in ``logdir`` (see the module's
+    docstring): srun then carries its path, and the environment it carries has no token."""
+    writer = f"{shlex.quote(python)} -c {shlex.quote(TOKEN_WRITER)} {shlex.quote(str(logdir))}"
+    return ["# The job token: in a file of the job's folder (mode 0600); srun carries its path, not the token.",
+            'if [ -n "${TENSORFLEET_TOKEN:-}" ] || [ -z "${TENSORFLEET_TOKEN_FILE:-}" ]; then',
+            f'  TENSORFLEET_TOKEN_FILE=$({writer}) || {{ echo "[slurm] cannot write the job token file"; exit 1; }}',
+            "fi",
+            'export TENSORFLEET_TOKEN_FILE="$TENSORFLEET_TOKEN_FILE"',
+            "unset TENSORFLEET_TOKEN"]
+
+
 def rendered_script(config: JobConfig) -> str:
     """What ``slurm render`` prints: ``sbatch`` runs it as it is, its output in the folder it was rendered in."""
     return render_sbatch(config, Path(config.logdir) if config.logdir else default_logdir(config))
 
 
-def _run(command: list[str]) -> subprocess.CompletedProcess:
-    """One Slurm command; LaunchError naming it when it is missing or fails."""
+def _run(command: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """One Slurm command (in ``env``, else this environment); LaunchError naming it when it is missing or fails."""
     if shutil.which(command[0]) is None:
         raise LaunchError(f"{command[0]} is not installed here: --backend slurm runs on a Slurm login node "
                           "(sbatch, squeue, scancel and scontrol on the PATH)")
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:
         raise LaunchError(f"{shlex.join(command)} did not answer within {COMMAND_TIMEOUT_S:g} s: is slurmctld "
                           "up?") from None
@@ -210,6 +245,7 @@ class SlurmLauncher:
         self._offset = 0  # how far the output file was read
         self._inode: int | None = None  # which output file that was (a requeue may write a new one)
         self._head = b""  # its first bytes (HEAD_BYTES at most)
+        self.token_file: Path | None = None  # where the job's token is (known at submit)
 
     def script_text(self) -> str:
         return render_sbatch(self.config, self.logdir, output=self.logdir)
@@ -219,11 +255,38 @@ class SlurmLauncher:
         self.logdir.mkdir(parents=True, exist_ok=True)
         script = self.logdir / SCRIPT_FILE
         script.write_text(self.script_text())
-        self.job_id = _run(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
+        env = self._sbatch_env()
+        self.job_id = _run(["sbatch", "--parsable", str(script)], env=env).stdout.strip().split(";")[0]
         (self.logdir / JOB_ID_FILE).write_text(self.job_id + "\n")  # who else must cancel it finds it here
         self.say(f"submitted job {self.job_id} ({self.config.ps} ps + {self.config.workers} workers, one step of "
                  f"{self.config.ps + self.config.workers} tasks); output: {self.output_path}")
         return self.job_id
+
+    def _sbatch_env(self) -> dict[str, str]:
+        """This environment less ``TENSORFLEET_TOKEN`` (sbatch would send it to slurmctld): a token this launcher
+        was given goes into the job's token file first, and sbatch gets the file's path (see the module)."""
+        env = dict(os.environ)
+        token = env.pop(TOKEN_ENV, None)
+        if token:
+            written = subprocess.run([sys.executable, "-c", TOKEN_WRITER, str(self.logdir.resolve())],
+                                     env={**env, TOKEN_ENV: token}, capture_output=True, text=True,
+                                     timeout=COMMAND_TIMEOUT_S)
+            if written.returncode != 0:
+                raise LaunchError(f"cannot write the job token into {self.logdir}: "
+                                  f"{(written.stderr.strip().splitlines() or ['no message'])[-1]}")
+            env[TOKEN_FILE_ENV] = written.stdout.strip()
+        self.token_file = Path(env[TOKEN_FILE_ENV]) if env.get(TOKEN_FILE_ENV) else self.logdir / TOKEN_FILE
+        return env
+
+    def token(self) -> str | None:
+        """The job's token, from its file (what the launcher proves itself with to the ranks, e.g. to ask them
+        for Status); None until the batch script has written it.
+
+        Raises:
+            ConfigError: the file is there but cannot be read, or is empty.
+        """
+        path = self.token_file or self.logdir / TOKEN_FILE
+        return job_token({TOKEN_FILE_ENV: str(path)}) if path.exists() else None
 
     @property
     def output_path(self) -> Path:
