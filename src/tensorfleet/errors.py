@@ -58,6 +58,13 @@ class UnavailableError(TensorfleetError):
     code = "UNAVAILABLE"
 
 
+class TimelineChangedError(NotInitializedError):
+    """A push computed from values of a shard's earlier timeline: the shard was restored from a checkpoint (or
+    restarted) since they were pulled, so the push is refused. Recoverable: pull again and compute the step
+    again. It travels as FAILED_PRECONDITION and arrives as ``NotInitializedError``, which every training loop
+    already recovers from."""
+
+
 class DeadlineExceededError(TensorfleetError):
     """A call or a wait ran past its deadline. Recoverable, but it names what it waited for."""
 

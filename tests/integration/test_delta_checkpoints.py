@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tensorfleet.cluster.spec import TaskSpec
-from tensorfleet.errors import DataError, InvalidArgumentError, UnavailableError
+from tensorfleet.errors import DataError, InvalidArgumentError, NotInitializedError, UnavailableError
 from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.train.checkpoint import Checkpointer, chain, gather, load, load_file, split
@@ -93,6 +93,9 @@ def test_a_restored_fleet_saves_whole_before_it_saves_deltas_again(tmp_path):
             for server, part in zip(servers, parts):  # every shard rolled back (as after a lost ps): a new timeline
                 server.store.initialize(part.values, OptimizerSpec.sgd(lr=0.1), restore=part, force=True,
                                         tables=list(replica.client.tables.values()))
+            with pytest.raises(NotInitializedError, match="restored since"):
+                train(replica, net, range(10, 11))  # computed on the old timeline: refused (issue 42)
+            replica.recover(restore=None, timeout_s=30)  # as a step's recovery does: the restored values pulled
             train(replica, net, range(10, 12))
             third = saver.save(replica)
             assert ".delta." not in third.name

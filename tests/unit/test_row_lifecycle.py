@@ -223,6 +223,18 @@ def test_a_budget_below_the_tables_floor_is_said_at_start_up(caplog):
     assert not [r for r in caplog.records if "memory budget" in r.getMessage()]
 
 
+def test_nothing_can_be_evicted_is_said_once_not_at_every_update(caplog):
+    """Issue 42: a budget below the tables' floor logged "nothing can be evicted" at every update."""
+    store = VariableStore(task="/job:ps/task:0", memory_budget=64 << 10)
+    store.initialize({}, OptimizerSpec("sgd", {"lr": 1.0}), tables=[TableSpec("a", 64, SGD, initializer=ZERO)])
+    for step in range(20):
+        store.apply({ids_key("a"): torch.tensor([7]), grads_key("a"): torch.ones(1, 64)}, advance_step=True,
+                    origin=Origin(0, 0, step + 1))
+    said = [r.getMessage() for r in caplog.records if "nothing can be evicted" in r.getMessage()]
+    assert len(said) == 1 and "said once" in said[0], said
+    assert store._budget.stuck_updates == 20
+
+
 def test_a_resent_push_neither_counts_towards_admission_twice_nor_applies_twice():
     store = VariableStore(task="/job:ps/task:0")
     store.initialize({}, OptimizerSpec("sgd", {"lr": 1.0}), tables=[

@@ -244,6 +244,9 @@ class PushRequest:
     step of the values they were computed from) are averaged and applied once; the call returns
     when the step is aggregated.  ``with_values``: the reply carries the values after the update (the
     next pull, in the same round trip).  ``origin`` numbers the push for exactly-once delivery.
+    ``epoch``: the shard's ``StepReply.epoch`` when the worker pulled the values it computed from; a shard
+    restored since (another epoch) refuses the push, so that no push of the old timeline lands on a restored
+    shard (its sender pulls again and recomputes).
     """
 
     origin: Origin | None = None
@@ -253,6 +256,7 @@ class PushRequest:
     replica: int | None = None  # sync only: the replica id
     step: int | None = None  # sync only: the step of the values the gradients were computed from
     tables: tuple[str, ...] = ()  # the tables whose rows the push carries
+    epoch: str | None = None  # the shard's timeline the gradients were computed on (its pull's); None: unchecked
 
     @property
     def mode(self) -> Mode:
@@ -287,6 +291,8 @@ class PushRequest:
             meta["tables"] = list(self.tables)
         if self.origin is not None:
             meta["origin"] = self.origin.to_meta()
+        if self.epoch is not None:
+            meta["epoch"] = self.epoch
         if self.step is None:
             meta["advance_step"] = self.advance_step
         else:
@@ -303,24 +309,37 @@ class PushRequest:
                                        f"{MAX_TABLES_PER_PUSH}), got {tables!r:.60}")
         common = dict(with_values=flag_field(meta, "values", "Push"), wire_dtype=wire_dtype_field(meta),
                       origin=Origin.from_meta(meta["origin"]) if meta.get("origin") is not None else None,
-                      tables=tuple(tables))
+                      tables=tuple(tables), epoch=epoch_field(meta, "Push"))
         if "step" in meta:
             return cls(replica=count_field(meta, "replica", "Push"), step=count_field(meta, "step", "Push"), **common)
         return cls(advance_step=flag_field(meta, "advance_step", "Push"), **common)
 
 
+MAX_EPOCH_CHARS = 64
+
+
+def epoch_field(meta: Mapping[str, Any], method: str) -> str | None:
+    """A message's ``epoch`` (a shard's timeline, ``VariableStore.epoch``), or None when it has none."""
+    epoch = meta.get("epoch")
+    if epoch is not None and (not isinstance(epoch, str) or not 0 < len(epoch) <= MAX_EPOCH_CHARS):
+        raise InvalidArgumentError(f"{method} 'epoch' must be a shard's epoch (a short string), got {epoch!r:.40}")
+    return epoch
+
+
 @dataclass(frozen=True)
 class StepReply:
-    """Pull's reply: the shard's step (with the values as tensors)."""
+    """Pull's reply: the shard's step (with the values as tensors) and its epoch (the timeline the values are
+    on: a later push computed from them names it, ``PushRequest.epoch``)."""
 
     step: int
+    epoch: str | None = None
 
     def to_meta(self) -> dict[str, Any]:
-        return {"step": self.step}
+        return {"step": self.step, **({"epoch": self.epoch} if self.epoch is not None else {})}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "StepReply":
-        return cls(count_field(meta, "step", "Pull reply"))
+        return cls(count_field(meta, "step", "Pull reply"), epoch_field(meta, "Pull reply"))
 
 
 @dataclass(frozen=True)
@@ -406,22 +425,26 @@ MAX_FENCE_HOLD_S = 300.0  # what a Fence may ask for: a restore's fence lasts wh
 @dataclass(frozen=True)
 class FenceRequest:
     """Fence: start a cut on this shard (hold new pushes, ``hold_s`` at most); the reply is its part of the
-    ``Cut``. The chief fences every shard and merges the answers (``Cut.merge``)."""
+    ``Cut``. The chief fences every shard and merges the answers (``Cut.merge``). With ``release``: lift this
+    shard's fence instead (the chief's save failed on another shard, so no cut will come); the reply is empty."""
 
     hold_s: float = FENCE_HOLD_S
+    release: bool = False  # lift a fence no cut came for (a save that failed after fencing): its pushes go on
 
     def __post_init__(self) -> None:
         hold_s = self.hold_s
         if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)) or not 0 < hold_s <= MAX_FENCE_HOLD_S:
             raise InvalidArgumentError(f"Fence 'hold_s' must be a number of seconds in (0, {MAX_FENCE_HOLD_S:g}], "
                                        f"got {hold_s!r:.40}")
+        if not isinstance(self.release, bool):
+            raise InvalidArgumentError(f"Fence 'release' must be true or false, got {self.release!r:.40}")
 
     def to_meta(self) -> dict[str, Any]:
-        return {"hold_s": self.hold_s}
+        return {"hold_s": self.hold_s, **({"release": True} if self.release else {})}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "FenceRequest":
-        return cls(meta.get("hold_s", FENCE_HOLD_S))
+        return cls(meta.get("hold_s", FENCE_HOLD_S), meta.get("release", False))
 
 
 MAX_TOKEN_CHARS = 64

@@ -30,6 +30,7 @@ class MemoryBudget:
     def __init__(self, nbytes: int, *, task: str) -> None:
         self.nbytes = nbytes
         self.task = task
+        self.stuck_updates = 0  # updates after which nothing could be evicted (said in the log once)
 
     def say_if_below_floor(self, shards: Mapping[str, EmbeddingShard], floor: int) -> None:
         """At start-up (Init): a budget below the tables' floor (their empty storage, id maps and admission
@@ -77,8 +78,12 @@ class MemoryBudget:
             order = np.argsort(every, kind="stable")
             order = order[every[order] < current_update]  # the rows this update touched stay
             if not order.size:
-                log.warning("%s: the embedding tables hold %d bytes, over the memory budget of %d, and every "
-                            "row was updated by this push: nothing can be evicted", self.task, held, self.nbytes)
+                self.stuck_updates += 1
+                if self.stuck_updates == 1:  # a budget below the floor meets this at every update: said once
+                    log.warning("%s: the embedding tables hold %d bytes, over the memory budget of %d, and every "
+                                "row was updated by this push: nothing can be evicted (said once; later updates "
+                                "in this state are not logged): raise --ps_memory_budget", self.task, held,
+                                self.nbytes)
                 return
             chosen = order[:int(np.searchsorted(np.cumsum(cost[order]), held - BUDGET_EVICT_TO * self.nbytes)) + 1]
             starts = np.concatenate([[0], np.cumsum([a.size for a in ages])])

@@ -89,8 +89,9 @@ class PsService:
         if request.entries:
             raise InvalidArgumentError("a Pull carries no tensors")
         pull = PullRequest.from_meta(request.meta)
+        epoch = self.store.epoch  # before the values: a restore in between costs a refused push, never a wrong one
         values, step, release = self.store.read_live(averages=pull.averages)
-        return _reply_with_values(StepReply(step).to_meta(), values, release, pull.wire_dtype)
+        return _reply_with_values(StepReply(step, epoch).to_meta(), values, release, pull.wire_dtype)
 
     def lookup(self, request: Request) -> Reply:
         lookup = LookupRequest.from_meta(request.meta)
@@ -123,7 +124,11 @@ class PsService:
         the shard's step. ``hold_s``: how long at most (a restore's fence lasts while the shards take it)."""
         if request.entries:
             raise InvalidArgumentError("a Fence carries no tensors")
-        return Reply(self.store.fence(FenceRequest.from_meta(request.meta).hold_s).to_meta())
+        fence = FenceRequest.from_meta(request.meta)
+        if fence.release:  # the chief's save failed elsewhere: no cut will come for this fence
+            self.store.release_fence()
+            return Reply({})
+        return Reply(self.store.fence(fence.hold_s).to_meta())
 
     def snapshot_data(self, request: Request) -> Reply:
         """Snapshot on the data plane: the same request and reply as the gRPC method, the rows at TCP speed

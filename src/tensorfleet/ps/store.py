@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError
+from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotInitializedError, TimelineChangedError
 from tensorfleet.protocol.messages import FENCE_HOLD_S, Cut, Origin, Outcome, PushReply, PushRequest, tables_named
 from tensorfleet.protocol.specs import NONFINITE_POLICIES, Mode, OptimizerSpec, SyncOptions, TableSpec
 from tensorfleet.protocol.state import ShardState, TableState
@@ -161,7 +161,9 @@ class VariableStore:
         ``cut``: a restore's, taken by fencing every live shard first (``fence``): the pushes in it were made
         on the timeline the restore ends; each is counted as seen (a retry of it is not applied), so a push
         that reached some shards before their restore and others after is applied on none. The fence holds
-        every later push until its shard is restored: those are applied on every shard.
+        every later push until its shard is restored; a push that names the epoch it was computed on
+        (``PushRequest.epoch``, as every worker's does) is then refused, on every shard alike, since a restore
+        starts a new epoch: its sender pulls the restored values and computes the step again.
         """
         if nonfinite not in NONFINITE_POLICIES:
             raise InvalidArgumentError(f"nonfinite={nonfinite!r}: use one of {NONFINITE_POLICIES}", task=self.task)
@@ -243,6 +245,18 @@ class VariableStore:
             self._require_initialized()
             self._fence = _Fence(until=time.monotonic() + hold_s, hold_s=hold_s)
             return self._origins.cut(self._global_step)
+
+    def release_fence(self) -> bool:
+        """Lift a fence no cut came for (the chief's save failed on another shard after fencing this one): the
+        pushes it holds go on now rather than after its ``hold_s``. A fence whose cut arrived is the snapshot's,
+        and ends with it. True if a fence was lifted."""
+        with self._cond:
+            fence = self._fence
+            if fence is None or fence.cut is not None:
+                return False
+            self._fence = None
+            self._cond.notify_all()
+            return True
 
     def _fence_lets(self, push: PushRequest) -> bool:
         fence = self._fence
@@ -506,6 +520,7 @@ class VariableStore:
                 if self._fence_lets(push):
                     break  # else a fence came up while this push waited for readers: wait for it first
             self._require_initialized()
+            self._check_epoch(push)
             if layout is not self._layout:  # an Init replaced the layout since: check against the new one
                 self._layout.check(entries_of(gradients), push, task=self.task)
                 dense, rows = self._layout.split(gradients, push, task=self.task)
@@ -522,6 +537,18 @@ class VariableStore:
         with self._cond:
             values, step, release = self._hold_live(averages=False)  # the step the values belong to
         return PushResult(PushReply(step, outcome), values, release)
+
+    def _check_epoch(self, push: PushRequest) -> None:
+        """Under the lock, at admission: refuse a push computed on another timeline of this shard (it was
+        restored since its sender pulled; held by a fence across that restore, say), on every shard alike, so
+        that no push of the old timeline lands on a restored shard while its other parts are refused."""
+        if push.epoch is not None and push.epoch != self.epoch:
+            sender = self.replica_name(push.origin.worker) if push.origin is not None else "a worker"
+            log.info("%s: refused a push from %s computed on epoch %s: this shard is on %s since a restore; "
+                     "its sender pulls again", self.task, sender, push.epoch, self.epoch)
+            raise TimelineChangedError(f"this push was computed from values of epoch {push.epoch}, but the shard "
+                                       f"was restored since (epoch {self.epoch}): pull again and recompute the "
+                                       "step", task=self.task)
 
     def _apply_async(self, push: PushRequest, gradients: Mapping[str, torch.Tensor], rows: Rows
                      ) -> tuple[int, Outcome, Tickets]:

@@ -40,7 +40,7 @@ from tensorfleet.wire.codec import NARROW_DTYPES, TensorEntry
 from tensorfleet.wire.datachannel import DataChannel
 from tensorfleet.wire.rpc import Channel, WireOptions
 from tensorfleet.worker.embedding import Fetched
-from tensorfleet.worker.snapshots import SnapshotInFlight, fence_for_restore, start_snapshot
+from tensorfleet.worker.snapshots import SnapshotInFlight, fence_for_restore, release_fences, start_snapshot
 
 if TYPE_CHECKING:
     from tensorfleet.worker.streams import PushStreams
@@ -103,16 +103,24 @@ class Gathered:
 
     ``result()`` raises as soon as *any* shard fails, without waiting for the others: in sync
     mode a live shard may hold its reply until a step completes, which a dead shard prevents.
+    The parts still running then (a push's part held by a fence, say) are not forgotten: they go to
+    ``on_abandon``, and the client's recovery waits for them (``PsClient.settle_abandoned``) before it
+    pulls, so a step is never run again while a part of its first push may still apply. A part held across
+    a restore is refused by its shard (its epoch is gone): it never applies on the restored shard alone.
     """
 
-    def __init__(self, futures: list[Future], combine: Callable[[list], Any]) -> None:
-        self._futures, self._combine = futures, combine
+    def __init__(self, futures: list[Future], combine: Callable[[list], Any],
+                 on_abandon: Callable[[list[Future]], None] | None = None) -> None:
+        self._futures, self._combine, self._on_abandon = futures, combine, on_abandon
 
     def result(self) -> Any:
         if not all(future.done() for future in self._futures):  # a single shard's call ran inline: done
             wait(self._futures, return_when=FIRST_EXCEPTION)
         for future in self._futures:
             if future.done() and future.exception() is not None:
+                running = [f for f in self._futures if not f.done()]
+                if running and self._on_abandon is not None:
+                    self._on_abandon(running)
                 raise future.exception()
         return self._combine([future.result() for future in self._futures])
 
@@ -146,6 +154,9 @@ class PsClient:
         # Exactly once: every push names (worker, this client's incarnation, a per-shard sequence number).
         self.incarnation = time.time_ns()  # a restarted process has a later one; the ps refuses older ones
         self._seq = [0] * len(self.channels)
+        # Each shard's epoch at the last pull: every push names it, and a shard restored since refuses the push.
+        self._epochs: list[str | None] = [None] * len(self.channels)
+        self._abandoned: list[Future] = []  # parts of failed pushes still running (``settle_abandoned``)
         self._routes: dict[str, list[Route]] = {}  # table -> its latest routes, newest first
         self._names_by_shard: list[list[str]] = [[] for _ in self.channels]
         for name, shard in self.placement.items():
@@ -231,7 +242,12 @@ class PsClient:
             requests = [(replace(init, restore=(state.global_step, state.applied_updates), force=force,
                                  cut=cut).to_meta(), state.flatten()) for state in restore]
         futures = [ch.call_async("Init", m, t) for ch, (m, t) in zip(self.channels, requests)]
-        replies = [f.result()[0] for f in futures]  # wait for every shard, not just the first to say yes
+        try:
+            replies = [f.result()[0] for f in futures]  # wait for every shard, not just the first to say yes
+        except BaseException:
+            if force:  # the shards not restored would hold their pushes RESTORE_FENCE_S: the restore is retried
+                release_fences(self.data)
+            raise
         return any(InitReply.from_meta(reply).initialized for reply in replies)
 
     def wait_initialized(self, timeout_s: float, poll_s: float = 0.2) -> PsStatus:
@@ -330,8 +346,13 @@ class PsClient:
         # ps 0 is always asked, even if it holds none of the variables: it keeps the global step.
         shards = self.active
         meta = PullRequest(averages, self.wire_dtype).to_meta()
-        calls = [(s, lambda s=s: self.data[s].call("Pull", meta, into=into)) for s in shards]
+        calls = [(s, lambda s=s: self._note_epoch(s, self.data[s].call("Pull", meta, into=into))) for s in shards]
         return Gathered(self._fan_out(calls, inline=inline), lambda r: _merge_replies(shards, r, len(self.channels)))
+
+    def _note_epoch(self, shard: int, reply: tuple[dict, dict]) -> tuple[dict, dict]:
+        """Keep the epoch a pull's reply names: the pushes computed from these values carry it."""
+        self._epochs[shard] = StepReply.from_meta(reply[0]).epoch
+        return reply
 
     def push_meta(self, shard: int, sync_steps: Sequence[int] | None, replica: int, values: bool,
                    tables: Sequence[str] = ()) -> dict:
@@ -339,12 +360,32 @@ class PsClient:
         carries; ps 0's part counts the global step."""
         self._seq[shard] += 1
         origin = Origin(replica, self.incarnation, self._seq[shard])
+        epoch = self._epochs[shard]
         if sync_steps is None:
-            push = PushRequest(origin, values, self.wire_dtype, advance_step=shard == 0, tables=tuple(tables))
+            push = PushRequest(origin, values, self.wire_dtype, advance_step=shard == 0, tables=tuple(tables),
+                               epoch=epoch)
         else:
             push = PushRequest(origin, values, self.wire_dtype, replica=replica, step=sync_steps[shard],
-                               tables=tuple(tables))
+                               tables=tuple(tables), epoch=epoch)
         return push.to_meta()
+
+    def abandoned(self, parts: list[Future]) -> None:
+        """Parts of a push that failed elsewhere, still running on their shards (``Gathered``'s ``on_abandon``)."""
+        self._abandoned = [f for f in self._abandoned if not f.done()] + parts
+
+    def settle_abandoned(self, timeout_s: float) -> int:
+        """Wait, up to ``timeout_s``, for the parts of failed pushes still running (held by a fence, or waiting
+        for a sync step): each ends applied (no restore came: the pull after sees it) or refused (its shard
+        was restored: the epoch it names is gone). Return how many still run; they are said in the log."""
+        running = [f for f in self._abandoned if not f.done()]
+        if running:
+            wait(running, timeout=timeout_s)
+        self._abandoned = [f for f in running if not f.done()]
+        if self._abandoned:
+            log.warning("%d part(s) of a failed push still wait on their shard after %.0f s (a sync step that "
+                        "cannot complete?): the step runs again without waiting for them", len(self._abandoned),
+                        timeout_s)
+        return len(self._abandoned)
 
     def _send_push(self, shard: int, meta: dict, part: Mapping[str, torch.Tensor],
                    into: Mapping[str, torch.Tensor] | None, timeout_s: float | None) -> tuple[dict, dict]:
@@ -459,7 +500,8 @@ class PsClient:
             shards.append(shard)
             calls.append((shard, lambda s=shard, m=meta, t=part: self._send_push(s, m, t, into, timeout_s)))
         return Gathered(self._fan_out(calls, inline=inline),
-                        lambda r: Pushed.from_replies(shards, r, len(self.channels), with_values=into is not None))
+                        lambda r: Pushed.from_replies(shards, r, len(self.channels), with_values=into is not None),
+                        on_abandon=self.abandoned)
 
     def push_async(self, gradients: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
                    replica: int = 0, timeout_s: float | None = None,

@@ -63,6 +63,7 @@ from tensorfleet.worker.protocol import ended_cleanly
 from tensorfleet.worker.status import PROCESS_STATUS, TaskStatus
 
 log = logging.getLogger(__name__)
+SETTLE_S = 30.0  # a recovery waits this long at most for the parts of its failed push still on their shards
 
 
 class Replica:
@@ -194,9 +195,13 @@ class Replica:
         """
         if self._started:
             return self
-        self.client.wait_for_shards(self.init_timeout_s)
+        statuses = self.client.wait_for_shards(self.init_timeout_s)
         if self.is_chief:
-            self._initialize(restore)
+            empty = [i for i, status in enumerate(statuses) if not status.initialized]
+            if empty and len(empty) < len(statuses):
+                self._restore_mixed(restore, empty)
+            else:
+                self._initialize(restore)
         status = self.client.wait_initialized(self.init_timeout_s)
         if status.mode != self.mode.value:
             raise InvalidArgumentError(f"{self.task.name} was started in {self.mode} mode, but the job runs in "
@@ -224,6 +229,7 @@ class Replica:
         """
         for param in self._params.values():  # the failed step's: a step run again must not add to them
             param.grad = None
+        self._prefetched = None  # the pull below really pulls: the values, and the epoch of every shard
         for table in self.tables.values():
             table.forget()
         if self._in_flight is not None:
@@ -251,8 +257,34 @@ class Replica:
             log.warning("%s (chief): ps task(s) %s restarted empty; every shard restored to global step %d",
                         self.task.name, empty, restore[0].global_step)
         self.client.wait_initialized(timeout_s)
+        self.client.settle_abandoned(min(timeout_s, SETTLE_S))  # the failed push's parts: applied or refused
         self.pull()
         log.warning("%s: training resumes at global step %d", self.task.name, self.global_step)
+
+    def _restore_mixed(self, restore: Sequence[ShardState] | None, empty: list[int]) -> None:
+        """Chief, at start: some shards hold trained variables and others are empty (a ps restarted together
+        with this chief). An unforced Init would fill the empty ones only, from the checkpoint, leaving the
+        fleet at two points in time; instead every shard is rolled back together, forced and fenced, as after
+        a lost ps: to ``restore`` (the latest checkpoint), or without one to the live shards' state (a cut)
+        with the empty shards' variables from this module's initial values."""
+        live = [s for s in range(self.num_ps) if s not in empty]
+        source = "the latest checkpoint"
+        if restore is None:
+            source = "the live shards' state; the empty shards' variables start again from their initial values"
+            kept = self.client.snapshot(shards=live)
+            values = self.placement.views({n: p.detach() for n, p in self._params.items()})
+            shard_map = self.placement.shard_map()
+            first = kept[live[0]]
+            step = kept[0].global_step if 0 in kept else max(state.global_step for state in kept.values())
+            restore = [kept[shard] if shard in kept else
+                       ShardState({k: v for k, v in values.items() if shard_map[k] == shard}, {}, None,
+                                  step if (shard == 0 or self.mode is Mode.SYNC) else 0, first.applied_updates)
+                       for shard in range(self.num_ps)]
+        self.client.initialize({}, self.optimizer, self.sync, self.average_decay, restore, force=True,
+                               nonfinite=self.nonfinite_gradients)
+        log.warning("%s (chief): ps task(s) %s are empty while ps task(s) %s hold trained variables (restarted "
+                    "together with the chief?): a forced, fenced restore, every shard restored to global step %d "
+                    "from %s, so that the shards agree", self.task.name, empty, live, restore[0].global_step, source)
 
     def _initialize(self, restore: Sequence[ShardState] | None) -> None:
         values = self.placement.views({name: p.detach() for name, p in self._params.items()})

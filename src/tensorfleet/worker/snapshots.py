@@ -7,15 +7,19 @@ from any thread: the background checkpoint writer's), page by page where a shard
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from tensorfleet.errors import NotInitializedError, UnavailableError
+from tensorfleet.errors import NotInitializedError, TensorfleetError, UnavailableError
 from tensorfleet.protocol.messages import Cut, FenceRequest, SnapshotReply, SnapshotRequest
 from tensorfleet.protocol.state import ShardState
 from tensorfleet.wire.datachannel import DataChannel
+
+log = logging.getLogger(__name__)
+RELEASE_TIMEOUT_S = 5.0  # lifting a fence: a shard that does not answer in this long lets go by itself
 
 
 def start_snapshot(data: Sequence[DataChannel], wanted: Sequence[int],
@@ -55,11 +59,16 @@ def start_snapshot(data: Sequence[DataChannel], wanted: Sequence[int],
                 in_flight.result()  # read now, every shard at once (kept: result() answers it again)
             return in_flight
         except BaseException:
+            failed = []
             for shard, future in futures.items():  # the others' connections: read nothing more, close
                 if shard not in started and future.exception() is None:
                     started[shard] = future.result()
+                elif shard not in started:
+                    failed.append(shard)
             for pending in started.values():
                 pending.close()
+            if cut is not None:  # a shard fenced whose snapshot failed (not its ps: then this fails quickly)
+                release_fences([data[s] for s in failed])
             raise
 
 
@@ -73,16 +82,49 @@ def _snapshot_channel(training: DataChannel) -> DataChannel:
 def _fence(channels: Iterable[DataChannel], threads: ThreadPoolExecutor, ask: FenceRequest = FenceRequest(),
            *, initialized_only: bool = False) -> Cut:
     """Fence every shard at once; the cut: each worker's latest push applied on any of them, the highest step.
-    ``initialized_only``: a shard not initialized (a restarted ps, empty) has no part in it."""
+    ``initialized_only``: a shard not initialized (a restarted ps, empty) has no part in it.
+
+    A fence that fails on one shard (its ps was killed) fails the cut: the shards already fenced are released
+    at once (``FenceRequest(release=True)``), so that they do not hold pushes with no cut to come - a push
+    held there while its part on the dead shard failed would otherwise wait out the fence, its sender gone
+    on to recover."""
+    channels = list(channels)
     futures = [threads.submit(channel.call, "Fence", ask.to_meta()) for channel in channels]
-    cut = Cut()
-    for future in futures:
+    cut, fenced, failure = Cut(), [], None
+    for channel, future in zip(channels, futures):
         try:
             cut = cut.merge(Cut.from_meta(future.result()[0], "Fence"))
-        except NotInitializedError:
-            if not initialized_only:
-                raise
+            fenced.append(channel)
+        except NotInitializedError as exc:
+            if not initialized_only and failure is None:
+                failure = exc
+        except BaseException as exc:  # noqa: BLE001 - raised below, once the others are released
+            failure = failure or exc
+    if failure is not None:
+        _release(fenced)
+        raise failure
     return cut
+
+
+def _release(channels: Iterable[DataChannel]) -> None:
+    """Lift the fences of ``channels`` (best effort: a shard that does not answer lets go after ``hold_s``)."""
+    ask = FenceRequest(release=True).to_meta()
+    for channel in channels:
+        try:
+            channel.call("Fence", ask, timeout=RELEASE_TIMEOUT_S)
+        except TensorfleetError as exc:
+            log.warning("%s: could not lift its fence (%s): it lets its pushes go after its hold", channel.task, exc)
+
+
+def release_fences(data: Sequence[DataChannel]) -> None:
+    """Lift the fences of every shard reachable among ``data`` (a forced restore that failed half-way), each on a
+    data connection of its own."""
+    channels = [_snapshot_channel(channel) for channel in data if channel.address is not None]
+    try:
+        _release(channels)
+    finally:
+        for channel in channels:
+            channel.close()
 
 
 def fence_for_restore(data: Sequence[DataChannel], hold_s: float) -> Cut:

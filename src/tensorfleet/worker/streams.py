@@ -102,7 +102,8 @@ class PushStreams:
             self._flush(shard, hold_last=False)
         futures = [self._client.shard_thread(s).submit(self._finish_one, s, into) for s in self._shards]
         return Gathered(futures, lambda r: Pushed.from_replies(self._shards, r, len(self._client.channels),
-                                                               with_values=self._values))
+                                                               with_values=self._values),
+                        on_abandon=self._client.abandoned)
 
     def _finish_one(self, shard: int, into: Mapping[str, torch.Tensor] | None) -> tuple[dict, dict]:
         stream: Stream = self._streams[shard].result()  # a stream that failed to open raises its error here
