@@ -92,6 +92,12 @@ class UnauthenticatedError(TensorfleetError):
     code = "UNAUTHENTICATED"
 
 
+class UnprovenServerError(UnauthenticatedError):
+    """What answered at a task's address did not prove it is that task of this job (no token, another token,
+    another program): nothing was sent to it and nothing it said was believed. Not recoverable by retrying at
+    once: stop what holds the address, or give the task this job's token."""
+
+
 class StaleIncarnationError(TensorfleetError):
     """A push from a worker process that has since been replaced (restarted). Not recoverable: this process
     should exit, its successor trains in its place."""

@@ -34,19 +34,22 @@ def guarded():
         client.close()
 
 
-@pytest.mark.parametrize("token", [None, "wrong", TOKEN[:-1]])
-def test_grpc_calls_without_the_right_token_are_refused_and_counted(guarded, token):
+@pytest.mark.parametrize("token, refusal, counted", [
+    (None, "refuses calls without the job's token", 2),  # the server's word
+    ("wrong", "did not prove it is /job:ps/task:0 of this job", 0),  # ours: the task failed our check first
+    (TOKEN[:-1], "did not prove it is /job:ps/task:0 of this job", 0)])
+def test_grpc_calls_without_the_right_token_are_refused_and_counted(guarded, token, refusal, counted):
     cluster, server, _ = guarded
     stranger = Channel(cluster.ps_addresses[0], task="/job:ps/task:0", options=WireOptions(token=token))
     try:
-        with pytest.raises(UnauthenticatedError, match="refuses calls without the job's token"):
+        with pytest.raises(UnauthenticatedError, match=refusal):
             stranger.call("Init", {"optimizer": {"name": "sgd", "options": {"lr": 9.0}}}, {"w": torch.zeros(2, 3)},
                           timeout=10)
         with pytest.raises(UnauthenticatedError):
             stranger.call("Status", timeout=10)
     finally:
         stranger.close()
-    assert server.status()["auth_refused"] == 2
+    assert server.status()["auth_refused"] == counted  # a proof under another token: tests/integration/test_call_proof
     assert torch.equal(server.store.read()[0]["w"], VALUES["w"])
 
 

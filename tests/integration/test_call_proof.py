@@ -32,6 +32,12 @@ def served():
     server.stop(0)
 
 
+def made(gate: auth.Gate, method: str = STATUS, task: str = PS0, request: bytes = EMPTY, token: str = TOKEN,
+         **kwargs) -> str:
+    """A proof as the job's channel makes it for a call to ``task`` (in the gate's incarnation)."""
+    return auth.call_proof(token, method, task, request, incarnation=gate.incarnation, **kwargs)
+
+
 def call(channel: grpc.Channel, method: str, presented: str | None, request: bytes = EMPTY) -> grpc.StatusCode:
     metadata = ((auth.METADATA_KEY, presented),) if presented is not None else None
     try:
@@ -55,15 +61,13 @@ def test_the_job_s_own_channel_is_served_and_sends_no_token(served):
 def test_what_a_listener_could_copy_opens_nothing(served):
     channel, gate, _ = served
     assert call(channel, STATUS, TOKEN) == grpc.StatusCode.UNAUTHENTICATED  # the raw token: the old way
-    seen = auth.call_proof(TOKEN, STATUS, PS0, EMPTY)
+    seen = made(gate)
     assert call(channel, STATUS, seen) == grpc.StatusCode.OK
     assert call(channel, STATUS, seen) == grpc.StatusCode.UNAUTHENTICATED  # the same proof again: a replay
-    assert call(channel, f"/{SERVICE}/Done", auth.call_proof(TOKEN, STATUS, PS0, EMPTY)) == \
-        grpc.StatusCode.UNAUTHENTICATED
-    stale = auth.call_proof(TOKEN, STATUS, PS0, EMPTY, now=time.time() - auth.CALL_WINDOW_S - 60)
+    assert call(channel, f"/{SERVICE}/Done", made(gate)) == grpc.StatusCode.UNAUTHENTICATED
+    stale = made(gate, now=time.time() - auth.CALL_WINDOW_S - 60)
     assert call(channel, STATUS, stale) == grpc.StatusCode.UNAUTHENTICATED
-    assert call(channel, STATUS, auth.call_proof("another-token", STATUS, PS0, EMPTY)) == \
-        grpc.StatusCode.UNAUTHENTICATED
+    assert call(channel, STATUS, made(gate, token="another-token")) == grpc.StatusCode.UNAUTHENTICATED
     assert call(channel, STATUS, "1.2.3") == grpc.StatusCode.UNAUTHENTICATED
     assert gate.refused == 6
 
@@ -71,9 +75,9 @@ def test_what_a_listener_could_copy_opens_nothing(served):
 def test_a_proof_made_for_another_task_opens_nothing_here(served):
     """A passive relay in front of ps:1 copies the chief's proofs and replays them at ps:0: refused."""
     channel, gate, _ = served
-    for_ps1 = auth.call_proof(TOKEN, STATUS, PS1, EMPTY)
+    for_ps1 = made(gate, task=PS1)
     assert call(channel, STATUS, for_ps1) == grpc.StatusCode.UNAUTHENTICATED
-    assert call(channel, STATUS, auth.call_proof(TOKEN, STATUS, PS0, EMPTY)) == grpc.StatusCode.OK
+    assert call(channel, STATUS, made(gate)) == grpc.StatusCode.OK
     assert gate.refused == 1
 
 
@@ -82,12 +86,12 @@ def test_a_proof_copied_onto_another_request_opens_nothing(served):
     channel, gate, _ = served
     asked = codec.encode({"force": False}, {})
     forced = codec.encode({"force": True}, {})
-    assert call(channel, INIT, auth.call_proof(TOKEN, INIT, PS0, asked), forced) == grpc.StatusCode.UNAUTHENTICATED
-    assert call(channel, INIT, auth.call_proof(TOKEN, INIT, PS0, asked), asked) == grpc.StatusCode.OK
+    assert call(channel, INIT, made(gate, INIT, request=asked), forced) == grpc.StatusCode.UNAUTHENTICATED
+    assert call(channel, INIT, made(gate, INIT, request=asked), asked) == grpc.StatusCode.OK
     assert gate.refused == 1
 
 
-TAIL = "." + "0" * 32 + "." + "0" * 64 + "." + "0" * 64  # nonce, digest and HMAC of the right shapes
+TAIL = "." + "0" * 32 + "." + "0" * 32 + "." + "0" * 64 + "." + "0" * 64  # nonce, incarnation, digest and HMAC
 
 
 @pytest.mark.parametrize("presented", ["\u00b2" * 3 + TAIL, "\u0661\u0662" + TAIL, "1" * 40 + TAIL, "-5" + TAIL,
@@ -107,4 +111,4 @@ def test_a_malformed_proof_is_a_counted_refusal_not_an_error(served, presented, 
     assert call(channel, STATUS, presented) == grpc.StatusCode.UNAUTHENTICATED
     assert gate.refused == 1
     assert not [r for r in caplog.records if r.exc_info]  # no traceback logged for it
-    assert call(channel, STATUS, auth.call_proof(TOKEN, STATUS, PS0, EMPTY)) == grpc.StatusCode.OK
+    assert call(channel, STATUS, made(gate)) == grpc.StatusCode.OK

@@ -1,23 +1,29 @@
-"""The job's shared secret: every call between tasks carries it, every task refuses calls without it.
+"""The job's shared secret: every call between tasks carries a proof of it, every task refuses calls without one.
 
 ``tensorfleet launch`` makes a new random token per job and gives it to its tasks in
 the environment (``TENSORFLEET_TOKEN``), never on a command line where ``ps`` would
 show it; ``TENSORFLEET_TOKEN_FILE`` names a file holding it instead (a Kubernetes
 Secret mounted as a file, say).  A task with no token configured accepts every
-call, as a cluster started by hand on a trusted machine does; with one, every gRPC call
-carries a proof in its metadata (``call_proof``: an HMAC under the token of the method, the
-task it is for, the time, a fresh nonce and a digest of the request; accepted within
-``CALL_WINDOW_S`` of the task's clock, each nonce once, by that task only, for that request only)
-and each data-plane connection must open with a challenge and response (``Hello``, ``Prove``) that
-proves the token on both sides without sending it: each side sends a random nonce and answers with
-an HMAC under the token of its direction, the task the connection is for, and both nonces
-(``proof``), so a listener on the path, or a task that is not the job's, learns nothing it could
-replay, and a proof made for one task (or one direction) opens nothing at another: a process that
-took a dead task's port cannot relay a live task's proofs. A client checks the server's proof
-first and never proves itself to a server that failed it.  Comparisons take constant time;
-refusals are counted, malformed proofs included.
-"""
+call, as a cluster started by hand on a trusted machine does.  With one, both sides prove the token without
+sending it, and the server proves itself first:
 
+* every task has a random **incarnation** (``Gate.incarnation``), new each time it starts;
+* a gRPC client opens each connection with ``Hello``: it sends a fresh nonce, the server answers its
+  incarnation and ``server_proof`` (an HMAC under the token of role "server", the task, the nonce and the
+  incarnation). A client sends no body to, and believes nothing from, a server that fails it;
+* every later call carries ``call_proof``: an HMAC of the method, the task it is for, the time, a fresh nonce,
+  the server's incarnation and a digest of the request; accepted within ``CALL_WINDOW_S`` of the task's clock,
+  each nonce once, by that task only, in that incarnation only (a recorded proof opens nothing at the task
+  restarted), for that request only;
+* each data-plane connection opens with a challenge and response (``Hello``, ``Prove``): each side sends a random
+  nonce and answers with an HMAC under the token of its direction, the task the connection is for, both nonces
+  and (the server's) its incarnation (``proof``). The client checks the server's proof first and never proves
+  itself to a server that failed it.
+
+So a listener on the path, or a process that is not the job's, learns nothing it could replay, and a proof made
+for one task, direction or incarnation opens nothing at another: a process that took a dead task's port cannot
+relay a live task's proofs.  Comparisons take constant time; refusals are counted, malformed proofs included.
+"""
 from __future__ import annotations
 
 import collections
@@ -36,6 +42,7 @@ from tensorfleet.errors import ConfigError
 TOKEN_ENV = "TENSORFLEET_TOKEN"
 TOKEN_FILE_ENV = "TENSORFLEET_TOKEN_FILE"
 METADATA_KEY = "x-tensorfleet-token"  # gRPC metadata keys are lowercase
+HELLO_KEY = "x-tensorfleet-hello"  # a gRPC Hello's nonce: in the metadata, so no request body is ever read for it
 
 
 NONCE_CHARS = 32  # hex of 128 random bits
@@ -51,8 +58,15 @@ def is_nonce(value: object) -> bool:
     return isinstance(value, str) and len(value) == NONCE_CHARS and all(c in "0123456789abcdef" for c in value)
 
 
-# A call proof: <unix time>.<nonce>.<request digest>.<HMAC>, ASCII only (str.isdigit takes '²' for a digit).
-_CALL_PROOF = re.compile(r"([0-9]{1,12})\.([0-9a-f]{%d})\.([0-9a-f]{64})\.([0-9a-f]{64})" % NONCE_CHARS)
+def new_incarnation() -> str:
+    """A task's incarnation: random, new each time a task starts, so that no proof outlives the process it was for."""
+    return new_nonce()
+
+
+# A call proof: <unix time>.<nonce>.<incarnation>.<request digest>.<HMAC>, ASCII only (str.isdigit takes '²' for a
+# digit).
+_CALL_PROOF = re.compile(r"([0-9]{1,12})\.([0-9a-f]{%d})\.([0-9a-f]{%d})\.([0-9a-f]{64})\.([0-9a-f]{64})"
+                         % (NONCE_CHARS, NONCE_CHARS))
 
 
 def proof(token: str, role: str, task: str, first: str, second: str) -> str:
@@ -71,15 +85,40 @@ def request_digest(request: bytes) -> str:
     return hashlib.sha256(request).hexdigest()
 
 
-def call_proof(token: str, method: str, task: str, request: bytes, *, now: float | None = None) -> str:
-    """What a gRPC call to ``task`` carries instead of the token: ``<unix time>.<nonce>.<request digest>.<HMAC
-    of method, task, time, nonce and digest>``."""
+def server_proof(token: str, task: str, client_nonce: str, incarnation: str) -> str:
+    """What a server answers a gRPC ``Hello`` with: ``proof`` of role "server", the task, the client's nonce and
+    the server's incarnation. The incarnation is written ``incarnation/<hex>``, never a bare nonce, so this proof
+    never passes for a data connection's server proof (whose nonces the data client checks are bare hex)."""
+    return proof(token, "server", task, client_nonce, f"incarnation/{incarnation}")
+
+
+def proves_server(token: str, task: str, client_nonce: str, incarnation: object, presented: object) -> bool:
+    """A client's check of a gRPC ``Hello`` answer, in constant time: ``presented`` is the ``server_proof`` of
+    ``task`` holding the token, for our ``client_nonce``, in ``incarnation`` (a well-formed one)."""
+    if not (is_nonce(incarnation) and isinstance(presented, str) and presented.isascii()):
+        return False
+    assert isinstance(incarnation, str)
+    return hmac.compare_digest(presented.encode(), server_proof(token, task, client_nonce, incarnation).encode())
+
+
+def call_proof(token: str, method: str, task: str, request: bytes, *, incarnation: str,
+               now: float | None = None) -> str:
+    """What a gRPC call to ``task`` carries instead of the token: ``<unix time>.<nonce>.<incarnation>.<request
+    digest>.<HMAC of method, task, time, nonce, incarnation and digest>``; ``incarnation`` is the server's, as its
+    ``Hello`` proved it."""
     stamp, nonce, digest = int(time.time() if now is None else now), new_nonce(), request_digest(request)
-    return f"{stamp}.{nonce}.{digest}.{proof(token, 'call', task, method, f'{stamp}/{nonce}/{digest}')}"
+    signed = f"{stamp}/{nonce}/{incarnation}/{digest}"
+    return f"{stamp}.{nonce}.{incarnation}.{digest}.{proof(token, 'call', task, method, signed)}"
 
 
 def call_digest(presented: object) -> str | None:
     """The request digest a well-formed call proof names (None for anything else)."""
+    match = _CALL_PROOF.fullmatch(presented) if isinstance(presented, str) else None
+    return match.group(4) if match else None
+
+
+def call_incarnation(presented: object) -> str | None:
+    """The incarnation a well-formed call proof names (None for anything else)."""
     match = _CALL_PROOF.fullmatch(presented) if isinstance(presented, str) else None
     return match.group(3) if match else None
 
@@ -112,10 +151,14 @@ class Gate:
     Args:
         token: the job's token; None: no check (a cluster by hand on a trusted machine).
         task: the full name of the task this gate guards (``/job:ps/task:0``): proofs are bound to it.
+
+    ``incarnation`` is drawn here: one gate per task process (shared by its planes), so a restarted task has a new
+    one and admits no proof made for its earlier self.
     """
 
     def __init__(self, token: str | None, task: str = "") -> None:
         self.task = task
+        self.incarnation = new_incarnation()
         self._token = token.encode() if token else None
         self._lock = threading.Lock()
         self.refused = 0
@@ -151,18 +194,39 @@ class Gate:
         with self._lock:
             self.refused += 1
 
+    def hello(self, client_nonce: object) -> dict[str, str | None]:
+        """The answer to a gRPC ``Hello``: this task's name, its incarnation and its ``server_proof`` for
+        ``client_nonce`` (None without a token: such a task proves nothing, and a client with a token refuses it).
+        Raises ValueError for a nonce that is not one (counted: a malformed proof)."""
+        if self._token is None:
+            return {"task": self.task, "incarnation": self.incarnation, "proof": None}
+        if not is_nonce(client_nonce):
+            self.refuse()
+            raise ValueError("a Hello must carry a fresh nonce (32 hex digits)")
+        assert isinstance(client_nonce, str)
+        return {"task": self.task, "incarnation": self.incarnation,
+                "proof": server_proof(self._token.decode(), self.task, client_nonce, self.incarnation)}
+
+    def names_another_incarnation(self, presented: object) -> bool:
+        """True if ``presented`` is a well-formed call proof made for another incarnation of this task (a client
+        that proved an earlier process here, or a recorded proof): the refusal can say so."""
+        named = call_incarnation(presented)
+        return named is not None and named != self.incarnation
+
     def admits_call(self, presented: object, method: str) -> bool:
-        """A gRPC call's proof (``call_proof``) for ``method`` at this task: well formed, right HMAC, within the
-        window, nonce not seen before. True when no token is required; anything else is a counted refusal.
-        The request digest it names is checked against the request once it is read (``admits_request``)."""
+        """A gRPC call's proof (``call_proof``) for ``method`` at this task: well formed, naming this incarnation,
+        right HMAC, within the window, nonce not seen before. True when no token is required; anything else is a
+        counted refusal. The request digest it names is checked against the request once it is read
+        (``admits_request``)."""
         if self._token is None:
             return True
         now = time.time()
         match = _CALL_PROOF.fullmatch(presented) if isinstance(presented, str) else None
         if match is not None:
-            stamp, nonce, digest, mac = match.groups()
-            if abs(now - int(stamp)) <= CALL_WINDOW_S and hmac.compare_digest(
-                    mac.encode(), self.proof("call", method, f"{stamp}/{nonce}/{digest}").encode()):
+            stamp, nonce, incarnation, digest, mac = match.groups()
+            signed = f"{stamp}/{nonce}/{incarnation}/{digest}"
+            if abs(now - int(stamp)) <= CALL_WINDOW_S and hmac.compare_digest(incarnation, self.incarnation) \
+                    and hmac.compare_digest(mac.encode(), self.proof("call", method, signed).encode()):
                 with self._lock:
                     while self._seen and (len(self._seen) >= MAX_SEEN_NONCES
                                           or next(iter(self._seen.values())) < now - 2 * CALL_WINDOW_S):

@@ -46,6 +46,7 @@ class DataChannel:
     def __init__(self, *, task: str, options: WireOptions | None = None) -> None:
         self.task, self.options = task, options or WireOptions()  # from the environment now, not at import
         self.address: tuple[str, int] | None = None
+        self.incarnation: str | None = None  # the task's, as the last connection's Hello proved it (with a token)
         self._sock: socket.socket | None = None
         self._sock_address: tuple[str, int] | None = None  # where _sock leads
         self._reader: frame.Reader | None = None
@@ -292,16 +293,17 @@ class DataChannel:
 
     def _say_hello(self) -> None:
         """Prove the job's token without sending it (``auth.proof`` of both nonces, bound to the task we meant to
-        reach), only after the task proved it holds the token *as that task*: a process on the task's port that
-        does not hold the token, or relays another task's answers, gets no proof of ours to relay in turn."""
+        reach), only after the task proved it holds the token *as that task* (its proof binds its incarnation too,
+        kept in ``incarnation``): a process on the task's port that does not hold the token, or relays another
+        task's answers, gets no proof of ours to relay in turn."""
         token, client_nonce = self.options.token, auth.new_nonce()
         frame.send_message(self._sock, HELLO, {"nonce": client_nonce})
         challenge, _ = self._read_reply(None).result(self.task)
-        server_nonce = challenge.get("nonce")
-        if not auth.is_nonce(server_nonce):
+        server_nonce, incarnation = challenge.get("nonce"), challenge.get("incarnation")
+        if not (auth.is_nonce(server_nonce) and auth.is_nonce(incarnation)):
             raise errors.UnauthenticatedError("the task answered the Hello without a challenge: it is not a "
                                               "tensorfleet task of this version", task=self.task)
-        expected = auth.proof(token, "server", self.task, client_nonce, server_nonce)
+        expected = auth.proof(token, "server", self.task, client_nonce, f"{server_nonce}/{incarnation}")
         if not hmac.compare_digest(str(challenge.get("proof")).encode("utf-8", "replace"), expected.encode()):
             raise errors.UnauthenticatedError(
                 f"the process at {self.address[0]}:{self.address[1]} did not prove it is {self.task} of this job "
@@ -310,6 +312,7 @@ class DataChannel:
         frame.send_message(self._sock, PROVE, {"proof": auth.proof(token, "client", self.task, server_nonce,
                                                                    client_nonce)})
         self._read_reply(None).result(self.task)
+        self.incarnation = incarnation
 
     def _read_reply(self, into: Mapping[str, torch.Tensor] | None) -> "_Reply":
         head = self._read_head()

@@ -224,10 +224,11 @@ class DataServer:
             proven = False
             client_nonce = head.meta.get("nonce")
             if head.kind == HELLO and not head.body_bytes and auth.is_nonce(client_nonce):
-                # The challenge: our nonce and our proof (the client checks we hold the token too), then its proof.
-                server_nonce = auth.new_nonce()
-                frame.send_message(sock, OK, {"nonce": server_nonce,
-                                              "proof": self.gate.proof("server", client_nonce, server_nonce)})
+                # The challenge: our nonce, incarnation and proof (the client checks we hold the token too, as this
+                # task in this incarnation), then its proof.
+                server_nonce, incarnation = auth.new_nonce(), self.gate.incarnation
+                ours = self.gate.proof("server", client_nonce, f"{server_nonce}/{incarnation}")
+                frame.send_message(sock, OK, {"nonce": server_nonce, "incarnation": incarnation, "proof": ours})
                 head = reader.read_head(max_body_bytes=self.options.max_message_bytes,
                                         max_header_bytes=HELLO_HEADER_BYTES)
                 if head is None:  # it left without its proof: our proof failed its check (or it had none)

@@ -10,6 +10,14 @@ status before any handler runs.
 Errors cross the wire as status codes (``TensorfleetError.code``) and come back
 as the same tensorfleet error class on the client (``errors.from_code``), so
 callers handle one hierarchy.
+
+With a token, a ``Channel`` proves the server before it sends a body or believes a
+reply: every server answers ``Hello`` (outside ``METHODS``, before any token check)
+with its incarnation and a proof of the token bound to its task, the client's
+fresh nonce and that incarnation (``auth.server_proof``).  This happens once per
+connection (again after the connection may have changed: it left READY, a call
+was UNAVAILABLE, ``reconnect``, ``set_address``), never per call; every call's
+proof then names the incarnation, which a restarted task refuses.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -43,6 +52,13 @@ METHODS = (
     "Resize",  # launcher -> ps: the job's workers are now 0..N-1 (an asynchronous job scaled up or down)
     "Run",     # coordinator -> worker: run one of the script's remote functions (in-graph replication)
 )
+
+# Answered by every server, before the token check: the client's challenge (a nonce in the metadata), the server's
+# incarnation and proof. Not in METHODS: no handler of a task's own serves it.
+HELLO = "Hello"
+HELLO_MAX_BYTES = 64 * 1024  # a Hello's answer is a few hundred bytes
+# In the refusal of a call whose proof names another incarnation: the client proves the task again and resends.
+ANOTHER_INCARNATION = "was made for another incarnation of"
 
 # What one task's gRPC port holds at once (see server_limits).
 MAX_CONNECTIONS = 256
@@ -220,25 +236,41 @@ def _error_for(code: grpc.StatusCode, detail: str, task: str) -> errors.Tensorfl
 
 
 class _TokenCheck(grpc.ServerInterceptor):
-    """Refuse a call without the job's token when it starts, from its metadata, before its message is read:
-    a handler that never reads the request, so a stranger's gigabyte is never buffered (only what HTTP/2
-    flow control lets in before the stream is reset)."""
+    """Answer ``Hello`` (anyone may ask a task to prove itself), and refuse any other call without a proof of the
+    job's token for this incarnation when it starts, from its metadata, before its message is read: handlers that
+    never read the request, so a stranger's gigabyte is never buffered (only what HTTP/2 flow control lets in
+    before the stream is reset)."""
 
     def __init__(self, gate: auth.Gate, task: str) -> None:
         self._gate, self._task, self._last_warning = gate, task, 0.0
+        self._hello_method = f"/{SERVICE}/{HELLO}"
+        self._hello = grpc.stream_unary_rpc_method_handler(self._answer_hello)
         self._refusal = grpc.stream_unary_rpc_method_handler(self._refuse)
+        self._stale = grpc.stream_unary_rpc_method_handler(self._refuse_stale)
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
+        if details.method == self._hello_method:
+            return self._hello
         if not self._gate.required:
             return continuation(details)
-        if self._gate.admits_call(_presented_proof(details.invocation_metadata), details.method):
+        presented = _metadata_value(details.invocation_metadata, auth.METADATA_KEY)
+        if self._gate.admits_call(presented, details.method):
             return continuation(details)
+        stale = self._gate.names_another_incarnation(presented)
         now = time.monotonic()
         if now - self._last_warning >= 10.0:  # a flood of refusals must not flood the log
             self._last_warning = now
-            log.warning("%s: refused a call to %s without the job's token (%d refused so far)", self._task,
-                        details.method, self._gate.refused)
-        return self._refusal
+            log.warning("%s: refused a call to %s %s (%d refused so far)", self._task, details.method,
+                        "whose proof names another incarnation of this task" if stale else
+                        "without the job's token", self._gate.refused)
+        return self._stale if stale else self._refusal
+
+    def _answer_hello(self, requests: Any, context: grpc.ServicerContext) -> bytes:
+        try:
+            answer = self._gate.hello(_metadata_value(context.invocation_metadata(), auth.HELLO_KEY))
+        except ValueError as exc:  # counted by the gate
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{self._task}: {exc}")
+        return codec.encode(answer)
 
     def _refuse(self, requests: Any, context: grpc.ServicerContext) -> bytes:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{self._task} refuses calls without the job's token: "
@@ -246,17 +278,23 @@ class _TokenCheck(grpc.ServerInterceptor):
                       f"is made for one task: a channel must name the task it calls, {self._task})")
         raise AssertionError("unreachable")  # context.abort always raises
 
+    def _refuse_stale(self, requests: Any, context: grpc.ServicerContext) -> bytes:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{self._task} refuses a call whose proof "
+                      f"{ANOTHER_INCARNATION} this task (it restarted since, or the proof was recorded): the job's "
+                      "own channels prove the task again and resend")
+        raise AssertionError("unreachable")  # context.abort always raises
 
-def _presented_proof(metadata: Any) -> str | None:
-    """The call proof a call's metadata carries (None without one)."""
-    return next((value for key, value in metadata or () if key == auth.METADATA_KEY), None)
+
+def _metadata_value(metadata: Any, key: str) -> str | None:
+    """The value of ``key`` in a call's metadata (None without one)."""
+    return next((value for key_, value in metadata or () if key_ == key), None)
 
 
 def _wrap(handler: Handler, options: WireOptions, task: str,
           gate: auth.Gate) -> Callable[[bytes, grpc.ServicerContext], bytes]:
     def unary(request: bytes, context: grpc.ServicerContext) -> bytes:  # the proof was checked: _TokenCheck
         if gate.required:  # ... and now that the request is read, that it is the request the proof covers
-            if not gate.admits_request(_presented_proof(context.invocation_metadata()), request):
+            if not gate.admits_request(_metadata_value(context.invocation_metadata(), auth.METADATA_KEY), request):
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{task} refuses a request that is not the one its "
                               "proof was made for")
         try:
@@ -306,27 +344,54 @@ def start_server(address: str, handlers: Mapping[str, Handler], *, task: str,
 
 
 class RpcFuture:
-    """The pending reply of an async call; ``result()`` decodes it or raises a tensorfleet error."""
+    """The pending reply of an async call; ``result()`` decodes it or raises a tensorfleet error.
 
-    def __init__(self, inner: grpc.Future, task: str, options: WireOptions) -> None:
+    An UNAVAILABLE answer drops the channel's proof of the server (the connection may have changed); a refusal
+    of a proof made for another incarnation (the task restarted between the proof and the call) proves the task
+    again and sends the request once more (it was refused before it was read)."""
+
+    def __init__(self, inner: grpc.Future | None, task: str, options: WireOptions, *,
+                 channel: "Channel | None" = None, resend: Callable[[], "RpcFuture"] | None = None,
+                 error: errors.TensorfleetError | None = None) -> None:
         self._inner, self._task, self._options = inner, task, options
+        self._channel, self._resend, self._error = channel, resend, error
+
+    @classmethod
+    def failed(cls, error: errors.TensorfleetError, task: str, options: WireOptions) -> "RpcFuture":
+        """A call that was never sent (the server could not be proven): ``result()`` raises ``error``."""
+        return cls(None, task, options, error=error)
 
     def result(self) -> Message:
+        if self._inner is None:
+            assert self._error is not None
+            raise self._error
         try:
             reply = self._inner.result()
         except grpc.RpcError as exc:
-            raise _error_for(exc.code(), exc.details() or "", self._task) from None
+            code, detail = exc.code(), exc.details() or ""
+            if self._channel is not None and (code == grpc.StatusCode.UNAVAILABLE or (
+                    code == grpc.StatusCode.UNAUTHENTICATED and ANOTHER_INCARNATION in detail)):
+                self._channel.invalidate()
+                if code == grpc.StatusCode.UNAUTHENTICATED and self._resend is not None:
+                    return self._resend().result()
+            raise _error_for(code, detail, self._task) from None
         return codec.decode(reply, max_bytes=self._options.max_message_bytes)
 
     def done(self) -> bool:
-        return self._inner.done()
+        return self._inner is None or self._inner.done()
 
     def add_done_callback(self, callback: Callable[[], None]) -> None:
-        self._inner.add_done_callback(lambda _inner: callback())
+        if self._inner is None:
+            callback()
+        else:
+            self._inner.add_done_callback(lambda _inner: callback())
 
 
 class Channel:
     """A client connection to one task: ``call`` / ``call_async`` with a deadline on every RPC.
+
+    With a token, the server proves itself (``Hello``, see the module's docstring) before the first call on each
+    connection: one that fails gets no body and is an ``UnprovenServerError`` (counted in ``servers_refused``).
 
     Example:
         >>> ch = Channel("127.0.0.1:2222", task="/job:ps/task:0")       # doctest: +SKIP
@@ -336,6 +401,11 @@ class Channel:
     def __init__(self, address: str, *, task: str, options: WireOptions | None = None) -> None:
         options = options or WireOptions()
         self.address, self.task, self.options = address, task, options
+        self.incarnation: str | None = None  # the server's, proven on the current connection (None: prove first)
+        self.servers_refused = 0  # servers at this address that failed the proof
+        self._proving = threading.Lock()  # one Hello at a time; calls wait for it
+        self._epoch = 0  # bumped whenever the connection may have changed: a proof older than that is void
+        self._last_warning = 0.0
         self._open()
 
     def _open(self) -> None:
@@ -345,6 +415,28 @@ class Channel:
         else:
             self._channel = grpc.insecure_channel(self.address, options=self.options.grpc_options())
         self._stubs = {name: self._channel.unary_unary(f"/{SERVICE}/{name}") for name in METHODS}
+        self._hello = self._channel.unary_unary(f"/{SERVICE}/{HELLO}")
+        self.invalidate()
+        if self.options.token:
+            self._channel.subscribe(self._watcher(self._channel), try_to_connect=False)
+
+    def _watcher(self, watched: grpc.Channel) -> Callable[[grpc.ChannelConnectivity], None]:
+        """A callback for ``watched``'s connectivity (from gRPC's polling thread): any change but a first connection
+        (IDLE -> CONNECTING -> READY) means the connection went, and the next one may lead to another process."""
+        last: list[grpc.ChannelConnectivity | None] = [None]  # None: the state delivered first, on subscribing
+
+        def changed(state: grpc.ChannelConnectivity) -> None:
+            before, last[0] = last[0], state
+            starting = (before, state) in ((grpc.ChannelConnectivity.IDLE, grpc.ChannelConnectivity.CONNECTING),
+                                           (grpc.ChannelConnectivity.CONNECTING, grpc.ChannelConnectivity.READY))
+            if before is not None and not starting and watched is self._channel:
+                self.invalidate()
+        return changed
+
+    def invalidate(self) -> None:
+        """Forget the server's proof: the connection may have changed, so the next call proves the task again."""
+        self._epoch += 1
+        self.incarnation = None
 
     def reconnect(self) -> None:
         """Drop the connection and start a new one: after a task restarted, the old one can linger."""
@@ -357,6 +449,65 @@ class Channel:
         self.address = address
         self._open()
 
+    def prove(self, *, timeout: float | None = None, wait_for_ready: bool = False) -> str:
+        """The server's incarnation, proven on the current connection (a ``Hello`` when not yet proven).
+
+        Raises:
+            UnprovenServerError: what answers is not this task of this job (counted; nothing was sent to it).
+            UnavailableError, DeadlineExceededError: nothing answers (yet).
+        """
+        with self._proving:
+            for _ in range(3):
+                if self.incarnation is not None:
+                    return self.incarnation
+                epoch = self._epoch
+                incarnation = self._hello_once(timeout or self.options.deadline_s, wait_for_ready)
+                if epoch == self._epoch:  # the connection did not change meanwhile
+                    self.incarnation = incarnation
+                    return incarnation
+            raise errors.UnavailableError(f"the connection to {self.address} kept changing while the task was "
+                                          "asked to prove itself", task=self.task)
+
+    def _hello_once(self, timeout: float, wait_for_ready: bool) -> str:
+        assert self.options.token is not None
+        nonce = auth.new_nonce()
+        try:
+            reply = self._hello(b"", timeout=timeout, wait_for_ready=wait_for_ready,
+                                metadata=((auth.HELLO_KEY, nonce),))
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                raise _error_for(code, exc.details() or "", self.task) from None  # nothing there (yet)
+            raise self._unproven(f"answered its Hello with {code.name} ({(exc.details() or '')[:120]!r}): it is not "
+                                 "a tensorfleet task of this version") from None
+        try:
+            answer, _ = codec.decode(reply, max_bytes=HELLO_MAX_BYTES)
+        except errors.WireError:
+            raise self._unproven("answered its Hello with something that is not a tensorfleet answer") from None
+        claimed, incarnation, presented = answer.get("task"), answer.get("incarnation"), answer.get("proof")
+        if presented is None:
+            raise self._unproven(f"answered without proving it holds the job's token (it says it is "
+                                 f"{str(claimed)[:80]!r}; a task started without TENSORFLEET_TOKEN, or another "
+                                 "program on the port)")
+        if not auth.proves_server(self.options.token, self.task, nonce, incarnation, presented):
+            raise self._unproven(f"did not prove it is {self.task} of this job (another job's task, a different "
+                                 "TENSORFLEET_TOKEN, or another process on the task's port)")
+        assert isinstance(incarnation, str)
+        return incarnation
+
+    def _unproven(self, found: str) -> errors.UnprovenServerError:
+        """Count and say what was found at the address; the caller raises it (nothing was sent)."""
+        self.servers_refused += 1
+        error = errors.UnprovenServerError(
+            f"the process at {self.address} {found}; nothing was sent to it and nothing it says is believed. Stop "
+            f"what holds {self.address}, or give {self.task} and this process the same job token (TENSORFLEET_TOKEN "
+            "or TENSORFLEET_TOKEN_FILE)", task=self.task)
+        now = time.monotonic()
+        if now - self._last_warning >= 10.0:
+            self._last_warning = now
+            log.warning("%s (%d such answers so far)", error, self.servers_refused)
+        return error
+
     def call_async(self, method: str, meta: Mapping[str, Any] | None = None,
                    tensors: Mapping[str, torch.Tensor] | None = None, *,
                    timeout: float | None = None, wait_for_ready: bool = False) -> RpcFuture:
@@ -364,13 +515,25 @@ class Channel:
         if len(request) > self.options.max_message_bytes:
             raise errors.WireError(f"{method} request of {len(request)} bytes exceeds the limit of "
                                    f"{self.options.max_message_bytes} bytes", task=self.task)
-        # Not the token: a proof of it for this call (method, task, time, fresh nonce, this request's digest),
-        # useless to a listener: not again, not at another task, not with another request.
-        metadata = ((auth.METADATA_KEY, auth.call_proof(self.options.token, f"/{SERVICE}/{method}", self.task,
-                                                        request)),) if self.options.token else None
+        return self._send(method, request, timeout, wait_for_ready, resend=True)
+
+    def _send(self, method: str, request: bytes, timeout: float | None, wait_for_ready: bool, *,
+              resend: bool) -> RpcFuture:
+        metadata = None
+        if self.options.token:
+            try:
+                incarnation = self.incarnation or self.prove(timeout=timeout, wait_for_ready=wait_for_ready)
+            except errors.TensorfleetError as exc:  # unproven, or not there: nothing is sent
+                return RpcFuture.failed(exc, self.task, self.options)
+            # Not the token: a proof of it for this call (method, task, time, fresh nonce, the server's
+            # incarnation, this request's digest), useless to a listener: not again, not at another task or
+            # incarnation, not with another request.
+            metadata = ((auth.METADATA_KEY, auth.call_proof(self.options.token, f"/{SERVICE}/{method}", self.task,
+                                                            request, incarnation=incarnation)),)
         inner = self._stubs[method].future(request, timeout=timeout or self.options.deadline_s,
                                            wait_for_ready=wait_for_ready, metadata=metadata)
-        return RpcFuture(inner, self.task, self.options)
+        again = (lambda: self._send(method, request, timeout, wait_for_ready, resend=False)) if resend else None
+        return RpcFuture(inner, self.task, self.options, channel=self, resend=again)
 
     def call(self, method: str, meta: Mapping[str, Any] | None = None,
              tensors: Mapping[str, torch.Tensor] | None = None, *,
