@@ -2,19 +2,19 @@
 
 The chief (this process) holds the hidden layer, worker 0 (another process) the output layer; every step sends
 the hidden activations there and the logits back, then in the backward the logits' gradient there and the
-activations' gradient back (torch RPC over TCP: TensorPipe's ``uv`` transport and ``basic`` channel, so that
-every byte goes through a socket, as between machines). The bytes are measured on the worker, over the timed
-steps: what its process read and wrote (``/proc/PID/io`` rchar/wchar: the sockets, and a few 8-byte event-loop
-wakeups) and, where ``ss`` is there, what its TCP sockets carried (``bytes_received``/``bytes_sent``). Next to
-them: the analytic figure (the tensors that must cross) and what a between-graph worker of the seed job moves
-per step (a pull and a push of all 79,510 parameters, float32), analytic and measured the same way on its ps.
+activations' gradient back (the job's own gRPC over TCP, every call proving the job's token, as between
+machines). The bytes are measured on the worker, over the timed steps: what its process read and wrote
+(``/proc/PID/io`` rchar/wchar: the sockets, and gRPC's event-loop wakeups) and, where ``ss`` is there, what its
+TCP sockets carried (``bytes_received``/``bytes_sent``). Next to them: the analytic figure (the tensors that must
+cross) and what a between-graph worker of the seed job moves per step (a pull and a push of all 79,510 parameters,
+float32), analytic and measured the same way on its ps.
 
-Rows: a plain local loop (forward, backward, torch.optim.Adam), the same model through distributed autograd and
-DistributedOptimizer without leaving the process (the machinery's own cost), the placed model, and the seed job's
-between-graph step (pull, forward, backward, push; Adam on a ps in another process, over TCP: shared memory off,
-polling as ``tensorfleet launch`` would set it for this run's three processes: none on a 2-core machine). Adam lr 0.01, batch 100, one intra-op thread per
-process; steps/s are medians over interleaved repeats. The local and placed models train on the same batches from
-the same start, and end equal (printed).
+Rows: a plain local loop (forward, backward, torch.optim.Adam), the same model through ``train_step`` and
+``distributed_optimizer`` without leaving the process (the machinery's own cost), the placed model, and the seed
+job's between-graph step (pull, forward, backward, push; Adam on a ps in another process, over TCP: shared memory
+off, polling as ``tensorfleet launch`` would set it for this run's three processes: none on a 2-core machine).
+Adam lr 0.01, batch 100, one intra-op thread per process; steps/s are medians over interleaved repeats. The local
+and placed models train on the same batches from the same start, and end equal (printed).
 
     python benchmarks/remote_placement.py [--steps 200] [--repeats 5] [--json out.json]
 """
@@ -47,15 +47,16 @@ from tensorfleet.cluster.spec import ClusterSpec, TaskSpec  # noqa: E402
 from tensorfleet.coordinator import placement  # noqa: E402
 from tensorfleet.data.mnist import batches, load_mnist  # noqa: E402
 from tensorfleet.launch.local import busy_poll_for, free_ports  # noqa: E402
+from tensorfleet.wire.auth import TOKEN_ENV, new_token  # noqa: E402
 from tensorfleet.wire.rpc import BUSY_POLL_ENV, SHARED_MEMORY_ENV, WireOptions  # noqa: E402
 
-TRANSPORT = {"transports": ["uv"], "channels": ["basic"]}  # TCP only: the bytes go through sockets
+TOKEN = new_token()  # the placed job's, as tensorfleet launch gives one: every call proves it
 WORKER = """
 import torch
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.coordinator.placement import RpcGroup
 torch.set_num_threads(1)
-with RpcGroup(ClusterSpec.from_dict({cluster!r}), TaskSpec("worker", 0), start_timeout_s=60, **{transport!r}):
+with RpcGroup(ClusterSpec.from_dict({cluster!r}), TaskSpec("worker", 0), start_timeout_s=60):
     pass
 """
 
@@ -116,10 +117,12 @@ def main() -> int:
     ports = free_ports(4)
     cluster = ClusterSpec.from_dict({"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]})
     between = ClusterSpec.from_dict({"ps": [f"127.0.0.1:{ports[2]}"], "worker": [f"127.0.0.1:{ports[3]}"]})
-    worker = subprocess.Popen([sys.executable, "-c", WORKER.format(cluster=cluster.as_dict(), transport=TRANSPORT)])
+    worker = subprocess.Popen([sys.executable, "-c", WORKER.format(cluster=cluster.as_dict())],
+                              env={**os.environ, TOKEN_ENV: TOKEN, "OMP_NUM_THREADS": "1"})
     ps = start_ps(between)
     try:
-        with placement.RpcGroup(cluster, TaskSpec("chief", 0), start_timeout_s=60, **TRANSPORT):
+        with placement.RpcGroup(cluster, TaskSpec("chief", 0), start_timeout_s=60,
+                                options=WireOptions(token=TOKEN, shared_memory=False)):
             figures = measure(args, rounds, worker.pid, between, ps.pid)
         worker.wait(timeout=60)
         ps.wait(timeout=60)
@@ -191,7 +194,7 @@ def measure(args: argparse.Namespace, rounds: list, worker_pid: int, between: Cl
         adam.step()
 
     steps = {"local": local_step,
-             "local, dist_autograd": lambda x, y: placement.train_step(lambda: loss(machinery(x), y), machinery_adam),
+             "local, train_step": lambda x, y: placement.train_step(lambda: loss(machinery(x), y), machinery_adam),
              "placed": lambda x, y: placement.train_step(lambda: loss(placed(x), y), placed_adam),
              "between-graph (1 ps)": between_step}
     traffic = {"placed": Traffic(worker_pid), "between-graph (1 ps)": Traffic(ps_pid)}
@@ -223,7 +226,7 @@ def report(args: argparse.Namespace, figures: dict) -> None:
     what = {"placed": "activations + logits, and their gradients", "between-graph (1 ps)": "pull + push of all "
             f"{figures['parameters']:,} parameters"}
     print(f"\nseed MNIST MLP 784-{args.hidden_units}-10, batch {args.batch_size}, Adam, {args.steps} steps x "
-          f"{args.repeats} repeats, medians; placed: torch RPC over TCP (TensorPipe uv)\n")
+          f"{args.repeats} repeats, medians; placed: the job's gRPC over TCP, token-checked\n")
     print(f"{'run':<24} {'steps/s':>8} {'vs local':>9}")
     for name, value in median.items():
         print(f"{name:<24} {value:>8.0f} {value / median['local']:>8.2f}x")
@@ -235,14 +238,15 @@ def report(args: argparse.Namespace, figures: dict) -> None:
         io = f"{rows[name]['io']:>9,.0f}" if rows[name]["io"] else f"{'-':>9}"
         print(f"{name:<24} {analytic[name]:>9,} {io} {rows[name]['tcp']:>9,.0f}   {what[name]}")
     print("\n  measured on the worker (placed) and on the ps (between-graph) over the timed steps: what the process's "
-          "read/write calls moved\n  (/proc/PID/io; '-': the ps uses recv_into/sendmsg, which it does not count) "
+          "read/write calls moved\n  (/proc/PID/io; gRPC and the ps move their bytes with sendmsg/recvmsg, which "
+          "it does not count: '-' or a few bytes) "
           "and what its TCP sockets carried (ss)")
     print(f"  after {args.steps * (args.repeats + 1)} steps, the placed and local models' parameters differ by at most "
           f"{figures['max_param_difference']:.3g}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "config": {"steps": args.steps, "repeats": args.repeats, "batch_size": args.batch_size,
-                       "hidden_units": args.hidden_units, "transport": TRANSPORT, "cpus": os.cpu_count()},
+                       "hidden_units": args.hidden_units, "transport": "grpc (tcp, token)", "cpus": os.cpu_count()},
             "steps_per_s": speeds, "steps_per_s_median": median, "bytes_per_step": rows,
             "max_param_difference": figures["max_param_difference"]}, indent=2) + "\n")
 

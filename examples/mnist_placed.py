@@ -1,7 +1,8 @@
 """Distributed MNIST with a model's part on another task's device, as classic TensorFlow's in-graph example did with
 ``with tf.device("/job:worker/task:0")``: the chief holds the loop, the data and the hidden layer; the output layer
-lives in worker 0's process; forward and backward cross processes (torch's RPC and distributed autograd, through
-``tensorfleet.coordinator.placement``). The model and data are ``mnist_mlp.py``'s. Start it on a local cluster:
+lives in worker 0's process; forward and backward cross processes as calls of the job's own authenticated wire
+(``tensorfleet.coordinator.placement``: the worker builds ``nn.Linear`` by name; nothing is pickled). The model and
+data are ``mnist_mlp.py``'s. Start it on a local cluster:
 
     tensorfleet launch --coordinator --ps 1 --workers 1 examples/mnist_placed.py
 
@@ -60,8 +61,8 @@ ARGS: argparse.Namespace
 
 
 def drive(group: tfl.RpcGroup) -> None:
-    """The chief: the seed model with its output layer placed on ``--device``, trained with Adam through
-    distributed autograd (from the last checkpoint, if there is one); then evaluated."""
+    """The chief: the seed model with its output layer placed on ``--device``, trained with Adam across the
+    processes (from the last checkpoint, if there is one); then evaluated."""
     torch.manual_seed(ARGS.seed)
     local = build_model(100)  # the same initial values as the seed job
     output = place_module(ARGS.device, nn.Linear, 100, 10)

@@ -22,7 +22,7 @@ _EXPORTS: dict[str, str] = {
                     "tensorfleet.coordinator.coordinator"),
     **dict.fromkeys(("remote", "worker_context"), "tensorfleet.coordinator.remote"),
     "join_fleet": "tensorfleet.coordinator.outside",
-    **dict.fromkeys(("PlacedModule", "RpcGroup", "distributed_optimizer", "place_module", "run_placed"),
+    **dict.fromkeys(("PlacedModule", "RpcGroup", "distributed_optimizer", "place_module", "placeable", "run_placed"),
                     "tensorfleet.coordinator.placement"),
     "TensorfleetError": "tensorfleet.errors",
     **dict.fromkeys(("run_coordinated", "run_task"), "tensorfleet.launch.task"),
@@ -68,7 +68,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from tensorfleet.coordinator.coordinator import Coordinator, RemoteError, RemoteValue, RemoteValues
     from tensorfleet.coordinator.outside import join_fleet
     from tensorfleet.coordinator.placement import (PlacedModule, RpcGroup, distributed_optimizer, place_module,
-                                                   run_placed)
+                                                   placeable, run_placed)
     from tensorfleet.coordinator.remote import remote, worker_context
     from tensorfleet.errors import TensorfleetError
     from tensorfleet.launch.task import run_coordinated, run_task

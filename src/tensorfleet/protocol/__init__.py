@@ -28,6 +28,8 @@ launcher and a ps shard (``tensorfleet.ps``) is defined here and nowhere else:
 
 * ``closures``: in-graph replication's Run (a coordinator asks a worker to run one of the script's remote
   functions, named) and how its arguments and results travel (JSON, tensors, per-worker values);
+* ``placement``: placing a model's parts (a chief builds modules in its workers by name, runs their forward and
+  backward there, steps their optimizers): Join, Place, Forward, Backward, Optimizer, Step, State, LoadState;
 * ``status``: what a task answers to Status (``PsStatus``, ``WorkerStatus``), for workers, the launcher and
   dashboards; read strictly (``from_meta``) or, by the launcher's monitor, leniently (``read``: a junk
   field is None and reported, the others kept);

@@ -51,6 +51,12 @@ METHODS = (
     "Done",    # worker -> ps: this worker finished (the ps exits when all have); coordinator -> worker: no more work
     "Resize",  # launcher -> ps: the job's workers are now 0..N-1 (an asynchronous job scaled up or down)
     "Run",     # coordinator -> worker: run one of the script's remote functions (in-graph replication)
+    # chief -> worker, placing a model's parts (tensorfleet.protocol.placement; Done releases the worker):
+    "Join",    # a chief's session starts, or renews its lease
+    "Place",   # build a module from a name the worker resolves itself (torch.nn, @tfl.placeable), JSON arguments
+    "Forward", "Backward",  # a placed module's forward (inputs in, outputs out) and its backward (gradients)
+    "Optimizer", "Step",  # a placed module's optimizer (torch.optim, by name): make it, step it
+    "State", "LoadState",  # a placed module's state dict, read and written
 )
 
 # Answered by every server, before the token check: the client's challenge (a nonce in the metadata), the server's
