@@ -213,6 +213,7 @@ class PlacementGroup:
 
     def _serve_calls(self) -> None:
         PROCESS_STATUS.task, PROCESS_STATUS.role = self.task.name, "worker"
+        PROCESS_STATUS.gate = self.gate  # its refusals in the Status (auth_refused), as a status server's
         self.host = ModuleHost(self.name)
         handlers = {**self.host.handlers(), "Status": self._status}
         self._server, _ = rpc.start_server(bind_address(self.address), handlers, task=self.task.name,

@@ -81,7 +81,7 @@ from tensorfleet.coordinator.placeable import placeable
 from tensorfleet.coordinator.placegroup import (ALIVE_EVERY_S, LEASE_S, START_TIMEOUT_S, ChiefLeftError,
                                                 PlacementGroup, RpcGroup, active_group, current_group)
 from tensorfleet.errors import (ClusterSpecError, ConfigError, DataError, DeadlineExceededError,
-                                InvalidArgumentError, WireError)
+                                InvalidArgumentError, UnavailableError, WireError)
 from tensorfleet.train.atomic import write_atomically
 from tensorfleet.worker.status import PROCESS_STATUS, serve_status, write_final_status
 
@@ -252,8 +252,8 @@ def _serve(group: RpcGroup) -> int:
                 break
             except ChiefLeftError as exc:
                 group.await_chief(exc)
-    except DeadlineExceededError as exc:
-        return _error(exc, 1)  # no chief (or none came back): nothing left to serve
+    except (DeadlineExceededError, UnavailableError) as exc:
+        return _error(exc, 1)  # no chief (or none came back), or the task's port taken: nothing to serve
     finally:
         group.close(graceful=False)
     return 0
