@@ -275,21 +275,28 @@ def refused_count(address: str, task: str) -> int:
         channel.close()
 
 
-def test_a_process_without_the_token_makes_no_member_build_or_run_anything(group, tmp_path):
+def attack(address: str, task: str) -> dict[str, str]:
+    """What every placement call at ``address`` answers a process without the token (another account's): the
+    project's own client without a token, then a raw call with a forged proof."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORFLEET_TOKEN")}
+    done = subprocess.run([sys.executable, "-c", ATTACKER.format(), address, task, ",".join(PLACEMENT_METHODS)],
+                          capture_output=True, text=True, timeout=90, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+REFUSED = {f"{method} {how}": "UNAUTHENTICATED" for method in PLACEMENT_METHODS for how in ("no token", "forged")}
+
+
+def test_a_process_without_the_token_makes_no_member_build_or_run_anything(group):
     """Another account's process at a worker's port: every placement call it makes, without the token or with a
     forged proof, is UNAUTHENTICATED and counted in the worker's Status; the worker keeps serving the job."""
     chief, _ = group
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORFLEET_TOKEN")}
     for index in range(2):
         task = TaskSpec("worker", index)
         address = chief.cluster.task_address("worker", index)
         before = refused_count(address, task.name)
-        done = subprocess.run([sys.executable, "-c", ATTACKER.format(), address, task.name,
-                               ",".join(PLACEMENT_METHODS)], capture_output=True, text=True, timeout=90, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        answers = json.loads(done.stdout.splitlines()[-1])
-        assert answers == {f"{method} {how}": "UNAUTHENTICATED" for method in PLACEMENT_METHODS
-                           for how in ("no token", "forged")}
+        assert attack(address, task.name) == REFUSED
         assert refused_count(address, task.name) - before == 2 * len(PLACEMENT_METHODS)
     model = Mlp("/job:worker/task:1/cpu:0")  # and the job goes on
     optimizer = placement.distributed_optimizer(torch.optim.SGD, model, lr=0.1)
@@ -418,6 +425,66 @@ def test_run_placed_under_the_launcher(tmp_path):
     assert losses is not None and float(losses[2]) < float(losses[1]), output[-3000:]
     assert "placed Linear on /job:worker/replica:0/task:0/device:CPU:0" in output
     assert "global step 20" in output, output[-3000:]  # the chief's steps, through its Status (issue 44)
+
+
+STRAYED_JOB = '''
+import argparse, os, sys, time
+import torch
+from torch import nn
+import tensorfleet as tfl
+from tensorfleet.coordinator.placement import distributed_optimizer, place_module, run_placed, train_step
+
+
+def drive(group):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), place_module("/job:worker/task:0/cpu:0", nn.Linear, 8, 2))
+    optimizer = distributed_optimizer(torch.optim.SGD, model, lr=0.1)
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    print("driving", flush=True)
+    deadline, losses = time.monotonic() + 100, []
+    while not os.path.exists(ARGS.go) and time.monotonic() < deadline:  # train until the test has attacked
+        losses.append(float(train_step(lambda: nn.functional.cross_entropy(model(x), y), optimizer)))
+    print(f"placed job: {{len(losses)}} steps, loss {{losses[0]:.3f}} -> {{losses[-1]:.3f}}", flush=True)
+
+
+parser = argparse.ArgumentParser()
+tfl.add_cluster_flags(parser)
+parser.add_argument("--go", required=True)
+ARGS = parser.parse_args()
+sys.exit(run_placed(ARGS, drive))
+'''
+
+
+def test_a_launched_placed_job_finishes_through_stray_bytes_and_a_process_without_the_token(tmp_path):
+    """``tensorfleet launch --coordinator`` (which gives the job a token): while the chief trains, random bytes go
+    to every port the chief and worker 0 listen on (psutil), and a token-less process calls every placement method
+    at the worker; both members live on, every call is UNAUTHENTICATED, and the job finishes."""
+    from tensorfleet.testing.local_cluster import LauncherProcess
+
+    script, go = tmp_path / "strayed_job.py", tmp_path / "go"
+    script.write_text(STRAYED_JOB.format())
+    run = LauncherProcess(tmp_path / "logs", ["--coordinator", "--ps", "1", "--workers", "1"], script,
+                          ["--go", str(go)])
+    try:
+        poll(lambda: "[chief:0] driving" in run.output, 90, "the chief to drive")
+        pids = {task: run.events_of(task, "started")[-1]["pid"] for task in ("chief:0", "worker:0")}
+        generator = random.Random(11)
+        for task, pid in pids.items():
+            listening = listening_ports(pid)
+            assert len(listening) == 1 and listening[0][0] == "127.0.0.1", (task, listening)  # its own port only
+            blast(*listening[0], generator)
+        host, port = listening_ports(pids["worker:0"])[0]
+        assert attack(f"{host}:{port}", "/job:worker/task:0") == REFUSED
+        assert all(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids.values())
+        go.touch()
+        code, output = run.wait(timeout_s=90)
+    finally:
+        run.kill()
+    assert code == 0, output[-3000:]
+    steps = re.search(r"\[chief:0\] placed job: (\d+) steps, loss ([\d.]+) -> ([\d.]+)", output)
+    assert steps is not None and float(steps[3]) < float(steps[2]), output[-3000:]
+    assert f"global step {steps[1]}" in output, output[-3000:]
+    assert [e["task"] for e in run.events() if e["event"] == "started"].count("chief:0") == 1, run.events()
 
 
 MEMBER = """
