@@ -53,7 +53,7 @@ def test_a_directory_every_user_can_write_is_refused(tmp_path):
     directory = tmp_path / "shared"
     directory.mkdir()
     directory.chmod(0o777)
-    with pytest.raises(ConfigError, match="writable by every user .*chmod o-w"):
+    with pytest.raises(ConfigError, match="every user can write it .*chmod go-w"):
         checkpoint.save(directory, STATE, info={})
     assert list(directory.iterdir()) == []
 

@@ -47,6 +47,7 @@ from tensorfleet.launch.output import TaskOutput
 from tensorfleet.launch.scaling import RESIZE_RETRY_S, Scaler
 from tensorfleet.launch.supervisor import Decision, Supervisor, TaskRecord, describe_exit
 from tensorfleet.protocol.messages import ResizeReply, ResizeRequest
+from tensorfleet.train.atomic import write_private_file
 from tensorfleet.wire import auth
 from tensorfleet.wire.rpc import BUSY_POLL_ENV, Channel, WireOptions
 from tensorfleet.worker.leave import LEAVE_SIGNAL
@@ -60,6 +61,8 @@ BUSY_POLL_US = 2000  # the polling budget of each data connection when every tas
 PUMP_JOIN_S = 2.0  # how long an exit waits for the rest of the task's output
 _PR_SET_PDEATHSIG = 1
 RESIZE_TIMEOUT_S = 1.0  # one Resize call to a ps, made from the supervising loop
+HAND_OVER_RISK = ("another user could have made the file the job token is written to, or plant a coordinator.json "
+                  "naming their fleet")
 
 
 def usable_cores() -> int:
@@ -164,6 +167,7 @@ class LocalLauncher:
         self._events_written = 0
         self._interrupted: str | None = None
         self._silent_said: set[str] = set()  # coordinators from outside said to have stopped answering
+        self._handed_over: list[Path] = []  # the files left for a coordinator from outside, removed at the end
         self.dashboard = None
         self.started_with: dict[str, dict[str, str]] = {}  # task -> the variables its current process started with
         self.spawns = 0  # processes started so far (restarts and scaled-up workers included)
@@ -286,15 +290,23 @@ class LocalLauncher:
     def _hand_over(self, record: TaskRecord) -> None:
         """A coordinator that joins from outside (``--coordinator-outside``): what it needs to join is left in
         ``LOGDIR/coordinator.json`` (its TF_CONFIG, and the job token in a file only this user can read), which
-        ``tfl.join_fleet(LOGDIR)`` reads; the job ends when it and the workers are done."""
+        ``tfl.join_fleet(LOGDIR)`` reads; the job ends when it and the workers are done.
+
+        Both files are new (``O_EXCL|O_NOFOLLOW``, mode 0600, renamed into place), in a logdir no other user can
+        write: there nobody could have made the file the token is written to, nor plant one naming their fleet.
+        ConfigError (exit 2) for a logdir others can write, or a file that cannot be written."""
         assert self.logdir is not None
         token_file = (self.logdir / COORDINATOR_TOKEN_FILE).resolve()
-        descriptor = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "w", encoding="utf-8") as out:
-            out.write(self.token)
         joining = {"tf_config": self.cluster.to_tf_config(record.task), "token_file": str(token_file),
                    "launcher_pid": os.getpid()}  # join_fleet refuses the file of a launcher that has ended
-        (self.logdir / COORDINATOR_FILE).write_text(json.dumps(joining, indent=1), encoding="utf-8")
+        for name, data in ((COORDINATOR_TOKEN_FILE, self.token), (COORDINATOR_FILE, json.dumps(joining, indent=1))):
+            path = self.logdir / name
+            try:
+                write_private_file(path, data.encode(), what="--coordinator-outside: the logdir", risk=HAND_OVER_RISK)
+            except OSError as exc:
+                raise ConfigError(f"--coordinator-outside: cannot write {path} ({exc.strerror or exc}): give "
+                                  "--logdir a folder of your own that you can write") from None
+            self._handed_over.append(path)
         self.supervisor.awaited(record.name, address=record.address)
         self.console.line(f"[launch] {record.name}, the coordinator, is not started here: join from a Python "
                           f"session with tfl.join_fleet({str(self.logdir.resolve())!r})")
@@ -302,9 +314,8 @@ class LocalLauncher:
     def _withdraw_hand_over(self) -> None:
         """The job is over: what a coordinator from outside would join with goes (a later join_fleet of this
         logdir waits for the next launcher instead of joining a fleet that is gone)."""
-        if self.logdir is not None and any(record.outside for record in self.supervisor.records):
-            for name in (COORDINATOR_FILE, COORDINATOR_TOKEN_FILE):
-                (self.logdir / name).unlink(missing_ok=True)
+        while self._handed_over:  # only what this launcher wrote
+            self._handed_over.pop().unlink(missing_ok=True)
 
     def _spawn(self, record: TaskRecord) -> None:
         task = record.task
@@ -399,16 +410,21 @@ class LocalLauncher:
         self.check_ports()
         if self.logdir is None:
             self.logdir = Path(tempfile.mkdtemp(prefix=f"tensorfleet-{self.config.job_name}-"))
-        self.logdir.mkdir(parents=True, exist_ok=True)
+        outside = [record for record in self.supervisor.records if record.outside]
+        self.logdir.mkdir(parents=True, exist_ok=True, mode=0o700 if outside else 0o777)  # it will hold the token
         self.monitor.final_status_dir = self.logdir
+        try:
+            for record in outside:  # first: a logdir that cannot take them is said before anything starts
+                self._hand_over(record)
+        except BaseException:
+            self._withdraw_hand_over()
+            raise
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         failed: list[TaskRecord] = []
         try:
             self._start_dashboard()
             for record in self.supervisor.records:
-                if record.outside:
-                    self._hand_over(record)
-                else:
+                if not record.outside:
                     self._spawn(record)
             self.monitor.start()
             failed = self._supervise()

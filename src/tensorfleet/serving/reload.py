@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tensorfleet.errors import DataError, InvalidArgumentError
+from tensorfleet.errors import ConfigError, DataError, InvalidArgumentError
 from tensorfleet.serving.model import ServedModel
 from tensorfleet.train.checkpoint import chain
 from tensorfleet.train.manifest import latest_checkpoint
@@ -100,7 +100,7 @@ class Reloader:
                 self.failures += 1
                 message = f"{type(exc).__name__}: {exc}"
                 if message != self.last_error:  # once per distinct cause, not every poll
-                    expected = isinstance(exc, (DataError, InvalidArgumentError, OSError))
+                    expected = isinstance(exc, (ConfigError, DataError, InvalidArgumentError, OSError))
                     log.log(logging.WARNING if expected else logging.ERROR,
                             "cannot apply the checkpoints of %s yet (%s); serving %s meanwhile, retrying",
                             self.directory, message,

@@ -44,6 +44,7 @@ from starlette.routing import Route
 from tensorfleet.errors import ConfigError, DataError, InvalidArgumentError, LaunchError
 from tensorfleet.serving.model import NotLoadedError, ServedModel
 from tensorfleet.serving.reload import Reloader
+from tensorfleet.train.manifest import check_checkpoint_directory
 from tensorfleet.web import BodyLimit, bind, json_safe, serve_in_thread, url_host, wait_for_stop_signal
 
 log = logging.getLogger(__name__)
@@ -196,7 +197,9 @@ class ModelServer:
         return f"http://{url_host(self._host)}:{self._socket.getsockname()[1]}"
 
     def start(self) -> "ModelServer":
-        """Bind (OSError for a taken port, in the caller's thread), then serve and follow the directory."""
+        """Bind (OSError for a taken port, in the caller's thread), then serve and follow the directory; ConfigError
+        first if other users may write the directory (they could swap what is served)."""
+        check_checkpoint_directory(self.reloader.directory)
         self._socket = bind(self._host, self._port)
         config = uvicorn.Config(create_app(self.model, self._predict, self.reloader), loop="asyncio", http="h11",
                                 lifespan="off", log_config=None, log_level="warning", access_log=False,

@@ -57,8 +57,9 @@ from tensorfleet.errors import (DataError, DeadlineExceededError, InvalidArgumen
                                 UnavailableError)
 from tensorfleet.protocol.state import ShardState, TableState
 from tensorfleet.train.atomic import write_atomically
-from tensorfleet.train.manifest import (FORMAT, MANIFEST, checkpoint_name, foreign_names, is_checkpoint_name,
-                                        latest_checkpoint, parse_header, read_header, read_manifest)
+from tensorfleet.train.manifest import (FORMAT, MANIFEST, check_checkpoint_directory, checkpoint_name, foreign_names,
+                                        is_checkpoint_name, latest_checkpoint, parse_header, read_header,
+                                        read_manifest)
 from tensorfleet.train.manifest import list_checkpoints  # noqa: F401 (re-exported: part of this module's API)
 from tensorfleet.worker.snapshots import SnapshotInFlight
 from tensorfleet.worker.embedding import tables_of
@@ -270,7 +271,7 @@ def _previous_names(directory: Path) -> list[str]:
 
 def load(path: str | Path) -> Checkpoint:
     """Load a checkpoint file (a delta: with its chain), or the latest one when ``path`` is a directory; raise
-    DataError if damaged."""
+    DataError if damaged, ConfigError if other users may write its directory (checked before a byte is read)."""
     path = Path(path)
     if path.is_dir():
         latest = latest_checkpoint(path)
@@ -287,7 +288,9 @@ def load(path: str | Path) -> Checkpoint:
 
 
 def load_file(path: Path) -> Checkpoint:
-    """One file, as it is (a delta's rows and evicted ids, not yet applied to its base: see ``base``)."""
+    """One file, as it is (a delta's rows and evicted ids, not yet applied to its base: see ``base``); ConfigError
+    if other users may write its directory."""
+    check_checkpoint_directory(path.parent)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -318,6 +321,7 @@ def load_into_module(module: torch.nn.Module, path: str | Path, *, averages: boo
         the global step of the checkpoint.
     Raises:
         InvalidArgumentError: the checkpoint does not hold exactly this module's parameters, or shapes differ.
+        ConfigError: other users may write the checkpoint's directory (nothing of it is read).
     """
     checkpoint = load(path)
     source = checkpoint.state.averages if averages else checkpoint.state.values

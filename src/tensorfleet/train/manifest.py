@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tensorfleet.errors import DataError
+from tensorfleet.train.atomic import check_private_directory
 
 FORMAT = "tensorfleet-checkpoint-1"
 MANIFEST = "checkpoint.json"
@@ -43,8 +44,20 @@ def is_checkpoint_name(name: Any) -> bool:
     return isinstance(name, str) and _NAME.fullmatch(name) is not None
 
 
+def check_checkpoint_directory(directory: Path) -> None:
+    """ConfigError, saying what to run, if users other than this one may write ``directory``: checked before
+    anything in it is read (a restore, ``load_into_module``, ``serve-model``, ``tensorfleet ckpt``) as before a
+    save, since there they could swap a checkpoint under the reader. A directory not made yet holds nothing."""
+    try:
+        check_private_directory(directory)
+    except FileNotFoundError:
+        pass
+
+
 def read_manifest(directory: Path) -> dict[str, Any]:
-    """The manifest of ``directory`` ({} if there is none); DataError if it is damaged."""
+    """The manifest of ``directory`` ({} if there is none); DataError if it is damaged, ConfigError if other
+    users may write the directory."""
+    check_checkpoint_directory(directory)
     path = directory / MANIFEST
     if not path.exists():
         return {}
@@ -120,7 +133,9 @@ def read_header(path: Path) -> dict[str, Any]:
 
     Raises:
         DataError: the file is missing, truncated or its header is damaged (one line naming the file).
+        ConfigError: other users may write the file's directory.
     """
+    check_checkpoint_directory(path.parent)
     try:
         with open(path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
