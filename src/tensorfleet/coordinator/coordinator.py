@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from tensorfleet.cluster.spec import ClusterSpec
 from tensorfleet.coordinator import remote
-from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, TensorfleetError, UnavailableError
+from tensorfleet.errors import (DeadlineExceededError, InvalidArgumentError, TensorfleetError, UnavailableError,
+                                UnprovenServerError)
 from tensorfleet.protocol.closures import PerWorker, RunReply, RunRequest, pack, unpack
 from tensorfleet.protocol.status import PsStatus
 from tensorfleet.train.hooks import StepResult
@@ -272,7 +273,7 @@ class Coordinator:
                 try:
                     if not PsStatus.from_meta(channel.call("Status", timeout=WATCH_PS_S * 5)[0]).initialized:
                         lost = f"{channel.task} restarted empty"
-                except (UnavailableError, DeadlineExceededError) as exc:
+                except (UnavailableError, DeadlineExceededError, UnprovenServerError) as exc:
                     lost = f"{channel.task} does not answer ({type(exc).__name__})"
                 if lost:
                     break
@@ -306,7 +307,7 @@ class _Worker(threading.Thread):
                 self._keep(entry)
                 value._set(worker=self.task)
                 return value
-            except (UnavailableError, DeadlineExceededError) as exc:
+            except (UnavailableError, DeadlineExceededError, UnprovenServerError) as exc:
                 if time.monotonic() > deadline:
                     log.warning("%s did not answer within %g s (%s): it builds %s when it rejoins", self.task,
                                 START_WAIT_S, exc, entry[0])
@@ -331,7 +332,9 @@ class _Worker(threading.Thread):
             tensors: dict[str, Any] = {}
             request = RunRequest(closure.function, pack(list(closure.args), tensors, "arg"))
             reply, out = self._call(request, tensors)
-        except (UnavailableError, DeadlineExceededError) as exc:
+        except (UnavailableError, DeadlineExceededError, UnprovenServerError) as exc:
+            # gone, or what answers at its address is not it (a squatter: it was sent nothing, and its word is not
+            # taken): the closure runs elsewhere, or here once the worker itself answers again
             closure.tries += 1
             log.warning("%s could not run %s (%s): back to the queue, for %s", self.task, closure.function, exc,
                         "it when it rejoins" if closure.worker is self else "another worker")

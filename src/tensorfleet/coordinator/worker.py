@@ -19,7 +19,7 @@ from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, bind_address
 from tensorfleet.coordinator import remote
 from tensorfleet.errors import InvalidArgumentError, TensorfleetError
 from tensorfleet.protocol.closures import RunReply, RunRequest, Trained, pack, unpack
-from tensorfleet.wire import rpc
+from tensorfleet.wire import auth, rpc
 from tensorfleet.worker.status import PROCESS_STATUS
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,10 @@ class ClosureServer:
         PROCESS_STATUS.task = task.name
         PROCESS_STATUS.role = "worker"
         address = bind_address(cluster.task_address(task.job_name, task.index))
+        options = rpc.WireOptions()
+        PROCESS_STATUS.gate = auth.Gate(options.token, task.name)  # its refusals show in the Status (auth_refused)
         self.server, _ = rpc.start_server(address, {"Status": self._status, "Run": self._run, "Done": self._done},
-                                          task=task.name, max_workers=4)
+                                          task=task.name, options=options, max_workers=4, gate=PROCESS_STATUS.gate)
 
     def _status(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> rpc.Message:
         return PROCESS_STATUS.as_meta(), {}

@@ -79,11 +79,12 @@ def unpack(meta: Any, tensors: Mapping[str, torch.Tensor], kept: Mapping[str, An
     if depth > MAX_DEPTH:
         raise InvalidArgumentError(f"a value nested deeper than {MAX_DEPTH} levels")
     if isinstance(meta, dict) and set(meta) == {TENSOR_KEY}:
-        if meta[TENSOR_KEY] not in tensors:
-            raise InvalidArgumentError(f"tensor {str(meta[TENSOR_KEY])[:60]!r} is named but not sent")
-        return tensors[meta[TENSOR_KEY]]
+        name = _reference(meta, TENSOR_KEY)
+        if name not in tensors:
+            raise InvalidArgumentError(f"tensor {name[:60]!r} is named but not sent")
+        return tensors[name]
     if isinstance(meta, dict) and set(meta) == {PER_WORKER_KEY}:
-        name = meta[PER_WORKER_KEY]
+        name = _reference(meta, PER_WORKER_KEY)
         if kept is None or name not in kept:
             raise InvalidArgumentError(f"per-worker value {str(name)[:60]!r} is not kept on this worker: create it "
                                        "first (create_per_worker_dataset)")
@@ -93,6 +94,15 @@ def unpack(meta: Any, tensors: Mapping[str, torch.Tensor], kept: Mapping[str, An
     if isinstance(meta, dict):
         return {k: unpack(v, tensors, kept, depth + 1) for k, v in meta.items()}
     return meta
+
+
+def _reference(meta: Mapping[str, Any], key: str) -> str:
+    """The name a ``{"$tensor": name}`` or ``{"$per_worker": name}`` reference gives: a string, or the request
+    is refused (a list or an object would not even be looked up: unhashable)."""
+    name = meta[key]
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"a {key!r} reference must name it with a string, got {name!r:.60}")
+    return name
 
 
 @dataclass(frozen=True)

@@ -288,6 +288,7 @@ class WorkerStatus(_Status):
     last_step_age_s: float | None = None  # None before the first step
     # what the script measured of its model (accuracy, RMSE, AUC, ...): tfl.report_metrics; None before any
     metrics: dict[str, float] | None = None
+    auth_refused: int | None = None  # calls refused for a missing or wrong token (None: no status server yet)
 
     CHECKS: ClassVar[dict[str, tuple[Check, str]]] = {
         "task": _TEXT,
@@ -300,6 +301,7 @@ class WorkerStatus(_Status):
         **dict.fromkeys(("examples", "target_step", "unique_ids"), _COUNT),
         "last_step_age_s": _REAL,
         "metrics": (_metrics, f"an object of at most {MAX_METRICS} metrics, each a name and a finite number"),
+        "auth_refused": _COUNT,
     }
 
     def to_meta(self) -> dict[str, Any]:

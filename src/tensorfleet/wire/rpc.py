@@ -427,15 +427,18 @@ class Channel:
             self._channel.subscribe(self._watcher(self._channel), try_to_connect=False)
 
     def _watcher(self, watched: grpc.Channel) -> Callable[[grpc.ChannelConnectivity], None]:
-        """A callback for ``watched``'s connectivity (from gRPC's polling thread): any change but a first connection
-        (IDLE -> CONNECTING -> READY) means the connection went, and the next one may lead to another process."""
+        """A callback for ``watched``'s connectivity (from gRPC's polling thread, which may miss a passing state):
+        leaving READY, a failure, or CONNECTING back to IDLE (a READY missed) means the connection went, and the
+        next one may lead to another process. Connecting (to CONNECTING, to READY) changes nothing proven."""
         last: list[grpc.ChannelConnectivity | None] = [None]  # None: the state delivered first, on subscribing
+        state_ = grpc.ChannelConnectivity
 
         def changed(state: grpc.ChannelConnectivity) -> None:
             before, last[0] = last[0], state
-            starting = (before, state) in ((grpc.ChannelConnectivity.IDLE, grpc.ChannelConnectivity.CONNECTING),
-                                           (grpc.ChannelConnectivity.CONNECTING, grpc.ChannelConnectivity.READY))
-            if before is not None and not starting and watched is self._channel:
+            log.debug("%s at %s: connection %s -> %s", self.task, self.address, before, state)
+            went = before is state_.READY or state in (state_.TRANSIENT_FAILURE, state_.SHUTDOWN) or (
+                before is state_.CONNECTING and state is state_.IDLE)
+            if went and watched is self._channel:
                 self.invalidate()
         return changed
 

@@ -24,7 +24,7 @@ from tensorfleet.cluster.environment import STATUS_DIR_ENV
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, bind_address
 from tensorfleet.errors import InvalidArgumentError, TensorfleetError
 from tensorfleet.protocol.status import MAX_METRICS, WorkerStatus, check_metric_name
-from tensorfleet.wire import rpc
+from tensorfleet.wire import auth, rpc
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +53,7 @@ class TaskStatus:
         self.last_step_unix: float | None = None
         self.unique_ids: int | None = None  # embedding tables: unique ids in the last push (None: no tables)
         self.metrics: dict[str, float] = {}  # what the script measured of its model (tfl.report_metrics)
+        self.gate: auth.Gate | None = None  # the status server's, whose refusals the Status counts
 
     def begin(self, task: TaskSpec, *, is_chief: bool) -> None:
         self.task, self.role, self.state = task.name, "chief" if is_chief else "worker", "training"
@@ -83,7 +84,8 @@ class TaskStatus:
                             global_step=self.global_step, dropped_gradients=self.dropped_gradients, loss=self.loss,
                             examples=self.examples, target_step=self.target_step, unique_ids=self.unique_ids,
                             last_step_age_s=None if self.last_step_unix is None else now - self.last_step_unix,
-                            metrics=dict(self.metrics) or None)
+                            metrics=dict(self.metrics) or None,
+                            auth_refused=None if self.gate is None else self.gate.refused)
 
     def as_meta(self) -> dict[str, Any]:
         """The Status reply as it travels (and as the final-status file holds it)."""
@@ -166,8 +168,11 @@ def serve_status(cluster: ClusterSpec, task: TaskSpec, status: TaskStatus = PROC
         return status.as_meta(), {}
 
     address = bind_address(cluster.task_address(task.job_name, task.index))
+    options = rpc.WireOptions()
+    status.gate = auth.Gate(options.token, task.name)  # its refusals show in the Status (auth_refused)
     try:
-        server, _ = rpc.start_server(address, {"Status": handle}, task=task.name, max_workers=2)
+        server, _ = rpc.start_server(address, {"Status": handle}, task=task.name, options=options, max_workers=2,
+                                     gate=status.gate)
     except TensorfleetError as exc:
         log.warning("%s: no status endpoint (%s); the launcher and dashboard will show it as starting",
                     task.name, exc)
