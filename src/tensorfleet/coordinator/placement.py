@@ -83,6 +83,7 @@ from tensorfleet.coordinator.placegroup import (ALIVE_EVERY_S, LEASE_S, START_TI
 from tensorfleet.errors import (ClusterSpecError, ConfigError, DataError, DeadlineExceededError,
                                 InvalidArgumentError, UnavailableError, WireError)
 from tensorfleet.train.atomic import write_atomically
+from tensorfleet.train.manifest import check_checkpoint_directory
 from tensorfleet.worker.status import PROCESS_STATUS, serve_status, write_final_status
 
 __all__ = ["ALIVE_EVERY_S", "CHECKPOINT_FILE", "CONFIGURATION_ERRORS", "ChiefLeftError", "LEASE_S", "PlacedModule",
@@ -178,6 +179,7 @@ def restore_checkpoint(model: nn.Module, directory: str | Path) -> int | None:
         the checkpoint's step, or None when ``directory`` holds none.
     """
     path = Path(directory) / CHECKPOINT_FILE
+    check_checkpoint_directory(path.parent)  # before reading: a directory others can write is refused
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as checkpoint:
