@@ -15,7 +15,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -43,9 +43,10 @@ class Hosted:
 
 @dataclass
 class _Context:
+    """What one forward keeps for its backward."""
+
     inputs: list[tuple[int, torch.Tensor]]  # (position in the request, the leaf whose gradient goes back)
     outputs: list[torch.Tensor]
-    module: int = field(default=0)
 
 
 class ModuleHost:
@@ -176,7 +177,7 @@ class ModuleHost:
             outputs: list[torch.Tensor] = []
             packed = messages.pack(output, outputs, "the placed module's output")
             if request.context is not None:
-                self._keep((request.module, request.context), _Context(kept, outputs, request.module))
+                self._keep((request.module, request.context), _Context(kept, outputs))
         reply = {messages.tensor_name(i): t.detach() for i, t in enumerate(outputs)}
         return messages.ForwardReply(packed, len(outputs)).to_meta(), reply
 
