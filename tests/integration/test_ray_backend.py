@@ -4,6 +4,7 @@ node has a resource naming it, the head none of the CPUs)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -57,9 +58,10 @@ def gone(pids: list[int]) -> bool:
 def launches(tmp_path):
     started: list[LauncherProcess] = []
 
-    def start(flags, script_args, name="job", env=None):
+    def start(flags, script_args, name="job", env=None, without=()):
         run = LauncherProcess(tmp_path / name, ["--progress-every", "1", "--backend", "ray", *flags], MNIST,
-                              script_args, env={**os.environ, **(env or {})})
+                              script_args, env={k: v for k, v in {**os.environ, **(env or {})}.items()
+                                                if k not in without})
         started.append(run)
         return run
 
@@ -94,6 +96,44 @@ def test_a_sigkilled_launcher_takes_its_local_ray_and_tasks_with_it(launches):
     run.process.wait()
     poll(lambda: gone(pids), 30, "the tasks' processes to die with the launcher")
     poll(lambda: not (ray_processes() - before), 30, "the job's local Ray to die with the launcher")
+
+
+def listening(process) -> list[tuple[str, str]]:
+    """The addresses ``process`` listens on (TCP) or receives at (UDP, unconnected), as (ip, its name)."""
+    try:
+        return [(c.laddr.ip, process.name()) for c in process.net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr)]
+    except psutil.Error:
+        return []  # gone meanwhile
+
+
+def loopback(ip: str) -> bool:
+    """Whether ``ip`` is a loopback address (an IPv4 one mapped into IPv6, ``::ffff:127.0.0.1``, included)."""
+    address = ipaddress.ip_address(ip.split("%")[0])
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+
+def test_the_local_ray_of_a_job_listens_on_loopback_only_and_its_tasks_get_the_token(launches):
+    """Issue 41: the Ray that the launcher starts for a job (run as a user runs it: without this module's switch)
+    binds 127.0.0.1 only, as do its tasks; each task's process has the launcher's token in its environment, where
+    its actor put it (it went to the actor sealed), and not on its command line."""
+    token, before = "c3" * 32, ray_processes()
+    run = launches(["--ps", "1", "--workers", "1"], ["--train_steps", "100000"],
+                   env={"TENSORFLEET_TOKEN": token}, without=LOOPBACK)
+    poll(lambda: run.events_of("worker:0", "running"), 120, "worker:0 to train")
+    family = psutil.Process(run.process.pid).children(recursive=True)
+    names = {p.name() for p in family if p.is_running()}
+    assert {"gcs_server", "raylet"} <= names, names  # Ray's own servers are the launcher's children
+    listeners = [found for process in family for found in listening(process)]
+    assert len(listeners) >= 4, listeners
+    assert all(loopback(ip) for ip, _ in listeners), listeners
+    for pid in started_pids(run):
+        task = psutil.Process(pid)
+        assert task.environ().get("TENSORFLEET_TOKEN") == token and token not in " ".join(task.cmdline())
+    run.process.send_signal(signal.SIGTERM)
+    code, output = run.wait(timeout_s=90)
+    assert code == 130 and "Traceback" not in output, output
+    poll(lambda: not (ray_processes() - before), 30, "the job's local Ray to be gone")
 
 
 # --- a 3-node cluster ---------------------------------------------------------------------------------------

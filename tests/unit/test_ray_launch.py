@@ -130,3 +130,28 @@ def test_a_dry_run_on_a_ray_cluster_does_not_count_this_machines_gpus(capsys, mo
     assert "backend ray: 10.0.0.5:6379" in out and "warning" not in err, (out, err)
     code = main(["launch", "--dry-run", "--backend", "ray", "--workers", "4", "--gpus-per-worker", "1", SCRIPT])
     assert code == 2 and "GPU" in capsys.readouterr().err
+
+
+def test_a_local_ray_is_started_as_a_node_at_127_0_0_1_and_a_cluster_is_joined_as_it_is(monkeypatch):
+    """Issue 41: Ray listens on every interface of a node whose address is the machine's outward one, and turns
+    127.0.0.1 into that one unless its "no clusters" switch is set; for the local Ray of a job both are set while
+    it starts (a live check of its sockets: tests/integration/test_ray_backend.py), and put back after."""
+    import os
+
+    ray = pytest.importorskip("ray")
+    from ray._private import ray_constants
+
+    seen: list[dict] = []
+    monkeypatch.setattr(ray, "init", lambda **options: seen.append(
+        {**options, "switch": os.environ.get(onray.LOOPBACK_SWITCH), "flag": ray_constants.ENABLE_RAY_CLUSTER}))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(onray, "_guard_processes", lambda _pid: None)
+    monkeypatch.setattr(onray, "_reachable", lambda _address, _timeout: None)
+    monkeypatch.delenv(onray.LOOPBACK_SWITCH, raising=False)
+    flag = ray_constants.ENABLE_RAY_CLUSTER
+    onray.RayConnection(None, num_cpus=1, num_gpus=0).close()
+    onray.RayConnection("10.0.0.5:6379", num_cpus=1, num_gpus=0).close()
+    local, joined = seen
+    assert (local["_node_ip_address"], local["switch"], local["flag"]) == ("127.0.0.1", "0", False)
+    assert "_node_ip_address" not in joined and joined["switch"] is None and joined["flag"] == flag
+    assert ray_constants.ENABLE_RAY_CLUSTER == flag and onray.LOOPBACK_SWITCH not in os.environ

@@ -17,7 +17,10 @@ changes is where a task's process runs and how its output reaches the launcher:
   included). The launcher reads the process's output lines from the actor (``RemoteProcess``), writes them to
   the task's log on the launcher's machine, and signals the process through the actor.
 * **Ray itself.** Without ``--ray-address`` a local Ray is started for the job and stopped after it (the
-  embedded default: the command works on a laptop); with one, the launcher joins that cluster as a driver.
+  embedded default: the command works on a laptop); with one, the launcher joins that cluster as a driver. The
+  local Ray is a node at 127.0.0.1 (``_loopback_ray``): Ray's servers (GCS, raylet, object manager, agents,
+  workers) then listen on 127.0.0.1 only, where Ray's default would have them listen on every interface of a
+  machine that runs nothing but this job.
 * **The token.** A Ray call's arguments cross the network in clear (unless the cluster runs Ray's TLS,
   ``RAY_USE_TLS=1``, which then protects them too), so the task's environment goes to its actor without the job
   token: the token goes sealed to the actor's ephemeral X25519 key (``launch/sealed.py``: HKDF and
@@ -40,6 +43,7 @@ changes is where a task's process runs and how its output reaches the launcher:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -54,7 +58,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 from tensorfleet.cluster.registry import CLUSTER_FILE_ENV, write_cluster
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
@@ -80,6 +84,8 @@ OUTPUT_POLL_S = 0.1  # how soon a task's output is asked for again when none was
 OUTPUT_POLL_MAX_S = 1.0  # ... doubling while it stays quiet, up to this
 UNAVAILABLE_S = 120.0  # an actor Ray calls unavailable this long counts as gone (a dead node is known in ~15 s)
 PLACEMENTS = {"spread": "SPREAD", "pack": "PACK"}
+LOOPBACK = "127.0.0.1"  # the node address of a local Ray started for the job: Ray listens there only
+LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps a node at 127.0.0.1 (see _loopback_ray)
 
 
 class Unplaced(Exception):
@@ -193,10 +199,11 @@ class RayConnection:
                                   "head's GCS, host:6379 by default) to --ray-address")
         options: dict[str, Any] = {"log_to_driver": False, "include_dashboard": False}
         if self.owned:
-            options.update(num_cpus=num_cpus, num_gpus=num_gpus)
+            options.update(num_cpus=num_cpus, num_gpus=num_gpus, _node_ip_address=LOOPBACK)
         self._divert()
         try:
-            self.ray.init(address=address, **options)
+            with _loopback_ray(self.owned):
+                self.ray.init(address=address, **options)
         except Exception as exc:  # noqa: BLE001 - Ray says why in its own exceptions: in one line, with the way out
             self._restore()
             self.lines.close()
@@ -236,6 +243,31 @@ class RayConnection:
             self._guard.kill()  # SIGKILL: it goes without killing anything (Ray's processes ended above)
             self._guard.wait()
             self._guard = None
+
+
+@contextlib.contextmanager
+def _loopback_ray(owned: bool) -> Iterator[None]:
+    """While a local Ray starts (``owned``): a node at 127.0.0.1, whose servers Ray binds to 127.0.0.1 only.
+
+    Ray turns a node address of 127.0.0.1 into the machine's outward one (and so listens on every interface)
+    unless its "no clusters" switch is set: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read by the driver when ray is
+    imported (``ray_constants.ENABLE_RAY_CLUSTER``, set here for the start) and by Ray's own processes, which
+    inherit it from this environment while they start. Both are put back after the start."""
+    if not owned:
+        yield
+        return
+    from ray._private import ray_constants
+
+    saved_env, saved_flag = os.environ.get(LOOPBACK_SWITCH), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOOPBACK_SWITCH], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(LOOPBACK_SWITCH, None)
+        else:
+            os.environ[LOOPBACK_SWITCH] = saved_env
 
 
 def _descendants(pid: int) -> list[tuple[int, int]]:
