@@ -296,6 +296,11 @@ class _Worker(threading.Thread):
         self.channel = Channel(address, task=task, options=coordinator.options)
         self.made: set[str] = set()  # the per-worker values this incarnation of the worker holds
         self.queue: queue.Queue[_Closure | None] = queue.Queue() if coordinator.replicated else coordinator._queue
+        # Synchronous training: the closure this worker lost (run again before any later one), and the global
+        # step its current closure began at (where its previous closure ended), for the run again to skip the
+        # steps already pushed (``RunRequest.began_at_step``).
+        self._again: _Closure | None = None
+        self.began = coordinator.session.global_step if coordinator.session is not None else 0
 
     def make(self, entry: tuple[str, str, Sequence[Any]]) -> RemoteValue:
         """Build per-worker value ``entry`` there now (from the caller's thread), waiting up to ``START_WAIT_S``
@@ -318,7 +323,9 @@ class _Worker(threading.Thread):
 
     def run(self) -> None:
         while True:
-            closure = self.queue.get()
+            closure, self._again = self._again, None
+            if closure is None:
+                closure = self.queue.get()
             if closure is None:
                 return
             self._run_one(closure)
@@ -330,16 +337,27 @@ class _Worker(threading.Thread):
         try:
             self._rebuild_if_restarted()
             tensors: dict[str, Any] = {}
-            request = RunRequest(closure.function, pack(list(closure.args), tensors, "arg"))
+            began = self.began if closure.tries and closure.worker is self else None
+            request = RunRequest(closure.function, pack(list(closure.args), tensors, "arg"), began_at_step=began)
             reply, out = self._call(request, tensors)
         except (UnavailableError, DeadlineExceededError, UnprovenServerError) as exc:
             # gone, or what answers at its address is not it (a squatter: it was sent nothing, and its word is not
             # taken): the closure runs elsewhere, or here once the worker itself answers again
             closure.tries += 1
-            log.warning("%s could not run %s (%s): back to the queue, for %s", self.task, closure.function, exc,
-                        "it when it rejoins" if closure.worker is self else "another worker")
             self.made.clear()  # a worker that comes back is a new process: its kept values are gone
-            self.queue.put(closure)
+            if self.coordinator._stopping.is_set():  # shut down at once (wait=False): nothing more is retried
+                error = CancelledError(f"{closure.function} was cancelled: the coordinator shut down while "
+                                       f"{self.task} could not be reached ({exc})")
+                closure.value._set(error=error)
+                self.coordinator._finished(closure, None)
+                return
+            log.warning("%s could not run %s (%s): back to the queue, for %s", self.task, closure.function, exc,
+                        "it when it rejoins (before any later closure)" if closure.worker is self
+                        else "another worker")
+            if closure.worker is self:  # its partners wait in this very closure: it comes first
+                self._again = closure
+            else:
+                self.queue.put(closure)
             self.channel.reconnect()
             time.sleep(REJOIN_S)
             return
@@ -347,6 +365,8 @@ class _Worker(threading.Thread):
             closure.value._set(error=exc, worker=self.task)
             self.coordinator._finished(closure, exc)
             return
+        if reply.trained.steps:
+            self.began = reply.trained.global_step  # where this worker's next closure begins
         self.coordinator._after_closure(reply, time.monotonic() - started)
         if reply.error is not None:
             error = RemoteError(f"{closure.function} raised {reply.error_type} on {self.task}:\n{reply.error}")

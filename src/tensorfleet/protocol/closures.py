@@ -108,17 +108,22 @@ def _reference(meta: Mapping[str, Any], key: str) -> str:
 @dataclass(frozen=True)
 class RunRequest:
     """Run: call the script's remote function ``function`` with ``args`` (packed); keep its result on the worker
-    under ``keep_as`` instead of answering it."""
+    under ``keep_as`` instead of answering it. ``began_at_step``: synchronous training, a closure run again after
+    its worker was lost in it: the global step it began at there, so that the worker skips the steps its lost
+    process already pushed (``TrainingSession.skip_pushed_steps``)."""
 
     function: str
     args: list[Any]
     keep_as: str | None = None
+    began_at_step: int | None = None
 
     def to_meta(self) -> dict[str, Any]:
-        return {"function": self.function, "args": self.args, **({"keep_as": self.keep_as} if self.keep_as else {})}
+        return {"function": self.function, "args": self.args, **({"keep_as": self.keep_as} if self.keep_as else {}),
+                **({"began_at_step": self.began_at_step} if self.began_at_step is not None else {})}
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "RunRequest":
+        began = count_field(meta, "began_at_step", "Run") if meta.get("began_at_step") is not None else None
         function, args, keep_as = meta.get("function"), meta.get("args", []), meta.get("keep_as")
         if not isinstance(function, str) or not NAME.match(function):
             raise InvalidArgumentError(f"Run 'function' must be a function's qualified name, got {function!r:.60}")
@@ -126,7 +131,7 @@ class RunRequest:
             raise InvalidArgumentError(f"Run 'args' must be a list of at most {MAX_ARGS} values")
         if keep_as is not None and (not isinstance(keep_as, str) or not NAME.match(keep_as)):
             raise InvalidArgumentError(f"Run 'keep_as' must be a name, got {keep_as!r:.60}")
-        return cls(function, args, keep_as)
+        return cls(function, args, keep_as, began)
 
 
 @dataclass(frozen=True)

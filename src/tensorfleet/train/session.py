@@ -126,6 +126,7 @@ class TrainingSession:
         self.hooks += list(hooks)
         self._nan_hook = next((h for h in self.hooks if isinstance(h, NanLossHook)), NanLossHook(mode="stop"))
         self._stop_requested = False
+        self._skip = 0  # run_step calls to skip: a closure re-run after its worker was lost (``skip_pushed_steps``)
         self.local_step = 0
         self.last_result: StepResult | None = None  # the latest run_step's
 
@@ -209,6 +210,10 @@ class TrainingSession:
         """
         if self._stop_requested:
             raise RuntimeError("run_step() after a stop was requested: check should_stop() in the loop")
+        if self._skip:  # already pushed by this worker's previous process, in the closure run again now
+            self._skip -= 1
+            return StepResult(loss=float("nan"), global_step=self.replica.global_step, local_step=self.local_step,
+                              seconds=0.0, batch_size=batch_size, dropped=False, skipped=True)
         for hook in self.hooks:
             hook.before_step(self)
         start = time.perf_counter()
@@ -230,6 +235,24 @@ class TrainingSession:
         for hook in self.hooks:
             hook.after_step(self, result)
         return result
+
+    def skip_pushed_steps(self, began_at_step: int) -> int:
+        """Synchronous training under a coordinator: a closure that began at global step ``began_at_step`` on
+        this worker's previous process (lost mid-closure) runs again here. The steps aggregated since then
+        include that process's pushes, so the next that many ``run_step`` calls are skipped (nothing pulled,
+        computed or pushed; a ``StepResult`` with ``skipped``): the replica meets its partners at the step they
+        wait on, instead of running those steps again behind them and leaving its last ones without partners.
+        Returns how many are skipped; ``end_skipping`` drops what the closure did not use."""
+        self._skip = max(0, self.fetch_global_step() - began_at_step)
+        if self._skip:
+            log.warning("%s: this closure began at global step %d on this worker's previous process; the %d "
+                        "step(s) aggregated since are skipped, to meet the other replicas at global step %d",
+                        self.replica.task.name, began_at_step, self._skip, began_at_step + self._skip)
+        return self._skip
+
+    def end_skipping(self) -> None:
+        """The closure ``skip_pushed_steps`` was for has ended: the next steps run."""
+        self._skip = 0
 
     def after_remote_steps(self, result: StepResult) -> None:
         """Steps this session did not run itself but drives: a coordinator's closure, run on a worker
