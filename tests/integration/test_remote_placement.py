@@ -598,6 +598,27 @@ def test_a_crashed_placed_chief_resumes_from_its_checkpoint_with_the_worker_that
     assert not [line for line in output.splitlines() if any(word in line for word in NOISE)], output
 
 
+def test_a_killed_placed_worker_is_restarted_and_its_chief_resumes_from_its_checkpoint(tmp_path):
+    """Worker 0 SIGKILLed mid-run: the chief's next call fails, it says so in one line and exits 1 (no traceback),
+    the launcher starts both again, the new chief places its layer in the new worker and resumes from its
+    checkpoint, and the job ends with its real global step."""
+    run = placed_launch(tmp_path, "--train_steps", "1500", "--save_checkpoint_steps", "300")
+    checkpoint = run.logdir / "checkpoints" / "placed.safetensors"
+    try:
+        poll(checkpoint.exists, 120, "the chief's first checkpoint")
+        os.kill(run.events_of("worker:0", "started")[0]["pid"], signal.SIGKILL)
+        code, output = run.wait(timeout_s=240)
+    finally:
+        run.kill()
+    assert code == 0, output
+    assert "worker:0 killed by SIGKILL; restarting" in output and "chief:0 exit code 1; restarting" in output, output
+    assert re.search(r"\[chief:0\] mnist_placed\.py: error: .*\[/job:worker/task:0\] \(exiting, to be started again",
+                     output), output
+    assert re.search(r"\[chief:0\] resuming from the checkpoint of step \d+", output), output
+    assert "global step 1500" in output, output
+    assert not [line for line in output.splitlines() if any(word in line for word in NOISE)], output
+
+
 WAITING_MEMBER = '''
 import argparse, sys, time
 import tensorfleet as tfl

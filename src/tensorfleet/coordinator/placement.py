@@ -49,7 +49,9 @@ workers serving: the chief renews a lease on each every 2 s, and a worker whose 
 says so and waits up to ``start_timeout_s`` (120 s) for a chief to join again (the launcher restarts it); a new
 session replaces the last one's modules. A restarted chief places its modules again and resumes from the
 checkpoint its ``drive`` wrote (``save_checkpoint`` / ``restore_checkpoint``: the model's values, placed parts
-included, and the step), or trains from step 0 and says so. A worker that waits in vain exits 1 saying so.
+included, and the step), or trains from step 0 and says so. A worker that waits in vain exits 1 saying so. A
+worker that dies takes its placed parts with it: the chief's next call fails (a recoverable error), and the chief
+says so in one line and exits 1, to be started again with it.
 
 **Progress.** ``train_step`` counts the chief's steps (``RpcGroup.global_step``; a restored checkpoint's step
 counts from there) and its Status says them, as a worker's does: the launcher's progress line, dashboard and
@@ -81,7 +83,7 @@ from tensorfleet.coordinator.placeable import placeable
 from tensorfleet.coordinator.placegroup import (ALIVE_EVERY_S, LEASE_S, START_TIMEOUT_S, ChiefLeftError,
                                                 PlacementGroup, RpcGroup, active_group, current_group)
 from tensorfleet.errors import (ClusterSpecError, ConfigError, DataError, DeadlineExceededError,
-                                InvalidArgumentError, UnavailableError, WireError)
+                                InvalidArgumentError, TensorfleetError, UnavailableError, WireError)
 from tensorfleet.train.atomic import write_atomically
 from tensorfleet.train.manifest import check_checkpoint_directory
 from tensorfleet.worker.status import PROCESS_STATUS, serve_status, write_final_status
@@ -238,6 +240,12 @@ def _drive(group: RpcGroup, drive: Callable[[RpcGroup], None]) -> int:
             raise
         PROCESS_STATUS.finished(failed=True)
         return _error(exc, USAGE_EXIT)
+    except TensorfleetError as exc:
+        if not exc.recoverable:
+            raise
+        PROCESS_STATUS.finished(failed=True)  # a worker lost or restarted: a new session must place it all again
+        return _error(f"{exc} (exiting, to be started again: a restarted chief places its modules again and "
+                      "resumes from its checkpoint)", 1)
     finally:
         if status_server is not None:
             status_server.stop(0).wait(5.0)
@@ -261,6 +269,6 @@ def _serve(group: RpcGroup) -> int:
     return 0
 
 
-def _error(exc: Exception, code: int) -> int:
+def _error(exc: Exception | str, code: int) -> int:
     print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr, flush=True)
     return code
