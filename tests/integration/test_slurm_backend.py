@@ -142,6 +142,11 @@ def test_a_requeued_job_is_followed_from_the_reruns_first_line(cluster, tmp_path
 def test_ctrl_c_cancels_the_job_and_every_rank_goes(cluster, tmp_path):
     run = launch(cluster, tmp_path, ["--async"], ["--train_steps", "1000000"])
     poll(lambda: len(ranks()) == 3, 120, "the ranks to run")
+    token_file = run.logdir.resolve() / "job.token"  # issue 41: srun carried the token file's path, not the token
+    for pid in ranks().values():
+        environ = psutil.Process(pid).environ()
+        assert "TENSORFLEET_TOKEN" not in environ and environ["TENSORFLEET_TOKEN_FILE"] == str(token_file)
+    assert token_file.stat().st_mode & 0o777 == 0o600 and len(token_file.read_text().strip()) == 64
     run.process.send_signal(signal.SIGINT)
     code, output = run.wait(timeout_s=90)
     assert code == 130, output
