@@ -160,3 +160,18 @@ def test_a_private_directory_and_an_acl_that_grants_no_write_are_accepted(tmp_pa
 
 def test_a_directory_not_made_yet_holds_nothing_to_refuse(tmp_path):
     assert latest_checkpoint(tmp_path / "not-yet") is None
+
+
+def test_a_placed_models_restore_refuses_before_reading(tmp_path):
+    from safetensors.torch import save_file
+
+    from tensorfleet.coordinator.placement import CHECKPOINT_FILE, restore_checkpoint
+
+    directory = tmp_path / "placed"
+    directory.mkdir()
+    save_file({"weight": torch.ones(2, 3), "bias": torch.ones(2)}, str(directory / CHECKPOINT_FILE))
+    directory.chmod(0o770)
+    model = nn.Linear(3, 2)
+    with refused("its group", directory):
+        restore_checkpoint(model, directory)
+    assert float(model.bias.sum()) != 2.0  # nothing of it was loaded

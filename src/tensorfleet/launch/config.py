@@ -38,6 +38,9 @@ from tensorfleet.launch.supervisor import RESTART_MODES, RestartPolicy
 JOB_FILE_SUFFIXES = (".yaml", ".yml", ".toml")
 MODES = ("sync", "async")
 NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$")
+# What the kernel lets one environment string ("NAME=VALUE" and its NUL) hold: MAX_ARG_STRLEN, 32 pages of 4 KiB.
+# A longer one, or one with a NUL, cannot be given to a process at all: each task would fail to start.
+MAX_ENV_STRING_BYTES = 128 * 1024
 
 
 @dataclass
@@ -105,6 +108,7 @@ class JobConfig:
         if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                      for k, v in self.env.items()):
             raise ConfigError(f"env must map names to strings, e.g. {{OMP_NUM_THREADS: '1'}}, got {self.env!r}")
+        check_env_strings(self.env)
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend {self.backend!r} is not valid: use one of {', '.join(BACKENDS)}")
         if self.ray_placement not in RAY_PLACEMENTS:
@@ -146,6 +150,32 @@ class JobConfig:
 FIELDS = {f.name for f in dataclasses.fields(JobConfig)}
 BACKENDS = ("local", "ray", "slurm")
 RAY_PLACEMENTS = ("spread", "pack")
+
+
+def check_env_strings(env: Mapping[str, str]) -> None:
+    """ConfigError naming the first variable of ``env`` that no process can be given (a NUL, an ``=`` in its
+    name, a string over the kernel's 128 KiB, text that cannot be encoded): refused when the job is made, not
+    found out when each task fails to start."""
+    for name, value in env.items():
+        shown = name if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else repr(name)[:60]
+        if not name or "=" in name or "\0" in name:
+            raise ConfigError(f"env: {shown} is not a variable name (no '=' nor NUL byte in it, not empty)")
+        problem = _env_value_problem(name, value)
+        if problem is not None:
+            raise ConfigError(f"env: {shown}: {problem}")
+
+
+def _env_value_problem(name: str, value: str) -> str | None:
+    if "\0" in value:
+        return "its value holds a NUL byte, which no environment variable can hold: remove it"
+    try:
+        size = len(os.fsencode(name)) + 1 + len(os.fsencode(value)) + 1
+    except UnicodeEncodeError:
+        return "its value is not text that can be passed to a process (a lone surrogate): send UTF-8 text"
+    if size > MAX_ENV_STRING_BYTES:
+        return (f"NAME=VALUE is {size - 1:,} bytes, over the {MAX_ENV_STRING_BYTES // 1024} KiB the kernel lets one "
+                f"variable hold ({MAX_ENV_STRING_BYTES - 1:,} bytes): pass large data in a file and its path instead")
+    return None
 
 
 def _check_int(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:

@@ -5,7 +5,8 @@ Passwords are hashed with scrypt (``hashlib.scrypt``, memory-hard; parameters st
 so they can be raised later). Session and API tokens are 256-bit random strings handed out once;
 the database keeps only their SHA-256, so a copy of it opens no session. A password check costs
 ~50 ms of CPU on purpose: ``check_password`` lets at most ``MAX_CONCURRENT_CHECKS`` run at a time
-and answers "busy" beyond that, so a stranger hammering the login form cannot occupy the machine.
+and answers "busy" beyond that, so a stranger hammering the login form cannot occupy the machine; and
+wrong passwords slow down the next sign-in of the name and of the client (``guard``, see ``guard.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import threading
 from dataclasses import dataclass
 
 from tensorfleet.errors import ConfigError, TensorfleetError
+from tensorfleet.service.guard import SignInGuard
 from tensorfleet.service.store import JobStore
 
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2 ** 14, 8, 1
@@ -77,6 +79,7 @@ class Accounts:
     def __init__(self, store: JobStore) -> None:
         self.store = store
         self._checks = threading.BoundedSemaphore(MAX_CONCURRENT_CHECKS)
+        self.guard = SignInGuard()  # wrong passwords slow the next sign-in of the name and of the client
 
     # ----- users
 

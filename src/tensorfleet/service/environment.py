@@ -24,6 +24,7 @@ import re
 from typing import Mapping
 
 from tensorfleet.errors import ConfigError
+from tensorfleet.launch.config import check_env_strings
 
 ALLOWED: frozenset[str] = frozenset({
     # threads of the math libraries
@@ -47,11 +48,13 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 
 def check_job_env(env: Mapping[str, object], *, admin: bool) -> None:
-    """Raise ConfigError naming every variable of ``env`` that this user may not give a job's tasks."""
+    """Raise ConfigError naming every variable of ``env`` that this user may not give a job's tasks, or that no
+    process can be given (a NUL byte, a string over the kernel's 128 KiB)."""
     bad_names = [name for name in env if not isinstance(name, str) or not _NAME.fullmatch(name)]
     if bad_names:
         raise ConfigError(f"env: {', '.join(repr(n)[:60] for n in bad_names)} is not a variable name "
                           "(letters, digits and _, not starting with a digit)")
+    check_env_strings({name: str(value) for name, value in env.items()})  # a NUL, over 128 KiB: no task could start
     reserved = sorted(name for name in env if name in RESERVED)
     if reserved:
         raise ConfigError(f"env: {', '.join(reserved)} {'is' if len(reserved) == 1 else 'are'} set by the service "

@@ -4,7 +4,9 @@ Who: every route but ``/login``, ``/healthz`` and static files needs a signed-in
 session (an HttpOnly, SameSite=Strict cookie) or an API token (``Authorization: Bearer``). A request
 that changes anything with a session cookie must carry the session's CSRF token (a form field
 ``csrf`` or the header ``X-CSRF-Token``); a bearer token is no cookie, so no other site can send it.
-Without a session, a page redirects to the login and the API answers 401.
+Without a session, a page redirects to the login and the API answers 401. The sign-in itself refuses a
+form another site posted (403) and slows down wrong passwords per name and per client (429 with
+``Retry-After``), both in ``guard.py``; its counts are at ``/metrics``.
 
 What the pages may do in the browser: the dashboard's rules: scripts only from our own files, the DOM
 built with ``textContent``, and a Content-Security-Policy saying so. Request bodies are bounded
@@ -32,6 +34,7 @@ from starlette.staticfiles import StaticFiles
 
 from tensorfleet.service.accounts import Accounts, Session, TooBusyError
 from tensorfleet.service.api import JobsApi, healthz
+from tensorfleet.service.guard import CONTENT_TYPE, client_key, foreign_origin, metrics_text, retry_after
 from tensorfleet.service.jobs import JobService
 from tensorfleet.service.pages import JobPages, NewJobPage, Renderer
 from tensorfleet.service.responses import HEADERS, USER_ERRORS, Handler, api_error
@@ -55,6 +58,7 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
         Route("/login", sign_in.login, methods=["POST"]),
         Route("/logout", page(sign_in.logout), methods=["POST"]),
         Route("/healthz", healthz),
+        Route("/metrics", signed_in.api(metrics(accounts))),
         Route("/", page(pages.jobs)),
         Route("/jobs", jobs_list),
         Route("/jobs/new", page(new_job.form), methods=["GET"]),
@@ -80,6 +84,14 @@ def create_app(service: JobService, accounts: Accounts, *, secure_cookies: bool 
     app = Starlette(routes=routes)
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     return app
+
+
+def metrics(accounts: Accounts) -> Handler:
+    """``/metrics``: the sign-in's counts in Prometheus' text format (for a signed-in user or an API token, as a
+    scraper's ``authorization`` sends it)."""
+    async def endpoint(request: Request, session: Session) -> Response:
+        return Response(metrics_text(accounts.guard), media_type=CONTENT_TYPE, headers=HEADERS)
+    return endpoint
 
 
 async def jobs_list(request: Request) -> Response:
@@ -153,15 +165,32 @@ class SignIn:
         return self._render("login.html", None, next=_safe_next(request.query_params.get("next")))
 
     async def login(self, request: Request) -> Response:
+        guard = self._accounts.guard
+        elsewhere = foreign_origin(request.headers)
+        if elsewhere is not None:  # login CSRF: another site's page posting its own account's name and password
+            guard.refuse("origin")
+            return self._render("login.html", None, 403, error=f"this sign-in was sent from another site "
+                                f"({elsewhere}): sign in on this service's own page", next="/")
         form = await request.form(max_files=0, max_fields=10)
         name, password = str(form.get("user", "")), str(form.get("password", ""))
         target = _safe_next(str(form.get("next", "/")))
+        client = client_key(request.client.host if request.client else None)
+        wait_s = guard.wait_s(name, client)
+        if wait_s > 0:  # the password is not checked: a guess made now tells nothing
+            guard.refuse("locked")
+            page = self._render("login.html", None, 429, next=target, name=name,
+                                error=f"too many wrong passwords: try again in {retry_after(wait_s)} s")
+            page.headers["Retry-After"] = retry_after(wait_s)
+            return page
         try:
             user = await run_in_threadpool(self._accounts.check_password, name, password)
         except TooBusyError as exc:
+            guard.refuse("busy")
             return self._render("login.html", None, 429, error=str(exc), next=target, name=name)
         if user is None:
+            guard.failed(name, client)
             return self._render("login.html", None, 401, error="wrong user name or password", next=target, name=name)
+        guard.succeeded(name, client)
         token, _csrf = await run_in_threadpool(self._accounts.new_session, user)
         response = RedirectResponse(target, 303)
         response.set_cookie(COOKIE, token, httponly=True, samesite="strict", secure=self._secure_cookies, path="/")
