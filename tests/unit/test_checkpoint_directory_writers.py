@@ -175,3 +175,13 @@ def test_a_placed_models_restore_refuses_before_reading(tmp_path):
     with refused("its group", directory):
         restore_checkpoint(model, directory)
     assert float(model.bias.sum()) != 2.0  # nothing of it was loaded
+
+
+def test_a_directory_the_checkpointer_makes_is_private_whatever_the_umask(tmp_path):
+    old = os.umask(0o002)  # a umask that leaves new folders group-writable (user private groups)
+    try:
+        checkpoint.save(tmp_path / "new" / "ckpt", STATE, info={})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "new" / "ckpt").stat().st_mode & 0o777 == 0o755
+    assert checkpoint.load(tmp_path / "new" / "ckpt").global_step == 7

@@ -167,7 +167,7 @@ def save_checkpoint(model: nn.Module, directory: str | Path, step: int) -> Path:
         the file's path.
     """
     path = Path(directory) / CHECKPOINT_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)  # only its owner writes it, whatever the umask
     state = {key: value.detach().contiguous() for key, value in model.state_dict().items()}
     write_atomically(path, safetensors_bytes(state, metadata={"global_step": str(step)}))
     return path

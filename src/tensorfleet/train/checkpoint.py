@@ -193,7 +193,7 @@ def save(directory: str | Path, state: ShardState, *, info: Mapping[str, Any], m
     if max_to_keep < 1:
         raise InvalidArgumentError(f"max_to_keep={max_to_keep} must be at least 1")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o755)  # a new one only its owner writes, whatever the umask
     name = checkpoint_name(state.global_step, delta=base is not None)
     if base is not None and (base == name or not is_checkpoint_name(base)):
         raise InvalidArgumentError(f"a delta checkpoint's base must be another checkpoint file, got {base!r}")
