@@ -243,7 +243,12 @@ class TrainingSession:
         computed or pushed; a ``StepResult`` with ``skipped``): the replica meets its partners at the step they
         wait on, instead of running those steps again behind them and leaving its last ones without partners.
         Returns how many are skipped; ``end_skipping`` drops what the closure did not use."""
-        self._skip = max(0, self.fetch_global_step() - began_at_step)
+        try:
+            self._skip = max(0, self.fetch_global_step() - began_at_step)
+        except (UnavailableError, DeadlineExceededError, NotInitializedError) as exc:  # ps 0 lost meanwhile
+            log.warning("%s: cannot tell the global step (%s): this closure runs every step again",
+                        self.replica.task.name, exc)
+            self._skip = 0
         if self._skip:
             log.warning("%s: this closure began at global step %d on this worker's previous process; the %d "
                         "step(s) aggregated since are skipped, to meet the other replicas at global step %d",
