@@ -5,6 +5,7 @@ in its Status, and a malformed reference in Run is INVALID_ARGUMENT. Everything 
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from concurrent import futures
@@ -299,6 +300,28 @@ def test_a_client_without_a_token_does_no_handshake():
         channel.close()
         squatter.stop()
     assert [method for method, _ in squatter.calls] == ["Status"]
+
+
+def test_calls_to_several_unproven_tasks_prove_them_together():
+    """The launcher's monitor asks every task at once: tasks that do not answer (stopped, say) cost their deadline
+    once in all, not once each, though each must answer a Hello first."""
+    silent = [socket.create_server(("127.0.0.1", 0)) for _ in range(4)]  # connections accepted, never answered
+    channels = [Channel(f"127.0.0.1:{sock.getsockname()[1]}", task=f"/job:worker/task:{i}", options=OPTIONS)
+                for i, sock in enumerate(silent)]
+    try:
+        started = time.monotonic()
+        pending = [channel.call_async("Status", timeout=1.5) for channel in channels]
+        for future in pending:
+            with pytest.raises(tfl.TensorfleetError) as raised:
+                future.result()
+            assert raised.value.recoverable  # nothing there yet: not a refusal
+        assert time.monotonic() - started < 4.5  # one after another: 6 s
+        assert all(future.done() for future in pending)
+    finally:
+        for channel in channels:
+            channel.close()
+        for sock in silent:
+            sock.close()
 
 
 # --- a worker's refusals in its Status; a malformed reference in Run ----------------------------------------------

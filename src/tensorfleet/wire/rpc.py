@@ -63,6 +63,7 @@ METHODS = (
 # incarnation and proof. Not in METHODS: no handler of a task's own serves it.
 HELLO = "Hello"
 HELLO_MAX_BYTES = 64 * 1024  # a Hello's answer is a few hundred bytes
+PROVE_TRIES = 3  # Hellos tried while the connection keeps changing under them
 # In the refusal of a call whose proof names another incarnation: the client proves the task again and resends.
 ANOTHER_INCARNATION = "was made for another incarnation of"
 
@@ -393,6 +394,33 @@ class RpcFuture:
             self._inner.add_done_callback(lambda _inner: callback())
 
 
+class _AfterHello(RpcFuture):
+    """A call on a connection not proven yet: its ``Hello`` is in flight, and the call is sent only once that
+    proved the server (when ``result`` or ``done`` is asked, or a done callback runs), never before. So calls
+    to several tasks started together prove them together (the launcher's monitor asks every task at once)."""
+
+    def __init__(self, hello: grpc.Future, then: Callable[[], RpcFuture], task: str, options: WireOptions) -> None:
+        super().__init__(hello, task, options)
+        self._then, self._sent, self._sending = then, None, threading.Lock()
+
+    def _call(self) -> RpcFuture:
+        with self._sending:
+            if self._sent is None:
+                self._sent = self._then()  # waits for the Hello, checks it, then sends (or fails: nothing sent)
+            return self._sent
+
+    def result(self) -> Message:
+        return self._call().result()
+
+    def done(self) -> bool:
+        assert self._inner is not None
+        return self._inner.done() and self._call().done()
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        assert self._inner is not None
+        self._inner.add_done_callback(lambda _hello: self._call().add_done_callback(callback))
+
+
 class Channel:
     """A client connection to one task: ``call`` / ``call_async`` with a deadline on every RPC.
 
@@ -409,7 +437,7 @@ class Channel:
         self.address, self.task, self.options = address, task, options
         self.incarnation: str | None = None  # the server's, proven on the current connection (None: prove first)
         self.servers_refused = 0  # servers at this address that failed the proof
-        self._proving = threading.Lock()  # one Hello at a time; calls wait for it
+        self._proving = threading.Lock()  # prove(): one Hello at a time
         self._epoch = 0  # bumped whenever the connection may have changed: a proof older than that is void
         self._last_warning = 0.0
         self._open()
@@ -466,23 +494,38 @@ class Channel:
             UnavailableError, DeadlineExceededError: nothing answers (yet).
         """
         with self._proving:
-            for _ in range(3):
+            for _ in range(PROVE_TRIES):
                 if self.incarnation is not None:
                     return self.incarnation
-                epoch = self._epoch
-                incarnation = self._hello_once(timeout or self.options.deadline_s, wait_for_ready)
-                if epoch == self._epoch:  # the connection did not change meanwhile
-                    self.incarnation = incarnation
+                epoch, nonce, hello = self._start_hello(timeout, wait_for_ready)
+                incarnation = self._proven_by(hello, nonce)
+                if self._keep_proof(epoch, incarnation):
                     return incarnation
-            raise errors.UnavailableError(f"the connection to {self.address} kept changing while the task was "
-                                          "asked to prove itself", task=self.task)
+            raise self._kept_changing()
 
-    def _hello_once(self, timeout: float, wait_for_ready: bool) -> str:
-        assert self.options.token is not None
+    def _start_hello(self, timeout: float | None, wait_for_ready: bool) -> tuple[int, str, grpc.Future]:
+        """Send a Hello with a fresh nonce: (the connection's epoch now, the nonce, the pending answer)."""
         nonce = auth.new_nonce()
+        return self._epoch, nonce, self._hello.future(b"", timeout=timeout or self.options.deadline_s,
+                                                      wait_for_ready=wait_for_ready,
+                                                      metadata=((auth.HELLO_KEY, nonce),))
+
+    def _keep_proof(self, epoch: int, incarnation: str) -> bool:
+        """Take ``incarnation`` as proven unless the connection may have changed since the Hello was sent."""
+        if epoch != self._epoch:
+            return False
+        self.incarnation = incarnation
+        return True
+
+    def _kept_changing(self) -> errors.UnavailableError:
+        return errors.UnavailableError(f"the connection to {self.address} kept changing while the task was asked "
+                                       "to prove itself", task=self.task)
+
+    def _proven_by(self, hello: grpc.Future, nonce: str) -> str:
+        """The incarnation a Hello's answer proves (waiting for it), or the error saying what answered instead."""
+        assert self.options.token is not None
         try:
-            reply = self._hello(b"", timeout=timeout, wait_for_ready=wait_for_ready,
-                                metadata=((auth.HELLO_KEY, nonce),))
+            reply = hello.result()
         except grpc.RpcError as exc:
             code = exc.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
@@ -527,13 +570,12 @@ class Channel:
         return self._send(method, request, timeout, wait_for_ready, resend=True)
 
     def _send(self, method: str, request: bytes, timeout: float | None, wait_for_ready: bool, *,
-              resend: bool) -> RpcFuture:
+              resend: bool, tries: int = PROVE_TRIES) -> RpcFuture:
         metadata = None
         if self.options.token:
-            try:
-                incarnation = self.incarnation or self.prove(timeout=timeout, wait_for_ready=wait_for_ready)
-            except errors.TensorfleetError as exc:  # unproven, or not there: nothing is sent
-                return RpcFuture.failed(exc, self.task, self.options)
+            incarnation = self.incarnation
+            if incarnation is None:
+                return self._after_hello(method, request, timeout, wait_for_ready, resend=resend, tries=tries)
             # Not the token: a proof of it for this call (method, task, time, fresh nonce, the server's
             # incarnation, this request's digest), useless to a listener: not again, not at another task or
             # incarnation, not with another request.
@@ -543,6 +585,21 @@ class Channel:
                                            wait_for_ready=wait_for_ready, metadata=metadata)
         again = (lambda: self._send(method, request, timeout, wait_for_ready, resend=False)) if resend else None
         return RpcFuture(inner, self.task, self.options, channel=self, resend=again)
+
+    def _after_hello(self, method: str, request: bytes, timeout: float | None, wait_for_ready: bool, *,
+                     resend: bool, tries: int) -> RpcFuture:
+        """The call, sent once a Hello sent now has proven the server; a server that fails it is sent nothing."""
+        epoch, nonce, hello = self._start_hello(timeout, wait_for_ready)
+
+        def then() -> RpcFuture:
+            try:
+                incarnation = self._proven_by(hello, nonce)
+            except errors.TensorfleetError as exc:  # unproven, or not there: nothing is sent
+                return RpcFuture.failed(exc, self.task, self.options)
+            if not self._keep_proof(epoch, incarnation) and tries <= 1:
+                return RpcFuture.failed(self._kept_changing(), self.task, self.options)
+            return self._send(method, request, timeout, wait_for_ready, resend=resend, tries=tries - 1)
+        return _AfterHello(hello, then, self.task, self.options)
 
     def call(self, method: str, meta: Mapping[str, Any] | None = None,
              tensors: Mapping[str, torch.Tensor] | None = None, *,
