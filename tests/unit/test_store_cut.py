@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import tensorfleet.ps.store as store_module
-from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.errors import InvalidArgumentError, TimelineChangedError
 from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer, SyncOptions, TableSpec
-from tensorfleet.protocol.messages import Cut, Origin, Outcome, PushRequest, grads_key, ids_key
+from tensorfleet.protocol.messages import (Cut, FenceRequest, Origin, Outcome, PushRequest, StepReply, grads_key,
+                                           ids_key)
 from tensorfleet.ps.store import VariableStore
 
 SGD = OptimizerSpec.sgd(lr=1.0)
@@ -78,6 +79,48 @@ def test_a_restore_with_a_cut_applies_no_push_of_the_old_timeline_and_every_late
         thread.join(10)
     assert old_replies[0].outcome is Outcome.RETRIED and new_replies[0].outcome is Outcome.APPLIED
     assert float(store.read()[0]["x"]) == -1.0  # the checkpoint's 0, and worker 1's push only
+
+
+def test_a_push_computed_on_an_earlier_epoch_is_refused_after_a_restore():
+    """Issue 42: a restore starts a new epoch; a push naming the one before (held across the restore, or sent
+    after it from values pulled before) is refused, whatever its origin, and one naming the new epoch applied."""
+    store = async_store()
+    before = store.epoch
+    store.push(PushRequest(origin=Origin(0, INCARNATION, 1), epoch=before), {"x": torch.ones(1)})
+    checkpoint = store.snapshot()  # x == -1
+    store.initialize(checkpoint.values, SGD, restore=checkpoint, force=True)
+    assert store.epoch != before
+    with pytest.raises(TimelineChangedError, match="restored since"):
+        store.push(PushRequest(origin=Origin(1, INCARNATION, 1), epoch=before), {"x": torch.ones(1)})
+    assert float(store.read()[0]["x"]) == -1.0 and store.status().accepted_pushes == 0
+    store.push(PushRequest(origin=Origin(1, INCARNATION, 1), epoch=store.epoch), {"x": torch.ones(1)})
+    assert float(store.read()[0]["x"]) == -2.0
+
+
+def test_a_fence_released_lets_its_held_pushes_go_at_once_and_a_cut_fence_is_not_lifted():
+    """Issue 42: a save that failed on another shard releases this one's fence, rather than hold pushes 5 s."""
+    store = async_store()
+    store.fence(hold_s=30)
+    thread, replies = push_in_thread(store, PushRequest(origin=Origin(0, INCARNATION, 1)))
+    wait_until(lambda: held(store) == 1)
+    assert store.release_fence()
+    thread.join(5)
+    assert replies[0].outcome is Outcome.APPLIED and not store.release_fence()  # nothing left to lift
+    cut = store.fence(hold_s=30)
+    with store._cond:
+        store._fence.cut = cut  # a snapshot at its cut holds it: that fence ends with the snapshot only
+    assert not store.release_fence()
+
+
+def test_the_epoch_and_the_release_travel():
+    assert FenceRequest.from_meta(FenceRequest(release=True).to_meta()).release
+    assert not FenceRequest.from_meta(FenceRequest().to_meta()).release
+    push = PushRequest(origin=Origin(0, 1, 2), epoch="abc.3")
+    assert PushRequest.from_meta(push.to_meta()).epoch == "abc.3"
+    assert PushRequest.from_meta(PushRequest().to_meta()).epoch is None
+    assert StepReply.from_meta(StepReply(4, "abc.3").to_meta()) == StepReply(4, "abc.3")
+    with pytest.raises(InvalidArgumentError, match="epoch"):
+        PushRequest.from_meta({**push.to_meta(), "epoch": 7})
 
 
 def test_a_fence_expires_when_no_cut_comes():
