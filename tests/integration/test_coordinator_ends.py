@@ -49,7 +49,7 @@ DEAD = threading.Event()  # set at the end: the killed worker's closure may retu
 
 
 @tfl.remote
-def train_steps(count: int) -> int:
+def ends_train_steps(count: int) -> int:
     context = worker_context()
     for step in range(count):
         victim = KILL.get("server")
@@ -135,7 +135,7 @@ def test_a_worker_started_after_the_coordinator_ended_learns_the_job_is_done(job
     job = jobs(2, mode="async")
     job.start(0)  # worker 1 is down the whole time the coordinator runs
     coordinator = job.drive()
-    values = [coordinator.schedule(train_steps, args=(2,)) for _ in range(3)]
+    values = [coordinator.schedule(ends_train_steps, args=(2,)) for _ in range(3)]
     coordinator.join()
     assert all(v.worker == "/job:worker/task:0" for v in values)
     coordinator.shutdown()  # Done to worker 0; worker 1 does not answer it
@@ -152,7 +152,7 @@ def test_sync_a_worker_killed_mid_closure_skips_what_it_pushed_and_the_end_does_
     job.start(1)
     coordinator = job.drive()
     KILL.update(task=1, after=3, server=job.servers[1])
-    values = [coordinator.schedule(train_steps, args=(STEPS,)) for _ in range(3)]
+    values = [coordinator.schedule(ends_train_steps, args=(STEPS,)) for _ in range(3)]
     poll(lambda: "server" not in KILL, 30, "worker 1 to be killed in its first closure")
     job.start(1)  # restarted: a new incarnation on the same address
     started = time.monotonic()

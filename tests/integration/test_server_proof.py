@@ -43,7 +43,7 @@ WAIT_S = 20.0
 
 
 @tfl.remote
-def echo(value):
+def proof_echo(value):
     return value
 
 
@@ -192,7 +192,7 @@ def test_a_squatter_at_a_dead_workers_address_gets_no_closure_and_is_not_believe
     coordinator = Coordinator(cluster, options=OPTIONS)
     squatter: Any = None
     try:
-        assert [coordinator.schedule(echo, [i]).fetch(WAIT_S) for i in range(4)] == list(range(4))
+        assert [coordinator.schedule(proof_echo, [i]).fetch(WAIT_S) for i in range(4)] == list(range(4))
         proven = coordinator._workers[1].channel
         workers[1].finished.set()  # worker 1 dies ...
         threads[1].join(timeout=WAIT_S)
@@ -207,7 +207,7 @@ def test_a_squatter_at_a_dead_workers_address_gets_no_closure_and_is_not_believe
         results, deadline = [], time.monotonic() + WAIT_S
         while proven.servers_refused == 0:  # until worker 1's thread has tried the squatter
             assert time.monotonic() < deadline, "worker 1's thread never took a closure"
-            values = [coordinator.schedule(echo, [i]) for i in range(4)]
+            values = [coordinator.schedule(proof_echo, [i]) for i in range(4)]
             results += [(value.fetch(WAIT_S), value.worker) for value in values]
         assert all(result != "forged" and worker == "/job:worker/task:0" for result, worker in results)
     finally:
@@ -352,7 +352,7 @@ def test_a_malformed_reference_in_run_is_invalid_argument_in_one_line(reference,
     channel = Channel(cluster.task_address("worker", 0), task="/job:worker/task:0", options=OPTIONS)
     try:
         with pytest.raises(InvalidArgumentError) as raised:
-            channel.call("Run", {"function": name_of(echo), "args": [reference]}, timeout=10)
+            channel.call("Run", {"function": name_of(proof_echo), "args": [reference]}, timeout=10)
         assert "\n" not in raised.value.message and "Traceback" not in raised.value.message
         assert "reference must name it with a string" in raised.value.message
         # ... and the coordinator's worker counts a call without the token in its Status

@@ -33,7 +33,12 @@ def name_of(function: Callable[..., Any]) -> str:
         InvalidArgumentError: it was not marked ``@tfl.remote`` (a worker would refuse it).
     """
     name = getattr(function, "__qualname__", None)
-    if name is None or _FUNCTIONS.get(name) is not function:
+    marked = _FUNCTIONS.get(name) if name is not None else None
+    if marked is not None and marked is not function:  # two functions of one name: the later marking won
+        raise InvalidArgumentError(f"{name!r} names another remote function (of {marked.__module__}, marked after "
+                                   f"this one of {getattr(function, '__module__', '?')}): remote functions travel "
+                                   "by name, so give each its own")
+    if marked is None:
         raise InvalidArgumentError(f"{getattr(function, '__name__', function)!r} is not a remote function: mark it "
                             "@tfl.remote in the script (workers run only the script's remote functions)")
     return name

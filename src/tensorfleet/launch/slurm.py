@@ -70,6 +70,7 @@ RESTART_WORDS = "(a rank died): running it again"  # the batch script's line whe
 OUTPUT_FILE = "slurm-%j.out"
 HEAD_BYTES = 256  # the start of the output file the launcher remembers, to tell a new one (a requeue's) apart
 POLL_S = 1.0  # how often squeue is asked, and the output file read
+ENDED_CONFIRM_S = 2.0  # an ended state is asked again after this, before it is believed (a requeue passes one)
 CANCEL_WAIT_S = 60.0  # after scancel, how long Slurm may take to end the job
 COMMAND_TIMEOUT_S = 30.0  # sbatch, squeue, scancel, scontrol
 MAX_BACKOFF_S = 30.0
@@ -329,7 +330,7 @@ class SlurmLauncher:
             if state != last_state and state is not None:
                 self.say(f"job {self.job_id} is {state}")
                 last_state = state
-            if state is None or state in ENDED:
+            if (state is None or state in ENDED) and self._still_ended(state):
                 time.sleep(POLL_S / 2)  # the last lines Slurm wrote
                 self._pump(final=True)
                 self._polled()
@@ -339,6 +340,13 @@ class SlurmLauncher:
                 raise LaunchError(f"job {self.job_id} was cancelled but Slurm still lists it {state} after "
                                   f"{CANCEL_WAIT_S:g} s: see squeue -j {self.job_id}")
             time.sleep(POLL_S)
+
+    def _still_ended(self, state: str | None) -> bool:
+        """Whether the job ended for good: asked again after ``ENDED_CONFIRM_S``. A job being requeued can show an
+        ended state (the batch script's run killed) for a moment before Slurm lists it pending again."""
+        time.sleep(ENDED_CONFIRM_S)
+        again, _ = job_state(self.job_id)
+        return again is None or again in ENDED or again == state
 
     def _polled(self) -> None:
         if self.on_poll is not None:
