@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from tensorfleet.errors import ConfigError
 from tensorfleet.launch.config import JobConfig
 from tensorfleet.launch.local import LocalLauncher
 from tensorfleet.testing.local_cluster import REPO
-from tensorfleet.train.atomic import ACL_XATTR
+from tensorfleet.testing.acl import set_access_acl
 from tensorfleet.wire import auth
 
 SCRIPT = REPO / "examples" / "mnist_coordinator.py"
@@ -35,10 +34,8 @@ AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another
 
 def grant_write_by_acl(path: Path, uid: int = OTHER_UID) -> None:
     """What ``setfacl -m u:UID:rwx PATH`` does: an access ACL with a named user who may write (mask rwx)."""
-    entries = [(0x01, 7, 0xFFFFFFFF), (0x02, 7, uid), (0x04, 5, 0xFFFFFFFF), (0x10, 7, 0xFFFFFFFF),
-               (0x20, 5 if path.is_dir() else 4, 0xFFFFFFFF)]
     try:
-        os.setxattr(path, ACL_XATTR, struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries))
+        set_access_acl(path, uid)
     except OSError as exc:
         pytest.skip(f"this file system takes no POSIX ACL ({exc.strerror})")
 

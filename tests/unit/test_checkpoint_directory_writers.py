@@ -9,7 +9,6 @@ and, as root, by giving the directory to another uid."""
 from __future__ import annotations
 
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,8 @@ from tensorfleet.cli import main as cli
 from tensorfleet.errors import ConfigError
 from tensorfleet.protocol.state import ShardState
 from tensorfleet.train import checkpoint
-from tensorfleet.train.atomic import ACL_XATTR, private_directory_problem
+from tensorfleet.testing.acl import set_access_acl
+from tensorfleet.train.atomic import private_directory_problem
 from tensorfleet.train.manifest import latest_checkpoint, list_checkpoints
 
 OTHER_UID = 54321
@@ -32,10 +32,8 @@ STATE = ShardState({"weight": torch.ones(2, 3), "bias": torch.zeros(2)}, {}, Non
 
 def acl(directory: Path, user_perm: int, mask: int) -> None:
     """An access ACL as ``setfacl`` writes it: the owner rwx, user OTHER_UID ``user_perm``, group r-x, ``mask``."""
-    entries = [(0x01, 7, 0xFFFFFFFF), (0x02, user_perm, OTHER_UID), (0x04, 5, 0xFFFFFFFF), (0x10, mask, 0xFFFFFFFF),
-               (0x20, 5, 0xFFFFFFFF)]
     try:
-        os.setxattr(directory, ACL_XATTR, struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries))
+        set_access_acl(directory, OTHER_UID, user_perm, mask)
     except OSError as exc:
         pytest.skip(f"this file system takes no POSIX ACL ({exc.strerror})")
 
