@@ -43,8 +43,10 @@ class FakeStreams:
         self.sent: dict[str, torch.Tensor] = {}
         self.aborted = False
 
-    def send(self, name: str, gradient: torch.Tensor) -> None:
+    def send(self, name: str, gradient: torch.Tensor, *, ready: Callable[[], None] | None = None) -> None:
         assert name in self.layout and name not in self.sent, name
+        if ready is not None:  # a device's copy to host still running: wait for it before reading, as the real one
+            ready()
         self.sent[name] = gradient.detach().clone()
 
     def finish_async(self, *, into: Mapping[str, torch.Tensor] | None = None) -> FakeGathered:

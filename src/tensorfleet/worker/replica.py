@@ -58,6 +58,7 @@ from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import Gathered, PsClient, Pulled, Pushed
 from tensorfleet.worker.streams import PushStreams
 from tensorfleet.worker.embedding import tables_of
+from tensorfleet.worker.staging import HostStaging
 from tensorfleet.worker.options import DEFAULT_PLACEMENT, ReplicaOptions
 from tensorfleet.worker.protocol import ended_cleanly
 from tensorfleet.worker.status import PROCESS_STATUS, TaskStatus
@@ -148,8 +149,16 @@ class Replica:
         self.client = PsClient(cluster, self.placement.shard_map(), options=self.options.options,
                                wire_dtype=self.options.wire_dtype, tables=table_specs)
         for table in self.tables.values():  # prefetch: lookups queue behind the push travelling on the threads
-            table.bind(lambda ids, name=table.name: self.client.fetch({name: ids}, inline=not self.prefetch)[name])
-        self._param_views = self.placement.views({n: p.data for n, p in self._params.items()})
+            table.bind(lambda ids, name=table.name: self.client.fetch({name: ids}, inline=not self.prefetch)[name],
+                       unique=lambda flat, name=table.name: self.client.unique_by_shard(name, flat))
+        # The wire reads and writes host memory: a parameter on a device is received into (and its gradient
+        # sent from) a host buffer of its own, with one copy each way (worker/staging.py); a host parameter is
+        # used in place. _param_views: where values land; _device_views: the parameters (parts) they go to.
+        self._staging = HostStaging(self._params)
+        self._param_views = self.placement.views(self._staging.host_values())
+        on_device = self.placement.views({n: p.data for n, p in self._params.items()})
+        self._device_views = {part.name: on_device[part.name] if self._staging.is_staged(part.variable)
+                              else self._param_views[part.name] for part in self.placement.parts}
         self._shard_steps = [0] * len(cluster.ps_addresses)
         self._prefetched: list[int] | None = None  # param versions right after a push brought values back
         # A push is two choices, each a small piece: how its gradients leave (overlap: streamed during
@@ -242,7 +251,7 @@ class Replica:
             if restore is None:
                 log.warning("%s (chief): no checkpoint to restore; re-initializing every shard from the values "
                             "pulled last (optimizer state of the lost shard is gone)", self.task.name)
-                values = {n: p.detach() for n, p in self._params.items()}
+                values = self._host_values()
                 # Tables: the surviving shards keep their rows; the lost shard's rows start again from their
                 # initial values.
                 kept = self.client.snapshot(shards=[s for s in range(self.num_ps) if s not in empty]) \
@@ -272,7 +281,7 @@ class Replica:
         if restore is None:
             source = "the live shards' state; the empty shards' variables start again from their initial values"
             kept = self.client.snapshot(shards=live)
-            values = self.placement.views({n: p.detach() for n, p in self._params.items()})
+            values = self.placement.views(self._host_values())
             shard_map = self.placement.shard_map()
             first = kept[live[0]]
             step = kept[0].global_step if 0 in kept else max(state.global_step for state in kept.values())
@@ -287,7 +296,7 @@ class Replica:
                     "from %s, so that the shards agree", self.task.name, empty, live, restore[0].global_step, source)
 
     def _initialize(self, restore: Sequence[ShardState] | None) -> None:
-        values = self.placement.views({name: p.detach() for name, p in self._params.items()})
+        values = self.placement.views(self._host_values())
         if not self.client.initialize(values, self.optimizer, self.sync, self.average_decay, restore,
                                       nonfinite=self.nonfinite_gradients):
             log.info("%s (chief): the ps already holds trained variables; not re-initializing", self.task.name)
@@ -408,23 +417,31 @@ class Replica:
             self.dropped_gradients += 1
         self.status.pushed(self.global_step, self.dropped_gradients)
 
+    def _host_values(self) -> dict[str, torch.Tensor]:
+        """The module's values in host memory (a copy of those on a device), for an Init or a restore."""
+        return {name: p.detach().cpu() for name, p in self._params.items()}
+
     def _versions(self) -> list[int]:
         """Autograd's version counters: any in-place change to a parameter bumps its counter."""
         return [param._version for param in self._params.values()]
 
     def _copy_in(self, *, averages: bool) -> Pulled:
         self._prefetched = None
+        self._staging.wait_to_device()  # the host buffers are about to be written again
         pulled = self.client.pull(averages=averages, into=self._param_views)
         self._take(pulled)
         return pulled
 
     def _take(self, pulled: Pulled) -> None:
-        """Values normally land in the parameters themselves; copy any that could not (not contiguous)."""
+        """Values land in host parameters themselves; copy any that could not (not contiguous, another dtype on
+        the wire, prefetch's landing place), and every device parameter's from its host buffer (non-blocking:
+        queued ahead of the next forward)."""
         with torch.no_grad():
-            for name, view in self._param_views.items():
+            for name, target in self._device_views.items():
                 value = pulled.values[name]
-                if value is not view:
-                    view.copy_(value)
+                if value is not target:
+                    self._staging.copy_to_device(target, value)
+        self._staging.to_device_done()
 
     def push(self, *, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
         """Send the module's gradients (and clear them); return the global step after the update.
@@ -453,6 +470,7 @@ class Replica:
         """This step's gradients to the ps: the streams backward opened (overlap, tagged then), or all of
         them now. ``wait``: return the ``Pushed`` (one shard's part sent from this thread); else a
         ``Gathered`` to wait on later."""
+        self._staging.wait_to_device()  # the reply's values land in host buffers the last copies may still read
         if self._streaming is not None and self._streaming.open:
             gathered = self._streaming.finish(into=into)
             return gathered.result() if wait else gathered
@@ -477,9 +495,9 @@ class Replica:
         return rows
 
     def _gradients(self) -> dict[str, torch.Tensor]:
-        """This step's gradients as the placement splits them; zeros for a parameter that got none."""
-        grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in self._params.items()}
-        return self.placement.views(grads)
+        """This step's gradients in host memory, as the placement splits them; zeros for a parameter that got
+        none."""
+        return self.placement.views(self._staging.gradients())
 
     def report(self, *, loss: float | None = None, examples: int = 0, target_step: int | None = None,
                metrics: Mapping[str, float] | None = None) -> None:
@@ -513,8 +531,7 @@ class _PushInFlight:
     """
 
     def __init__(self, replica: Replica) -> None:
-        self.landing = replica.placement.views({name: torch.empty_like(p.data)
-                                                for name, p in replica._params.items()})
+        self.landing = replica.placement.views(replica._staging.host_like())
         self._gathered: Gathered | None = None
 
     @property
@@ -573,8 +590,9 @@ class _GradientStreams:
                                                         replica=replica.replica_id, timeout_s=timeout,
                                                         row_ids=self._row_ids)
         self._streamed.add(name)
-        for part, view in replica.placement.views_of(name, param.grad).items():
-            self._streams.send(part, view)
+        host, ready = replica._staging.gradient_ready(name, param.grad)  # a device's copy starts now
+        for part, view in replica.placement.views_of(name, host).items():
+            self._streams.send(part, view, ready=ready)
 
     def finish(self, *, into: dict[str, torch.Tensor]) -> Gathered:
         """Send what is left of the open push, its values to land in ``into``; ``result()`` is the ``Pushed``."""
@@ -586,8 +604,7 @@ class _GradientStreams:
         placement = self._replica.placement
         for name, param in self._replica._params.items():  # parameters that got no gradient this step: zeros
             if name not in self._streamed:
-                param.grad = torch.zeros_like(param)
-                for part, view in placement.views_of(name, param.grad).items():
+                for part, view in placement.views_of(name, self._replica._staging.zeros(name)).items():
                     streams.send(part, view)
         unique_ids = 0
         for table_name, table in self._replica.tables.items():  # rows last: backward is over now

@@ -9,7 +9,7 @@ push's numbering (``push_meta``), the wire dtype (``wire_entry``, ``narrow``) an
 from __future__ import annotations
 
 from concurrent.futures import Future, wait
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -49,6 +49,7 @@ class PushStreams:
                     self._examples[(shard, name)] = example
                     self._order[shard].append(name)
         self._ready: dict[tuple[int, str], torch.Tensor] = {}  # (shard, name): a table's names recur per shard
+        self._waits: dict[tuple[int, str], Callable[[], None]] = {}  # what a ready tensor's send waits on first
         self._cursor = [0] * len(client.channels)
         self._shards = list(client.active)
         self._streams: dict[int, Future] = {}
@@ -59,10 +60,14 @@ class PushStreams:
             self._streams[shard] = client.shard_thread(shard).submit(
                 client.data[shard].stream, "Push", meta, entries, timeout=timeout_s)
 
-    def send(self, name: str, gradient: torch.Tensor) -> None:
-        """Mark ``name``'s gradient ready; send it, and any ready ones after it, on its shard's thread."""
+    def send(self, name: str, gradient: torch.Tensor, *, ready: Callable[[], None] | None = None) -> None:
+        """Mark ``name``'s gradient ready; send it, and any ready ones after it, on its shard's thread.
+        ``ready``: what the shard's thread waits on before it reads the tensor (a copy from a device still
+        running: ``worker/staging.py``)."""
         shard = self._client.placement[name]
         self._ready[(shard, name)] = gradient
+        if ready is not None:
+            self._waits[(shard, name)] = ready
         self._flush(shard, hold_last=True)
 
     def send_rows(self, table: str, ids: torch.Tensor, grads: torch.Tensor) -> None:
@@ -81,15 +86,18 @@ class PushStreams:
         end = len(order) - 1 if hold_last else len(order)
         batch = []
         while cursor < end and (shard, order[cursor]) in self._ready:
-            batch.append(self._ready[(shard, order[cursor])])
+            key = (shard, order[cursor])
+            batch.append((self._ready[key], self._waits.pop(key, None)))
             cursor += 1
         self._cursor[shard] = cursor
         if batch:
             self._sends[shard].append(self._client.shard_thread(shard).submit(self._send_batch, shard, batch))
 
-    def _send_batch(self, shard: int, batch: list[torch.Tensor]) -> None:
+    def _send_batch(self, shard: int, batch: list[tuple[torch.Tensor, Callable[[], None] | None]]) -> None:
         stream: Stream = self._streams[shard].result()
-        for tensor in batch:
+        for tensor, ready in batch:
+            if ready is not None:
+                ready()
             stream.send(self._client.narrow(tensor))
 
     def finish(self, *, into: Mapping[str, torch.Tensor] | None = None) -> Pushed:
