@@ -28,14 +28,14 @@ When tower 0 fails (a ps went away), the header carries the error's class, every
 tower raises it, and ``TrainingSession`` recovers on every tower in step: tower 0
 waits for the ps (``Replica.recover``) and broadcasts the restored values.
 
-On GPUs, tower 0's ``Replica`` holds a CPU copy of the module (the data plane
-receives into host memory); values and gradients cross with one copy each way.
+On GPUs, tower 0's ``Replica`` is over tower 0's module on its device, as any ``Replica`` over a device model
+(``worker/staging.py``): values and gradients cross between the device and pinned host buffers with one
+non-blocking copy each way, and the towers' broadcast starts from tower 0's device.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar, overload
 
 import torch
@@ -148,11 +148,8 @@ class TowerReplica:
         if self.model is not module:
             self.model.register_forward_pre_hook(self._on_forward)
         self.replica: Replica | None = None
-        self._host: nn.Module = module
-        if towers.index == 0:
-            if next(module.parameters()).device.type != "cpu":  # the ps's values arrive in host memory
-                self._host = copy.deepcopy(module).to("cpu")
-            self.replica = Replica(self._host, cluster, task, optimizer=optimizer, config=self.options)
+        if towers.index == 0:  # a device module: its Replica stages values and gradients through host buffers
+            self.replica = Replica(module, cluster, task, optimizer=optimizer, config=self.options)
         # Embedding tables: every tower's forward fetches its rows through tower 0 (one lookup of the towers'
         # ids together), and push() merges the towers' row gradients into tower 0's one push.
         self.tables = tables_of(module)
@@ -194,8 +191,7 @@ class TowerReplica:
 
     def recover(self, *, restore: Sequence[ShardState] | None, timeout_s: float) -> None:
         """After a ps was lost: tower 0 recovers (``Replica.recover``); every tower gets the restored values."""
-        for module in {id(m): m for m in (self.module, self._host)}.values():
-            module.zero_grad(set_to_none=True)  # the step runs again from scratch
+        self.module.zero_grad(set_to_none=True)  # the step runs again from scratch
         for table in self.tables.values():
             table.forget()
         self._lead(lambda: self.replica.recover(restore=restore, timeout_s=timeout_s), values=True)
@@ -246,9 +242,6 @@ class TowerReplica:
     # --- tower 0 leads, the others follow --------------------------------------------------------
 
     def _push_from_tower_0(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
-        if self._host is not self.module:
-            for param, host in zip(self._params, self._host.parameters()):
-                host.grad = None if param.grad is None else param.grad.to("cpu")
         return self.replica.push(rows=rows if self.tables else None)
 
     # --- embedding tables: tower 0 fetches and pushes rows for every tower ------------------------
@@ -308,8 +301,4 @@ class TowerReplica:
             self._share_values()
 
     def _share_values(self) -> None:
-        if self.replica is not None and self._host is not self.module:
-            with torch.no_grad():
-                for param, host in zip(self._params, self._host.parameters()):
-                    param.copy_(host, non_blocking=True)
         self.towers.broadcast(self._params)
