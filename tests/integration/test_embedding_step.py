@@ -1,8 +1,8 @@
 """The worker side of a step with embedding tables, on real ps servers (3 shards, in this process).
 
 A step (forward of each table once, backward, push; with ``prefetch_rows``, with the push streamed during
-backward, with prefetch) computes each table's unique ids once and hashes them to shards once, and trains as
-the plain step does; each shard's lookup reply is received by the data channel straight into the rows tensor
+backward, with prefetch) makes each table's ids unique and routes them to shards in one compiled pass (no
+``torch.unique``, no other hashing), and trains as the plain step does; each shard's lookup reply is received by the data channel straight into the rows tensor
 forward hands to autograd, and the push sends slices of that tensor's gradient.
 """
 
@@ -51,9 +51,9 @@ def batch(step: int):
 
 
 def counting(monkeypatch) -> list[str]:
-    """``torch.unique`` run by the worker's code and ``shard_of`` run by the client, from now on."""
+    """``torch.unique`` run by the worker's code, ``shard_of`` and the compiled pass run by the client, from now on."""
     calls: list[str] = []
-    real_unique, real_shard_of = torch.unique, client_module.shard_of
+    real_unique, real_shard_of, real_pass = torch.unique, client_module.shard_of, client_module.unique_by_shard
 
     def unique(*args, **kwargs):
         if sys._getframe(1).f_globals.get("__name__", "").startswith("tensorfleet.worker"):  # not the ps's
@@ -62,6 +62,7 @@ def counting(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(torch, "unique", unique)
     monkeypatch.setattr(client_module, "shard_of", lambda ids, n: (calls.append("hash"), real_shard_of(ids, n))[1])
+    monkeypatch.setattr(client_module, "unique_by_shard", lambda flat, n: (calls.append("pass"), real_pass(flat, n))[1])
     return calls
 
 
@@ -80,7 +81,7 @@ def train(way: str, calls: list[str] | None = None) -> dict[str, dict[int, torch
                 nn.functional.mse_loss(model(users, tags), y).backward()
                 replica.push()
                 if calls is not None:
-                    assert sorted(calls) == ["hash", "hash", "unique", "unique"], (step, calls)  # one per table
+                    assert calls == ["pass", "pass"], (step, calls)  # one per table
         rows: dict[str, dict[int, torch.Tensor]] = {"user": {}, "tags": {}}
         for index, server in enumerate(servers):
             for name in rows:
@@ -91,7 +92,7 @@ def train(way: str, calls: list[str] | None = None) -> dict[str, dict[int, torch
 
 
 @pytest.mark.parametrize("way", ["plain", "prefetch_rows", "overlap", "prefetch"])
-def test_a_step_computes_each_tables_unique_ids_once_and_hashes_them_once(monkeypatch, way):
+def test_a_step_makes_each_tables_ids_unique_and_routes_them_in_one_pass(monkeypatch, way):
     trained = train(way, counting(monkeypatch))
     if way in ("prefetch_rows", "overlap"):  # the same training as the plain step (prefetch computes on older rows)
         monkeypatch.undo()

@@ -197,12 +197,13 @@ def test_rows_live_on_the_shard_their_id_hashes_to_and_bytes_follow_unique_ids()
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["push", "streamed-push"])
 def test_a_steps_ids_are_hashed_to_shards_once_on_the_worker(monkeypatch, overlap):
-    """The lookup routes each table's unique ids to their shards; the push of their row gradients reuses that
-    routing (issue 30: the worker hashed the same ids twice per step)."""
+    """Each table's batch is made unique and routed to its shards in one pass; the lookup and the push of the row
+    gradients reuse that routing (issue 30: the worker hashed the same ids twice per step; issue 39: one pass)."""
     import tensorfleet.worker.client as client_module
 
-    hashed = []
-    monkeypatch.setattr(client_module, "shard_of", lambda ids, n: (hashed.append(ids.numel()), shard_of(ids, n))[1])
+    hashed, real_pass = [], client_module.unique_by_shard
+    monkeypatch.setattr(client_module, "shard_of", lambda ids, n: (hashed.append("hash"), shard_of(ids, n))[1])
+    monkeypatch.setattr(client_module, "unique_by_shard", lambda flat, n: (hashed.append("pass"), real_pass(flat, n))[1])
     with ps_servers(num_ps=3, num_workers=1) as (cluster, servers):
         model = TableModel(OptimizerSpec("sgd", {"lr": 0.1}))
         with Replica(model, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1),
@@ -211,7 +212,7 @@ def test_a_steps_ids_are_hashed_to_shards_once_on_the_worker(monkeypatch, overla
                 hashed.clear()
                 loss_of(model, batch_for(step, 0)).backward()
                 replica.push()
-                assert len(hashed) == 2, hashed  # one per table: user and tags
+                assert hashed == ["pass", "pass"], hashed  # one per table: user and tags
         for index, server in enumerate(servers):
             for table in ("user", "tags"):
                 assert (shard_of(server.store.snapshot().tables[table].ids, 3) == index).all()

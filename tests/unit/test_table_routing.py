@@ -4,9 +4,10 @@ Each fake shard answers a lookup with rows that name the shard that answered and
 the wrong shard, or landed at the wrong place, shows), receiving them into the caller's ``into`` tensors where
 dtype and shape match, as ``DataChannel`` does, and records every lookup and push. The proofs: forward hands
 ``F.embedding``/``F.embedding_bag`` exactly each id's row from its own shard (ids of every shard interleaved,
-duplicates, pooled or not, bf16 on the wire); each shard is pushed exactly its ids' summed gradients; a step
-runs ``torch.unique`` once per table and hashes its ids once; the replies land in the very rows tensor forward
-uses, and the push sends slices of that tensor's gradient, with one shard as with three.
+duplicates, pooled or not, bf16 on the wire, bound as ``Replica`` binds or with a lookup alone); each shard is
+pushed exactly its ids' summed gradients; a step makes each table's ids unique and routes them in one compiled
+pass (no ``torch.unique``, no other hashing); the replies land in the very rows tensor forward uses, and the push
+sends slices of that tensor's gradient, with one shard as with three.
 """
 
 from __future__ import annotations
@@ -99,10 +100,12 @@ def fleet():
         client.close()
 
 
-def bound(client: PsClient, name: str = "t", pooling: str | None = None) -> EmbeddingTable:
-    """A table bound to ``client`` as ``Replica`` binds it."""
+def bound(client: PsClient, name: str = "t", pooling: str | None = None, *, routed: bool = True) -> EmbeddingTable:
+    """A table bound to ``client`` as ``Replica`` binds it; not ``routed``: with the lookup alone (its unique ids
+    in first-seen order, routed by the lookup)."""
     table = EmbeddingTable(name, DIM, pooling=pooling, optimizer=SGD)
-    table.bind(lambda ids: client.fetch({name: ids})[name])
+    table.bind(lambda ids: client.fetch({name: ids})[name],
+               unique=(lambda flat: client.unique_by_shard(name, flat)) if routed else None)
     return table
 
 
@@ -120,11 +123,13 @@ CASES = [(None, IDS, None), ("sum", IDS, None), ("mean", IDS.reshape(-1), torch.
 
 
 @pytest.mark.parametrize("num_shards", [1, 3])
-@pytest.mark.parametrize("wire_dtype", [None, torch.bfloat16], ids=["fp32", "bf16-wire"])
+@pytest.mark.parametrize("wire_dtype, routed", [(None, True), (torch.bfloat16, True), (None, False)],
+                         ids=["fp32", "bf16-wire", "lookup-alone"])
 @pytest.mark.parametrize("pooling, ids, offsets", CASES, ids=["no-pooling", "sum-2d", "mean-offsets"])
-def test_forward_gives_each_id_the_row_its_own_shard_answered(fleet, num_shards, wire_dtype, pooling, ids, offsets):
+def test_forward_gives_each_id_the_row_its_own_shard_answered(fleet, num_shards, wire_dtype, routed, pooling, ids,
+                                                             offsets):
     client = fleet(num_shards, wire_dtype)
-    table = bound(client, pooling=pooling)
+    table = bound(client, pooling=pooling, routed=routed)
     got = table(ids, offsets) if offsets is not None else table(ids)
     unique = torch.unique(ids)
     want, _, _ = reference(ids, expected_rows(unique, num_shards), pooling, offsets)
@@ -135,10 +140,11 @@ def test_forward_gives_each_id_the_row_its_own_shard_answered(fleet, num_shards,
 
 
 @pytest.mark.parametrize("num_shards", [1, 3])
+@pytest.mark.parametrize("routed", [True, False], ids=["routed", "lookup-alone"])
 @pytest.mark.parametrize("pooling, ids, offsets", CASES, ids=["no-pooling", "sum-2d", "mean-offsets"])
-def test_each_shard_is_pushed_exactly_its_ids_summed_gradients(fleet, num_shards, pooling, ids, offsets):
+def test_each_shard_is_pushed_exactly_its_ids_summed_gradients(fleet, num_shards, routed, pooling, ids, offsets):
     client = fleet(num_shards)
-    table = bound(client, pooling=pooling)
+    table = bound(client, pooling=pooling, routed=routed)
     out = table(ids, offsets) if offsets is not None else table(ids)
     weights = torch.randint(-4, 5, out.shape, generator=torch.Generator().manual_seed(3)).float()
     (out * weights).sum().backward()
@@ -186,11 +192,11 @@ def test_the_replies_land_in_the_rows_forward_uses_and_the_push_sends_slices_of_
                 assert sent.untyped_storage().data_ptr() == base.untyped_storage().data_ptr(), name
 
 
-def test_a_step_runs_unique_once_and_hashes_once_per_table(fleet, monkeypatch):
+def test_a_step_makes_each_table_unique_and_routes_it_in_one_pass(fleet, monkeypatch):
     client = fleet(3)
     user, tags = bound(client, "t"), bound(client, "u", pooling="mean")
     calls = []
-    real_unique, real_shard_of = torch.unique, client_module.shard_of
+    real_unique, real_shard_of, real_pass = torch.unique, client_module.shard_of, client_module.unique_by_shard
 
     def unique(*args, **kwargs):
         if sys._getframe(1).f_globals.get("__name__", "").startswith("tensorfleet."):
@@ -199,11 +205,12 @@ def test_a_step_runs_unique_once_and_hashes_once_per_table(fleet, monkeypatch):
 
     monkeypatch.setattr(torch, "unique", unique)
     monkeypatch.setattr(client_module, "shard_of", lambda ids, n: (calls.append("hash"), real_shard_of(ids, n))[1])
+    monkeypatch.setattr(client_module, "unique_by_shard", lambda flat, n: (calls.append("pass"), real_pass(flat, n))[1])
     for step in range(2):
         calls.clear()
         (user(IDS[:, :2] + step).sum() + tags(IDS + step).sum()).backward()
         client.push({}, rows={"t": user.take_gradients(), "u": tags.take_gradients()})
-        assert sorted(calls) == ["hash", "hash", "unique", "unique"], calls
+        assert calls == ["pass", "pass"], calls
 
 
 def test_rows_in_any_order_are_looked_up_and_pushed_by_their_own_shard(fleet):

@@ -6,9 +6,10 @@ shard, each shard's calls run on a thread of its own so that all shards transfer
 ``Gathered`` future; ``x()`` runs one shard's call on the calling thread and
 the others beside it).  Rows of embedding tables are looked up by id from the
 shards their ids hash to (``fetch``, ``lookup``), and their gradients ride in the same push
-as the dense ones, one (ids, rows) pair per table and shard.  A table's ids are hashed to
-shards once per step (``route``: the ids put in shard order, kept for the push), so each
-shard's ids, rows and row gradients are slices of one tensor, never masked copies.
+as the dense ones, one (ids, rows) pair per table and shard.  A table's batch is made unique
+and put in shard order once per step, in one compiled pass (``unique_by_shard``; ``route`` for
+ids already unique), its route kept for the push, so each shard's ids, rows and row gradients
+are slices of one tensor, never masked copies.
 Pulled values, the values a push brings back and looked-up rows are received straight
 into the tensors the caller names (``into``: a model's parameters), with no copy.  ps
 task 0 also keeps the global step, so every push includes it (with ``advance_step``),
@@ -40,6 +41,7 @@ from tensorfleet.wire.codec import NARROW_DTYPES, TensorEntry
 from tensorfleet.wire.datachannel import DataChannel
 from tensorfleet.wire.rpc import Channel, WireOptions
 from tensorfleet.worker.embedding import Fetched
+from tensorfleet.worker.routing import Spans, spans_of, unique_by_shard
 from tensorfleet.worker.snapshots import SnapshotInFlight, fence_for_restore, release_fences, start_snapshot
 
 if TYPE_CHECKING:
@@ -72,7 +74,7 @@ class Route:
     ids: torch.Tensor
     order: torch.Tensor | None
     position: torch.Tensor | None
-    spans: tuple[tuple[int, int, int], ...]
+    spans: Spans
 
     @classmethod
     def of(cls, ids: torch.Tensor, num_shards: int) -> Route:
@@ -80,11 +82,7 @@ class Route:
         if num_shards == 1:  # nothing to hash
             return cls(ids, ids, None, None, ((0, 0, ids.numel()),) if ids.numel() else ())
         owner = shard_of(ids, num_shards)  # numpy from here: its stable sort of 16-bit keys is a radix sort
-        spans, start = [], 0
-        for shard, count in enumerate(np.bincount(owner, minlength=num_shards).tolist()):
-            if count:
-                spans.append((shard, start, start + count))
-                start += count
+        spans = spans_of(np.bincount(owner, minlength=num_shards))
         if len(spans) <= 1:
             return cls(ids, ids, None, None, tuple(spans))
         order = np.argsort(owner.astype(np.uint16), kind="stable")
@@ -437,14 +435,27 @@ class PsClient:
         """Where each of a table's ``ids`` lives. Hashed once per step: the lookup keeps the route, both of the
         ids it was given and of the same ids in shard order, and the push of the step's row gradients comes
         with one of those very tensors (``Fetched.ids``)."""
-        kept = self._routes.setdefault(table, [])
-        for route in kept:
+        for route in self._routes.get(table, ()):
             if route.given is ids:
                 return route
         route = Route.of(ids, len(self.channels))
-        kept[:0] = [route] if route.order is None else [route, route.in_shard_order()]
-        del kept[ROUTES_KEPT:]
+        self._keep(table, [route] if route.order is None else [route, route.in_shard_order()])
         return route
+
+    def unique_by_shard(self, table: str, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A table's batch of ids (``flat``: 1-D int64 in host memory, duplicates and all) as its lookup wants
+        them: the unique ids in shard order, and where each of ``flat`` is among them (``flat ==
+        unique[inverse]``), in one compiled pass (``routing.unique_by_shard``) instead of a sort and a hashing.
+        Their route is kept: the lookup of this very ``unique`` and the push of its gradients hash nothing."""
+        unique, spans, inverse = unique_by_shard(flat, len(self.channels))
+        self._keep(table, [Route(unique, unique, None, None, spans)])
+        return unique, inverse
+
+    def _keep(self, table: str, routes: list[Route]) -> None:
+        """Keep ``routes`` as the table's newest (the step's ids, a prefetched next step's: a few at most)."""
+        kept = self._routes.setdefault(table, [])
+        kept[:0] = routes
+        del kept[ROUTES_KEPT:]
 
     def _fetch(self, ids: Mapping[str, torch.Tensor], *, inline: bool, in_asked_order: bool) -> Gathered:
         """One Lookup per shard holding any of the ids, each reply received into its run of one rows tensor per

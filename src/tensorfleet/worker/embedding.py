@@ -27,6 +27,7 @@ from torch import nn
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer, TableSpec
 from tensorfleet.protocol.state import TableState
+from tensorfleet.worker.routing import unique_by_shard
 
 POOLINGS = ("sum", "mean", "max")
 
@@ -58,6 +59,14 @@ class _Expected:
 
 
 Lookup = Callable[[torch.Tensor], torch.Tensor | Fetched]  # unique ids -> their rows (in that order) or a Fetched
+Unique = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # flat ids -> (unique ids, flat's inverse map)
+
+
+def first_seen_unique(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flat``'s unique ids, in the order it first names them (not sorted), and its inverse map onto them: a
+    table's ``Unique`` where no ps shards route them (one compiled pass, ``routing.unique_by_shard``)."""
+    unique, _, inverse = unique_by_shard(flat, 1)
+    return unique, inverse
 
 
 class EmbeddingTable(nn.Module):
@@ -108,6 +117,7 @@ class EmbeddingTable(nn.Module):
                                initializer or RowInitializer(), dtype, admit_after=admit_after,
                                admit_probability=admit_probability, ttl_steps=ttl_steps, max_rows=max_rows)
         self._lookup: Lookup | None = None
+        self._unique: Unique = first_seen_unique
         self._local: dict[int, int] | None = None  # id -> row of _local_rows (inference on loaded rows)
         self._local_rows: torch.Tensor | None = None
         self._fetched: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's (unique ids, rows leaf)
@@ -139,13 +149,17 @@ class EmbeddingTable(nn.Module):
 
     # --- binding ----------------------------------------------------------------------------------
 
-    def bind(self, lookup: Lookup | None, *, released_by: str | None = None) -> None:
+    def bind(self, lookup: Lookup | None, *, unique: Unique | None = None, released_by: str | None = None) -> None:
         """Fetch rows with ``lookup`` (unique ids -> their rows, or a ``Fetched``: the rows in shard order, which
         the step's leaf then keeps as they came) from now on; None: answer from local rows.
+        ``unique``: a batch's flat ids (host memory) -> (their unique ids, in the order ``lookup`` wants them;
+        the inverse map), e.g. ``PsClient.unique_by_shard``'s shard order, routed in the same pass; None: in the
+        order the batch first names them (``first_seen_unique``).
         ``Replica`` binds its tables on construction and unbinds them when it finishes, naming itself in
         ``released_by``: until rows are loaded, a forward then says where the trained rows are instead of
         silently answering initial rows."""
         self._lookup = lookup
+        self._unique = unique or first_seen_unique
         self._fetched, self._expected = [], None
         self._released_by = released_by
 
@@ -156,9 +170,10 @@ class EmbeddingTable(nn.Module):
     def expect(self, flat: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor,
                fetched: Callable[[], Fetched]) -> None:
         """The rows of a batch's ids are on their way (``fetched()`` waits for them; ``unique, inverse`` are
-        ``torch.unique(flat, return_inverse=True)``, already checked): the next forward takes them instead of
-        asking the ps if its unique ids are these, and with exactly these ids (``flat``, the batch's ids
-        flattened) it does not compute them again (``Replica.prefetch_rows``)."""
+        ``flat``'s unique ids in the order they were asked for and its inverse map, already checked): the next
+        forward takes them instead of asking the ps if its unique ids are these (in any order), and with exactly
+        these ids (``flat``, the batch's ids flattened) it does not compute them again
+        (``Replica.prefetch_rows``)."""
         self._expected = _Expected(flat, unique, inverse, fetched)
 
     def load_rows(self, state: TableState) -> None:
@@ -181,7 +196,7 @@ class EmbeddingTable(nn.Module):
     def take_gradients(self, *, complete: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This step's (unique ids, row gradients), duplicates over forward calls summed; forgets the step.
         After one forward the ids are in the order its rows came (the lookup's shard order: the push cuts them
-        into slices), after several in ascending order.
+        into slices; not sorted), after several in ascending order.
 
         None when no fetched row received a gradient (the table took no part in the loss); with
         ``complete``, rows fetched without a gradient count as zeros, so the ids are ``pending_ids()``.
@@ -237,16 +252,20 @@ class EmbeddingTable(nn.Module):
 
     def _unique_rows(self, flat: torch.Tensor) -> tuple[torch.Tensor, Fetched]:
         """``flat``'s inverse map onto its unique ids, and their rows, on its device: the prefetched ones where
-        ``expect`` announced these ids (the very batch: its unique ids are not computed again)."""
+        ``expect`` announced these ids (the very batch: its unique ids are not computed again). The ids are
+        made unique in host memory, where they are routed (one pass: ``bind``'s ``unique``)."""
         expected, self._expected = self._expected, None
-        if expected is not None and _same(expected.flat, flat.cpu()):
+        host = flat.cpu()
+        if expected is not None and _same(expected.flat, host):
             inverse, fetched = expected.inverse, expected.fetched()
         else:
-            unique, inverse = torch.unique(flat, return_inverse=True)
+            unique, inverse = self._unique(host)
             self.check_ids(unique)
-            if expected is None or not _same(expected.unique, unique.cpu()):
-                return inverse, self._fetch(unique)
-            fetched = expected.fetched()
+            onto_expected = None if expected is None else _reindexed(inverse, unique, expected.unique)
+            if onto_expected is None:
+                fetched = self._fetch(unique)
+            else:  # the same ids in another order: the prefetched rows serve
+                inverse, fetched = onto_expected, expected.fetched()
         return inverse.to(flat.device), _to_device(fetched, flat.device)
 
     def _rows(self, unique: torch.Tensor) -> torch.Tensor:
@@ -280,6 +299,20 @@ def _to_device(fetched: Fetched, device: torch.device) -> Fetched:
         return fetched
     position = None if fetched.position is None else fetched.position.to(device)
     return Fetched(fetched.ids, fetched.rows.to(device), position)
+
+
+def _reindexed(inverse: torch.Tensor, unique: torch.Tensor, other: torch.Tensor) -> torch.Tensor | None:
+    """``inverse`` (onto ``unique``) made onto ``other`` where ``other`` holds the same ids in another order;
+    None where it holds others (a sort of the unique ids: only where a forward's ids differ from the prefetched)."""
+    if unique.shape != other.shape:
+        return None
+    mine, at_mine = torch.sort(unique)
+    theirs, at_theirs = torch.sort(other)
+    if not torch.equal(mine, theirs):
+        return None
+    where = torch.empty_like(at_mine)
+    where[at_mine] = at_theirs  # unique[k] == other[where[k]]
+    return where.index_select(0, inverse)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

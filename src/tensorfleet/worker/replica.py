@@ -383,7 +383,8 @@ class Replica:
                                            "its name)")
             by_name[name] = table_ids
         flat = {name: table_ids.reshape(-1).to(torch.int64).cpu() for name, table_ids in by_name.items()}
-        found = {name: torch.unique(ids, return_inverse=True) for name, ids in flat.items()}  # forward reuses them
+        # One compiled pass per table (unique, in shard order, routed; the GIL released): forward reuses it.
+        found = {name: self.client.unique_by_shard(name, ids) for name, ids in flat.items()}
         for name, (unique, _) in found.items():
             self.tables[name].check_ids(unique)
         fetched = functools.cache(self.client.fetch_async({name: unique for name, (unique, _) in found.items()}).result)
