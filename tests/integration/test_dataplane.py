@@ -93,6 +93,9 @@ def test_a_reply_lands_in_the_tensors_named_by_into(echo_server):
     mismatched = {"w": torch.zeros(7, 5)}  # wrong shape: a new tensor, the given one untouched
     _, back = echo_server.call("Echo", {}, {"w": torch.ones(5, 7)}, into=mismatched)
     assert back["w"] is not mismatched["w"] and torch.equal(mismatched["w"], torch.zeros(7, 5))
+    on_a_device = {"w": torch.empty(5, 7, device="meta")}  # a socket cannot write a device's memory: host tensor
+    _, back = echo_server.call("Echo", {}, {"w": torch.ones(5, 7)}, into=on_a_device)
+    assert back["w"].is_cpu and torch.equal(back["w"], torch.ones(5, 7))
 
 
 def test_many_tensors_in_one_message(echo_server):

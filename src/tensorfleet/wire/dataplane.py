@@ -139,12 +139,12 @@ Method = Callable[[Request], Reply]
 
 def read_tensors(reader: frame.Reader, entries: list[TensorEntry], into: Mapping[str, torch.Tensor] | None,
                  allocate: Callable[[TensorEntry], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A body's tensors, each received into ``into[name]`` where it fits (shape, dtype, contiguous), else
-    into ``allocate(entry)``."""
+    """A body's tensors, each received into ``into[name]`` where it fits (shape, dtype, contiguous, in host
+    memory: a socket cannot write a device's), else into ``allocate(entry)``."""
     tensors = {}
     for entry in entries:
         target = (into or {}).get(entry.name)
-        if target is None or not entry.matches(target) or not target.is_contiguous():
+        if target is None or not entry.matches(target) or not target.is_contiguous() or not target.is_cpu:
             target = allocate(entry)
         reader.read_into(target)
         tensors[entry.name] = target

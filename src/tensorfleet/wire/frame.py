@@ -201,7 +201,8 @@ class SharedArea:
         tensors, offset = {}, 0
         for entry, view in zip(entries, self.views(entries)):
             target = (into or {}).get(entry.name)
-            if target is None or not entry.matches(target) or (view is None and not target.is_contiguous()):
+            if target is None or not entry.matches(target) or not target.is_cpu \
+                    or (view is None and not target.is_contiguous()):  # a device's memory: copied by its owner
                 target = allocate(entry)
             if view is not None:
                 target.copy_(view)
