@@ -11,8 +11,9 @@ first names them: not sorted, which nothing downstream needs.
 
 The hash is ``cluster.idhash.shard_of``'s to the bit (splitmix64's finalizer of the id xor ``SHARD_SALT``,
 modulo the shard count): the worker must send each id to the shard the ps expects it on. Its high bits
-pick the id's slot in the hash table, whose slot is asked of the memory ``AHEAD`` ids early (as the ps's
-kernels do): a 32k-id batch's table (1 MiB) outgrows the nearest caches.
+pick the id's slot in the hash table (int32 indices of the first-seen ids), whose slot is asked of the memory
+``AHEAD`` ids early, as the ps's kernels do: a 32k-id batch's table and ids (0.5 MiB) outgrow the nearest
+caches.
 
 The loop releases the GIL (``nogil``): the shards' threads receive the next step's rows meanwhile. Compiled
 by numba and cached on disk (``cache``), as ``ps/kernels.py`` is; where numba cannot be imported,
@@ -48,7 +49,8 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _SALT = np.uint64(SHARD_SALT)
-_EMPTY = -1  # a free slot of the hash table (its index column)
+_EMPTY = -1  # a free slot of the hash table
+MAX_IDS = 2 ** 31 - 1  # a batch's ids the pass takes (its hash table holds int32 indices); more: the reference path
 AHEAD = 16  # ids between the prefetch of an id's slot and its probe: the misses of several ids overlap
 
 
@@ -62,15 +64,14 @@ def _mix64(x):  # pragma: no cover - compiled
 
 
 @intrinsic
-def _prefetch(typingctx, array, row):  # pragma: no cover - compiled
-    """Ask the memory for ``array[row, 0]`` without waiting for it (``ps.kernels._prefetch``'s hint: no fault;
-    for a write, kept in every cache level). A hash table of a step's ids outgrows the nearest caches, and a
-    probe that waits for each miss in turn runs at the memory's latency."""
+def _prefetch(typingctx, array, index):  # pragma: no cover - compiled
+    """Ask the memory for ``array[index]`` (1-D) without waiting for it (``ps.kernels._prefetch``'s hint: no
+    fault; for a write, kept in every cache level). A hash table of a step's ids outgrows the nearest caches,
+    and a probe that waits for each miss in turn runs at the memory's latency."""
     def codegen(context, builder, signature, args):
         array_type = signature.args[0]
         data = context.make_array(array_type)(context, builder, args[0])
-        zero = context.get_constant(types.intp, 0)
-        pointer = cgutils.get_item_pointer(context, builder, array_type, data, [args[1], zero], wraparound=False,
+        pointer = cgutils.get_item_pointer(context, builder, array_type, data, [args[1]], wraparound=False,
                                            boundscheck=False)
         byte_pointer = ir.IntType(8).as_pointer()
         function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
@@ -90,8 +91,7 @@ def _unique_by_shard(ids, num_shards):  # pragma: no cover - compiled
         bits += 1
     mask = (1 << bits) - 1
     shift = np.uint64(64 - bits)
-    table = np.empty((1 << bits, 2), dtype=np.int64)  # [id, its index among the first-seen unique ids]
-    table[:, 1] = _EMPTY
+    table = np.full(1 << bits, _EMPTY, dtype=np.int32)  # slot -> an id's index among the first-seen unique ids
     first_seen = np.empty(count, dtype=np.int64)
     owner = np.empty(count, dtype=np.int64)  # the shard of each first-seen unique id
     per_shard = np.zeros(num_shards, dtype=np.int64)
@@ -110,9 +110,9 @@ def _unique_by_shard(ids, num_shards):  # pragma: no cover - compiled
         hashed = hashes[i]
         slot = np.int64(hashed >> shift)
         while True:
-            index = table[slot, 1]
+            index = table[slot]
             if index == _EMPTY:
-                table[slot, 0], table[slot, 1] = key, found
+                table[slot] = found
                 first_seen[found] = key
                 shard = np.int64(hashed % shards)
                 owner[found] = shard
@@ -120,7 +120,7 @@ def _unique_by_shard(ids, num_shards):  # pragma: no cover - compiled
                 inverse[i] = found
                 found += 1
                 break
-            if table[slot, 0] == key:
+            if first_seen[index] == key:
                 inverse[i] = index
                 break
             slot = (slot + 1) & mask
@@ -147,11 +147,12 @@ def unique_by_shard(flat: torch.Tensor, num_shards: int) -> tuple[torch.Tensor, 
     inverse map: ``flat[j] == unique[inverse[j]]``, and shard ``s``'s ids are ``unique[start:end]`` for its
     ``(s, start, end)`` in ``spans``, each being ``shard_of(id, num_shards) == s``.
 
-    One compiled pass (``COMPILED``), else the reference path; the GIL is released while it runs.
+    One compiled pass (``COMPILED``; up to ``MAX_IDS`` ids), else the reference path; the GIL is released while
+    it runs.
     """
     if num_shards < 1:
         raise ValueError(f"num_shards={num_shards}: at least one shard")
-    if not COMPILED:  # pragma: no cover - the default install has numba
+    if not COMPILED or flat.numel() > MAX_IDS:
         return reference_unique_by_shard(flat, num_shards)
     unique, per_shard, inverse = _unique_by_shard(as_uint64(flat).view(np.int64), num_shards)
     return torch.from_numpy(unique), spans_of(per_shard), torch.from_numpy(inverse)
