@@ -17,7 +17,8 @@ caches.
 
 The loop releases the GIL (``nogil``): the shards' threads receive the next step's rows meanwhile. Compiled
 by numba and cached on disk (``cache``), as ``ps/kernels.py`` is; where numba cannot be imported,
-``unique_by_shard`` takes the reference path (``reference_unique_by_shard``: torch and numpy), the same result.
+``unique_by_shard`` takes the reference path (``reference_unique_by_shard``: torch and numpy): the same ids,
+spans and inverse map, each shard's ids ascending.
 """
 
 from __future__ import annotations
