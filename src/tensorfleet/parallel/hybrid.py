@@ -123,12 +123,16 @@ class TowerReplica:
                  average_decay: float | None = None, options: WireOptions | None = None,
                  init_timeout_s: float = 300.0, log_placement: bool = False, overlap: bool = False,
                  wire_dtype: torch.dtype | None = None, nonfinite_gradients: str = "reject",
-                 prefetch: bool = False, config: ReplicaOptions | None = None) -> None:
+                 prefetch: bool = False, dense: str = "ps", config: ReplicaOptions | None = None) -> None:
         # Checked on every tower, so that they all refuse bad options alike; tower 0's Replica uses them.
         self.options = ReplicaOptions.merge(
             config, mode=mode, sync=sync, placement=placement, partitioner=partitioner, average_decay=average_decay,
             options=options, init_timeout_s=init_timeout_s, log_placement=log_placement, overlap=overlap,
-            wire_dtype=wire_dtype, nonfinite_gradients=nonfinite_gradients, prefetch=prefetch)
+            wire_dtype=wire_dtype, nonfinite_gradients=nonfinite_gradients, prefetch=prefetch, dense=dense)
+        if self.options.dense == "allreduce" and towers.num_towers > 1:
+            raise InvalidArgumentError("dense='allreduce' with several towers is not supported: the towers' DDP and "
+                                       "the workers' all-reduce would both reduce during backward; run one process "
+                                       "per device instead (--workers N, one tower each)")
         if self.options.overlap and towers.num_towers > 1:
             raise InvalidArgumentError("overlap=True streams each gradient during backward, before the towers have "
                                        "averaged it: use towers or --overlap, not both")

@@ -555,3 +555,68 @@ class ResizeReply:
     def from_meta(cls, meta: Mapping[str, Any]) -> "ResizeReply":
         return cls(count_field(meta, "num_workers", "Resize reply"), count_field(meta, "workers_done", "Resize reply"),
                    flag_field(meta, "finished", "Resize reply"))
+
+
+RENDEZVOUS_OPS = ("set", "get", "add", "check", "delete")
+RENDEZVOUS_KEY_MAX = 512  # characters of a key (torch's collectives use short ones: "<prefix>/<rank>/<n>")
+RENDEZVOUS_WAIT_MAX_S = 2.0  # a get waits at most this long on the ps; the client asks again until its deadline
+
+
+@dataclass(frozen=True)
+class RendezvousRequest:
+    """Rendezvous: one operation on ps 0's small key-value store, where the workers of a collective (hybrid mode's
+    dense all-reduce) exchange their addresses, over the job's authenticated gRPC (``worker/collective.py``).
+
+    ``set`` stores the request's ``value`` tensor (uint8) under ``key``; ``get`` answers it, waiting up to
+    ``wait_s`` for it to appear; ``add`` adds ``amount`` to the integer under ``key`` and answers the sum; ``check``
+    says whether every key of ``keys`` is there; ``delete`` removes ``key``.
+    """
+
+    op: str
+    key: str = ""
+    keys: tuple[str, ...] = ()
+    amount: int = 0
+    wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.op not in RENDEZVOUS_OPS:
+            raise InvalidArgumentError(f"Rendezvous 'op' must be one of {RENDEZVOUS_OPS}, got {self.op!r:.40}")
+        for key in self.keys if self.op == "check" else (self.key,):
+            if not isinstance(key, str) or not key or len(key) > RENDEZVOUS_KEY_MAX:
+                raise InvalidArgumentError(f"Rendezvous keys must be strings of 1 to {RENDEZVOUS_KEY_MAX} characters, "
+                                           f"got {key!r:.60}")
+        if isinstance(self.amount, bool) or not isinstance(self.amount, int) or abs(self.amount) > 1 << 62:
+            raise InvalidArgumentError(f"Rendezvous 'amount' must be an integer, got {self.amount!r:.40}")
+        if isinstance(self.wait_s, bool) or not isinstance(self.wait_s, (int, float)) \
+                or not 0 <= self.wait_s <= RENDEZVOUS_WAIT_MAX_S:
+            raise InvalidArgumentError(f"Rendezvous 'wait_s' must be from 0 to {RENDEZVOUS_WAIT_MAX_S}, "
+                                       f"got {self.wait_s!r:.40}")
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"op": self.op, "key": self.key, "keys": list(self.keys), "amount": self.amount, "wait_s": self.wait_s}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "RendezvousRequest":
+        keys = meta.get("keys", [])
+        if not isinstance(keys, list) or len(keys) > 1024:
+            raise InvalidArgumentError("Rendezvous 'keys' must be a list of at most 1024 keys")
+        return cls(meta.get("op"), meta.get("key", ""), tuple(keys), meta.get("amount", 0), meta.get("wait_s", 0.0))
+
+
+@dataclass(frozen=True)
+class RendezvousReply:
+    """Rendezvous's reply: ``found`` (get: the key was there, its value the reply's tensor; check: all were;
+    delete: it was there) and ``count`` (add: the new sum)."""
+
+    found: bool
+    count: int = 0
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"found": self.found, "count": self.count}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "RendezvousReply":
+        count = meta.get("count", 0)
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise InvalidArgumentError(f"Rendezvous reply 'count' must be an integer, got {count!r:.40}")
+        return cls(flag_field(meta, "found", "Rendezvous reply"), count)

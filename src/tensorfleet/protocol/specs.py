@@ -26,6 +26,14 @@ ON_MISSING = ("error", "continue")  # sync: when a step times out, fail naming t
 
 
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "adagrad", "rmsprop")  # torch.optim classes the ps can run
+_OPTIMIZER_CLASS_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """The ``torch.optim`` class of an optimizer name (the ps builds it; so do hybrid mode's workers)."""
+    import torch
+
+    return getattr(torch.optim, _OPTIMIZER_CLASS_NAMES[name])
 
 
 # Per-row rules the ps runs for embedding tables (adam: lazy Adam, moments and step count per row), with the

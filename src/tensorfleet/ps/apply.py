@@ -21,16 +21,9 @@ from torch.optim.adam import adam as functional_adam
 from torch.optim.sgd import sgd as functional_sgd
 
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.protocol.specs import OPTIMIZER_NAMES, OptimizerSpec
+from tensorfleet.protocol.specs import OPTIMIZER_NAMES, OptimizerSpec, optimizer_class
 
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-    "adagrad": torch.optim.Adagrad,
-    "rmsprop": torch.optim.RMSprop,
-}
-assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "the contract names the optimizers the ps can build"
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {name: optimizer_class(name) for name in OPTIMIZER_NAMES}
 # Optimizers with a fused CPU kernel: the ps picks it itself.
 FUSED = {"sgd", "adam", "adamw", "adagrad"}
 

@@ -28,10 +28,11 @@ import torch
 
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.protocol.messages import (DoneReply, DoneRequest, FenceRequest, InitReply, InitRequest, LookupRequest,
-                                           PullRequest, PushRequest, ResizeReply, ResizeRequest, SnapshotReply,
-                                           SnapshotRequest, StepReply)
+                                           PullRequest, PushRequest, RendezvousReply, RendezvousRequest, ResizeReply,
+                                           ResizeRequest, SnapshotReply, SnapshotRequest, StepReply)
 from tensorfleet.protocol.state import ShardState
 from tensorfleet.protocol.status import PsStatus
+from tensorfleet.ps.rendezvous import KeyValues
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.wire import auth
 from tensorfleet.wire.dataplane import Method, Reply, Request
@@ -51,11 +52,12 @@ class PsService:
         self._done_lock = threading.Lock()  # a Done or Resize and the finish it may bring are one step
         self._started_unix = time.time()
         self.gate = auth.Gate(None)  # the server's, which counts calls refused for want of the token
+        self.meeting = KeyValues()  # where a collective's workers meet (hybrid mode; served by ps 0)
 
     def handlers(self) -> dict[str, Handler]:
         """The control plane's gRPC methods."""
         return {"Init": self.init, "Snapshot": self.snapshot, "Status": self.status, "Done": self.done,
-                "Resize": self.resize}
+                "Resize": self.resize, "Rendezvous": self.rendezvous}
 
     def data_methods(self) -> dict[str, Method]:
         """The data plane's methods: the calls of every training step."""
@@ -156,6 +158,29 @@ class PsService:
                          len(self.membership.done), self.membership.count)
             self._finish_if_all_done()
             return DoneReply(len(self.membership.done), self.membership.count).to_meta(), {}
+
+    def rendezvous(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
+        """One operation on the collective's meeting place (``ps/rendezvous.py``; workers call ps 0's)."""
+        ask = RendezvousRequest.from_meta(meta)
+        value = tensors.get("value")
+        if set(tensors) - {"value"} or (ask.op == "set") != (value is not None) \
+                or value is not None and (value.dtype != torch.uint8 or value.dim() != 1):
+            raise InvalidArgumentError("a Rendezvous set carries one 1-D uint8 tensor 'value'; other operations none")
+        if ask.op == "set":
+            self.meeting.set(ask.key, value.numpy().tobytes())
+            return RendezvousReply(True).to_meta(), {}
+        if ask.op == "get":
+            found = self.meeting.get(ask.key, ask.wait_s)
+            if found is None:
+                return RendezvousReply(False).to_meta(), {}
+            return RendezvousReply(True).to_meta(), {"value": torch.tensor(list(found), dtype=torch.uint8)
+                                                     if len(found) < 64 else torch.frombuffer(bytearray(found),
+                                                                                              dtype=torch.uint8)}
+        if ask.op == "add":
+            return RendezvousReply(True, self.meeting.add(ask.key, ask.amount)).to_meta(), {}
+        if ask.op == "check":
+            return RendezvousReply(self.meeting.check(ask.keys)).to_meta(), {}
+        return RendezvousReply(self.meeting.delete(ask.key)).to_meta(), {}
 
     def resize(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         """The launcher scaled the job: its replicas are now ``0 .. replicas-1`` (see the module docstring).

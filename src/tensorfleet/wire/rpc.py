@@ -50,6 +50,7 @@ METHODS = (
     "Status",  # anyone -> ps: initialized?, global step, counters, the data plane's port
     "Done",    # worker -> ps: this worker finished (the ps exits when all have); coordinator -> worker: no more work
     "Resize",  # launcher -> ps: the job's workers are now 0..N-1 (an asynchronous job scaled up or down)
+    "Rendezvous",  # worker -> ps 0: the collective's meeting place (hybrid mode's dense all-reduce), a key at a time
     "Run",     # coordinator -> worker: run one of the script's remote functions (in-graph replication)
     # chief -> worker, placing a model's parts (tensorfleet.protocol.placement; Done releases the worker):
     "Join",    # a chief's session starts, or renews its lease

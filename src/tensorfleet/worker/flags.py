@@ -18,6 +18,9 @@
                                      the dtype gradients and values travel in (the ps stays fp32)
     --nonfinite_gradients reject|apply
                                      what the ps does with NaN/Inf gradients (default: reject the push)
+    --dense ps|allreduce             where the dense parameters live: on the ps (default), or replicated on
+                                     the workers and averaged by gloo/NCCL (hybrid; tables stay on the ps;
+                                     TENSORFLEET_DENSE)
     --towers K                       K towers on this machine: the batch split over K devices, their
                                      gradients averaged, one push per worker (TENSORFLEET_TOWERS; 1: none)
     --tower_device auto|gpu|cpu      the towers' devices: /gpu:k, or K processes on the CPU (auto: GPUs if any)
@@ -36,7 +39,7 @@ import torch
 from tensorfleet.cluster.placement import STRATEGIES, RowPartitioner
 from tensorfleet.protocol.specs import NONFINITE_POLICIES, SyncOptions
 from tensorfleet.wire.codec import DTYPE_NAMES, NARROW_DTYPES
-from tensorfleet.worker.options import ReplicaOptions
+from tensorfleet.worker.options import DENSE_HOMES, ReplicaOptions
 
 # --wire_dtype choices: float32 (tensors travel as they are) or one of the codec's narrow dtypes.
 WIRE_DTYPES: dict[str, torch.dtype | None] = {"float32": None, **{DTYPE_NAMES[d]: d for d in NARROW_DTYPES}}
@@ -76,6 +79,9 @@ def add_training_flags(parser: argparse.ArgumentParser, *, default_mode: str = "
                        help="async: let each push travel while the next step computes (values one update older)")
     group.add_argument("--nonfinite_gradients", choices=NONFINITE_POLICIES, default="reject",
                        help="what the ps does with NaN/Inf gradients: reject the push (default) or apply it")
+    group.add_argument("--dense", choices=DENSE_HOMES, default=os.environ.get("TENSORFLEET_DENSE", "ps"),
+                       help="where the dense parameters live: on the ps, or replicated on the workers and averaged "
+                            "by an all-reduce (hybrid; embedding tables stay on the ps)")
     devices = parser.add_argument_group("devices" + (" (towers: several devices of one machine)" if towers else ""))
     if towers:
         devices.add_argument("--towers", type=int, default=os.environ.get("TENSORFLEET_TOWERS", "1"),
@@ -106,6 +112,7 @@ def training_options(args: argparse.Namespace, **explicit: Any) -> dict[str, Any
         "prefetch": args.prefetch,
         "wire_dtype": WIRE_DTYPES[args.wire_dtype],
         "nonfinite_gradients": args.nonfinite_gradients,
+        "dense": args.dense,
     }
     defaults = ReplicaOptions.defaults()  # Replica's (and TowerReplica's) defaults are the baseline
     defaults["sync"] = SyncOptions()  # Replica's None means these

@@ -19,6 +19,8 @@ from tensorfleet.protocol.specs import Mode, SyncOptions
 if TYPE_CHECKING:
     from tensorfleet.wire.rpc import WireOptions  # only a type here: flags.py stays free of gRPC
 
+DENSE_HOMES = ("ps", "allreduce")  # where a model's dense parameters live (tables' rows are always on the ps)
+
 # One shared instance: a signature that spells this default out is recognized as "not given" by ``merge``.
 DEFAULT_PLACEMENT: PlacementStrategy = RoundRobin()
 
@@ -43,11 +45,15 @@ class ReplicaOptions:
     wire_dtype: torch.dtype | None = None
     nonfinite_gradients: str = "reject"
     prefetch: bool = False
+    dense: str = "ps"
 
     def __post_init__(self) -> None:
         if self.mode not in tuple(Mode):
             raise InvalidArgumentError(f"mode={self.mode!r}: choose 'async' or 'sync'")
         object.__setattr__(self, "mode", Mode(self.mode))
+        if self.dense not in DENSE_HOMES:
+            raise InvalidArgumentError(f"dense={self.dense!r}: choose 'ps' (the dense parameters on the ps) or "
+                                       "'allreduce' (replicated on the workers, gradients averaged by a collective)")
         if self.prefetch and self.mode is not Mode.ASYNC:
             raise InvalidArgumentError("prefetch=True needs async mode: in sync mode the next step's values exist "
                                        "only once every replica has pushed")

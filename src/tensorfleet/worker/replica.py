@@ -49,13 +49,15 @@ import torch
 from torch import nn
 
 from tensorfleet.cluster.placement import PlacementStrategy, RowPartitioner, VariableInfo, place
-from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, parse_address
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.protocol.specs import Mode, OptimizerSpec, SyncOptions
 from tensorfleet.protocol.state import ShardState
 from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import Gathered, PsClient, Pulled, Pushed
+from tensorfleet.worker.collective import Collective, FleetStore
+from tensorfleet.worker.dense import DenseAllReduce
 from tensorfleet.worker.streams import PushStreams
 from tensorfleet.worker.embedding import tables_of
 from tensorfleet.worker.staging import HostStaging
@@ -92,6 +94,10 @@ class Replica:
             (the default: counted in its Status, logged, ``dropped_gradients`` here) or ``"apply"`` it.
         prefetch: async mode: let each push travel while the next step computes (see the module
             docstring); an error of that push is raised by the next ``push()``, ``pull()`` or ``settle()``.
+        dense: where the dense parameters live: ``"ps"`` (the default, the classic layout) or ``"allreduce"``
+            (hybrid: replicated on every worker, gradients averaged over the workers by torch's gloo or NCCL as
+            backward produces them, the optimizer applied on every worker; ``EmbeddingTable`` rows stay on the ps).
+            The workers' group meets through ps 0 at ``start()`` (``worker/collective.py``).
         config: all of the options above as one ``ReplicaOptions``, instead of keywords (not both).
 
     Attributes:
@@ -112,11 +118,11 @@ class Replica:
                  average_decay: float | None = None, options: WireOptions | None = None,
                  init_timeout_s: float = 300.0, log_placement: bool = False, overlap: bool = False,
                  wire_dtype: torch.dtype | None = None, nonfinite_gradients: str = "reject",
-                 prefetch: bool = False, config: ReplicaOptions | None = None) -> None:
+                 prefetch: bool = False, dense: str = "ps", config: ReplicaOptions | None = None) -> None:
         self.options = ReplicaOptions.merge(
             config, mode=mode, sync=sync, placement=placement, partitioner=partitioner, average_decay=average_decay,
             options=options, init_timeout_s=init_timeout_s, log_placement=log_placement, overlap=overlap,
-            wire_dtype=wire_dtype, nonfinite_gradients=nonfinite_gradients, prefetch=prefetch)
+            wire_dtype=wire_dtype, nonfinite_gradients=nonfinite_gradients, prefetch=prefetch, dense=dense)
         self.module = module
         self.task = task
         self.replica_id = cluster.replica_id(task)
@@ -133,8 +139,16 @@ class Replica:
         self.global_step = 0
         self.dropped_gradients = 0
         self._params = dict(module.named_parameters())
+        # dense="allreduce" (hybrid): the dense parameters stay on the workers, averaged by a collective formed at
+        # start() (worker/dense.py); the ps holds the tables' rows (and the global step) only.
+        self._dense_params: dict[str, nn.Parameter] = {}
+        if self.options.dense == "allreduce":
+            self._dense_params, self._params = self._params, {}
+        self.dense: DenseAllReduce | None = None
+        self._dense_updates = 0  # the dense optimizer's steps: the same on every worker (the schedule's clock)
+        self._cluster = cluster
         self.tables = tables_of(module)
-        if not self._params and not self.tables:
+        if not self._params and not self.tables and not self._dense_params:
             raise InvalidArgumentError("the module has no parameters to train")
         table_specs = [table.spec(optimizer) for table in self.tables.values()]
         infos = [VariableInfo(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in self._params.items()]
@@ -218,11 +232,27 @@ class Replica:
                                        "same --sync/--async choice")
         if status.sync is not None:
             self.sync = status.sync  # the job's options win
+        if self._dense_params and self.dense is None:
+            self.dense = self._join_workers()
         self.pull()
         self._started = True
         self.status.begin(self.task, is_chief=self.is_chief)
         self.status.global_step = self.global_step
         return self
+
+    def _join_workers(self) -> DenseAllReduce:
+        """Hybrid: meet the other workers through ps 0 (``worker/collective.py``), take the chief's dense values."""
+        device = next(iter(self._dense_params.values())).device
+        host = parse_address(self._cluster.task_address(self.task.job_name, self.task.index))[0]
+        store = FleetStore(self.client.channels[0], timeout_s=self.init_timeout_s)
+        collective = Collective(store, rank=self.replica_id, world_size=len(self._cluster.replicas), device=device,
+                                host=host, timeout_s=self.init_timeout_s)
+        dense = DenseAllReduce(self._dense_params, self.optimizer, collective)
+        dense.broadcast(src=0)  # the chief's initial values: every replica starts equal
+        log.info("%s: dense parameters (%d) replicated on %d workers, averaged by %s; tables on the ps",
+                 self.task.name, len(self._dense_params), collective.world_size,
+                 "NCCL" if device.type == "cuda" else "gloo")
+        return dense
 
     def recover(self, *, restore: Sequence[ShardState] | None, timeout_s: float) -> None:
         """After a ps was lost: wait for every ps to answer again, then resume from a consistent state.
@@ -236,8 +266,10 @@ class Replica:
         Raises:
             DeadlineExceededError: a ps did not come back within ``timeout_s`` (named in the message).
         """
-        for param in self._params.values():  # the failed step's: a step run again must not add to them
-            param.grad = None
+        for param in [*self._params.values(), *self._dense_params.values()]:  # the failed step's: a step run
+            param.grad = None                                                   # again must not add to them
+        if self.dense is not None:
+            self.dense.drop()
         self._prefetched = None  # the pull below really pulls: the values, and the epoch of every shard
         for table in self.tables.values():
             table.forget()
@@ -317,6 +349,9 @@ class Replica:
         """
         if self._streaming is not None:  # a backward after training (evaluation, a new Replica) must not stream
             self._streaming.remove_hooks()
+        if self.dense is not None:
+            self.dense.remove_hooks()
+            self.dense.collective.close()
         self.status.finished(failed=not done)
         try:
             self._drop_streams()
@@ -456,6 +491,9 @@ class Replica:
         ``TowerReplica`` merges its towers' rows and hands them over here).
         """
         self._prefetched = None
+        if self.dense is not None:  # hybrid: the dense gradients averaged over the workers, applied here
+            self.dense.step(self._dense_updates)
+            self._dense_updates += 1
         if self._in_flight is not None:  # the reply lands during the next step
             self.settle()  # the previous push's: normally long done, it travelled during this step's compute
             self._in_flight.send(self._send(into=self._in_flight.landing, rows=rows))

@@ -1,0 +1,163 @@
+"""Hybrid mode's dense half: parameters replicated on every worker, gradients averaged by an all-reduce.
+
+``Replica(..., dense="allreduce")`` keeps the model's dense parameters on the workers (embedding tables'
+rows stay on the ps): every worker holds the same values, backward's gradients are summed over the workers'
+collective (``worker/collective.py``) in buckets as they are produced, as torch's DDP does (a bucket leaves
+the moment its last gradient exists, last layers first, so the reduce overlaps the rest of backward), divided
+by the number of workers, and every worker applies the same ``torch.optim`` step: replicas that start equal
+stay equal, and N workers with batch b end where one process with batch N·b ends.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.protocol.specs import OptimizerSpec, optimizer_class
+from tensorfleet.worker.collective import Collective
+
+BUCKET_BYTES = 25 << 20  # DDP's default bucket
+FIRST_BUCKET_BYTES = 1 << 20  # the last layers' gradients leave early, as DDP's first bucket does
+
+
+class DenseAllReduce:
+    """The dense parameters of one worker, kept equal to every other worker's by an all-reduce of gradients.
+
+    Args:
+        params: the dense parameters by name (``named_parameters()`` order).
+        optimizer: the rule every worker applies (the ps's ``OptimizerSpec``, built as ``torch.optim``).
+        collective: the workers' group (``Collective``).
+    """
+
+    def __init__(self, params: Mapping[str, nn.Parameter], optimizer: OptimizerSpec, collective: Collective, *,
+                 bucket_bytes: int = BUCKET_BYTES, first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> None:
+        self.params = dict(params)
+        self.spec = optimizer
+        self.collective = collective
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in optimizer.options.items()}
+        try:
+            self.optimizer = optimizer_class(optimizer.name)(list(self.params.values()), **options)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"cannot build optimizer {optimizer.name} with {dict(optimizer.options)}: "
+                                       f"{exc}") from None
+        self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self._buckets = _plan_buckets(self.params, bucket_bytes, first_bucket_bytes)
+        self._bucket_of = {name: i for i, bucket in enumerate(self._buckets) for name in bucket.names}
+        self._works: dict[int, torch.distributed.Work] = {}
+        self._ready: list[set[str]] = [set() for _ in self._buckets]
+        self._misuse: str | None = None
+        self._hooks = [param.register_post_accumulate_grad_hook(lambda p, name=name: self._on_gradient(name))
+                       for name, param in self.params.items()]
+
+    # --- during backward ------------------------------------------------------------------------------
+
+    def _on_gradient(self, name: str) -> None:
+        index = self._bucket_of[name]
+        if index in self._works or name in self._ready[index]:
+            self._misuse = (f"the gradient of {name!r} was produced twice before push(): dense='allreduce' reduces "
+                            "each gradient as backward produces it, so one backward per push")
+            return
+        self._ready[index].add(name)
+        if len(self._ready[index]) == len(self._buckets[index].names):
+            self._launch(index)
+
+    def _launch(self, index: int) -> None:
+        bucket = self._buckets[index]
+        with torch.no_grad():
+            for name, view in zip(bucket.names, bucket.views):
+                grad = self.params[name].grad
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad.reshape(-1))
+        self._works[index] = self.collective.all_reduce(bucket.flat)
+
+    # --- at push() ------------------------------------------------------------------------------------
+
+    def reduce(self) -> None:
+        """Every gradient averaged over the workers, in ``.grad`` (buckets backward did not fill leave now)."""
+        misuse = self._misuse
+        if misuse is not None:
+            self.drop()
+            raise InvalidArgumentError(f"{misuse}; nothing was applied")
+        for index in range(len(self._buckets)):
+            if index not in self._works:
+                self._launch(index)
+        world = float(self.collective.world_size)
+        with torch.no_grad():
+            for index, bucket in enumerate(self._buckets):
+                self._works[index].wait()
+                bucket.flat.div_(world)
+                for name, view in zip(bucket.names, bucket.views):
+                    param = self.params[name]
+                    if param.grad is None:
+                        param.grad = view.view_as(param).clone()
+                    else:
+                        param.grad.copy_(view.view_as(param))
+        self._works, self._ready = {}, [set() for _ in self._buckets]
+
+    def step(self, update: int) -> None:
+        """Average the gradients and apply the optimizer (learning rate of update number ``update``); clear them."""
+        self.reduce()
+        if self.spec.schedule is not None:
+            factor = self.spec.schedule.factor(update)
+            for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+                group["lr"] = base * factor
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def broadcast(self, src: int = 0) -> None:
+        """Every worker's values (and optimizer state, once it exists) become worker ``src``'s."""
+        with torch.no_grad():
+            self.collective.broadcast([p.data for p in self.params.values()], src)
+
+    def drop(self) -> None:
+        """Abandon a step's reduce (the step runs again): wait for what was launched, forget it."""
+        for work in self._works.values():
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - a failed collective is what is being recovered from
+                pass
+        self._works, self._ready, self._misuse = {}, [set() for _ in self._buckets], None
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+class _Bucket:
+    """Some parameters' gradients, reduced as one flat tensor (one device and dtype)."""
+
+    def __init__(self, names: list[str], params: Mapping[str, nn.Parameter]) -> None:
+        first = params[names[0]]
+        self.names = names
+        self.flat = torch.empty(sum(params[n].numel() for n in names), dtype=first.dtype, device=first.device)
+        self.views, offset = [], 0
+        for name in names:
+            size = params[name].numel()
+            self.views.append(self.flat.narrow(0, offset, size))
+            offset += size
+
+
+def _plan_buckets(params: Mapping[str, nn.Parameter], bucket_bytes: int, first_bucket_bytes: int) -> list[_Bucket]:
+    """Buckets in the order backward produces gradients (the last parameters first), each of one device and
+    dtype, up to ``bucket_bytes`` (the first up to ``first_bucket_bytes``)."""
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    size, limit, key = 0, first_bucket_bytes, None
+    for name in reversed(list(params)):
+        param = params[name]
+        this_key = (param.device, param.dtype)
+        if current and (this_key != key or size + param.numel() * param.element_size() > limit):
+            buckets.append(current)
+            current, size, limit = [], 0, bucket_bytes
+        current.append(name)
+        size += param.numel() * param.element_size()
+        key = this_key
+    if current:
+        buckets.append(current)
+    return [_Bucket(names, params) for names in buckets]

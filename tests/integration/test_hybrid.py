@@ -1,0 +1,133 @@
+"""Hybrid mode (issue 40): dense parameters replicated on the workers and averaged by gloo, tables on the ps.
+
+Two workers run as two threads of this process (each with its own Replica, ps connections and gloo group),
+the ps in-process: fast, and the collective is torch's real gloo over 127.0.0.1, met through ps 0's Rendezvous.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorfleet.cluster.spec import TaskSpec
+from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer
+from tensorfleet.testing.local_cluster import ps_servers
+from tensorfleet.worker.embedding import EmbeddingTable
+from tensorfleet.worker.client import PsClient
+from tensorfleet.worker.replica import Replica
+
+LR, STEPS, BATCH, ROWS, DIM = 0.1, 4, 8, 40, 4
+
+
+class Net(nn.Module):
+    def __init__(self, *, table: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(6 + DIM, 16), nn.Tanh(), nn.Linear(16, 3))
+        if table == "fleet":
+            self.table: nn.Module = EmbeddingTable("ids", DIM, num_rows=ROWS, pooling="sum",
+                                                   optimizer=OptimizerSpec("sgd", {"lr": LR}))
+        else:
+            self.table = nn.EmbeddingBag(ROWS, DIM, mode="sum")
+            with torch.no_grad():
+                self.table.weight.copy_(RowInitializer().rows(torch.arange(ROWS), DIM))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.body(torch.cat([x, self.table(ids)], 1))
+
+
+def batches(worker: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(100 + worker)
+    return [(torch.randn(BATCH, 6, generator=generator), torch.randint(0, ROWS, (BATCH, 3), generator=generator),
+             torch.randint(0, 3, (BATCH,), generator=generator)) for _ in range(STEPS)]
+
+
+def train_workers(num_workers: int, *, mode: str, num_ps: int = 2, **options) -> tuple[list[dict], torch.Tensor, int]:
+    """Each worker's dense values after training, the table's rows, the global step."""
+    with ps_servers(num_ps=num_ps, num_workers=num_workers) as (cluster, _):
+        results: list[dict | BaseException | None] = [None] * num_workers
+
+        def worker(index: int) -> None:
+            try:
+                model = Net(table="fleet")
+                with Replica(model, cluster, TaskSpec("worker", index), optimizer=OptimizerSpec.sgd(lr=LR),
+                             mode=mode, dense="allreduce", init_timeout_s=60, **options) as replica:
+                    assert not replica.placement.parts, "hybrid: no dense variable on the ps"
+                    for x, ids, y in batches(index):
+                        replica.pull()
+                        F.cross_entropy(model(x, ids), y).backward()
+                        replica.push()
+                    results[index] = {name: p.detach().clone() for name, p in model.body.named_parameters()}
+            except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+                results[index] = exc
+
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(num_workers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in threads), "a worker hung"
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        client = PsClient(cluster, {}, tables=[Net(table="fleet").table.spec()])  # the replicas have finished
+        try:
+            client.wait_for_shards(10)
+            rows = client.lookup({"ids": torch.arange(ROWS)})["ids"]
+            step = client.global_step()
+        finally:
+            client.close()
+        return results, rows, step
+
+
+def train_locally(num_workers: int) -> tuple[dict, torch.Tensor]:
+    """One process, each step on the union of the workers' batches."""
+    model = Net(table="local")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    per_worker = [batches(i) for i in range(num_workers)]
+    for step in range(STEPS):
+        x, ids, y = (torch.cat(parts) for parts in zip(*(per_worker[i][step] for i in range(num_workers))))
+        optimizer.zero_grad()
+        F.cross_entropy(model(x, ids), y).backward()
+        optimizer.step()
+    return {name: p.detach() for name, p in model.body.named_parameters()}, model.table.weight.detach()
+
+
+def test_two_sync_workers_end_where_one_process_on_the_union_batch_ends():
+    got, rows, step = train_workers(2, mode="sync")
+    want, want_rows = train_locally(2)
+    assert step == STEPS
+    for values in got:
+        for name, value in want.items():
+            assert torch.allclose(values[name], value, rtol=1e-5, atol=1e-6), name
+    assert torch.allclose(rows, want_rows, rtol=1e-5, atol=1e-6)
+
+
+def test_one_worker_trains_as_the_local_loop_with_overlap_and_prefetch_of_rows():
+    got, rows, step = train_workers(1, mode="async", num_ps=1, overlap=True)
+    want, want_rows = train_locally(1)
+    assert step == STEPS
+    for name, value in want.items():
+        assert torch.allclose(got[0][name], value, rtol=1e-5, atol=1e-6), name
+    assert torch.allclose(rows, want_rows, rtol=1e-5, atol=1e-6)
+
+
+def test_async_tables_with_sync_dense_keeps_every_replica_equal():
+    """Persia's mode: each worker's rows applied on arrival, the dense all-reduce in lockstep: the workers'
+    dense parameters stay equal to the bit, and every push counts a global step."""
+    got, _, step = train_workers(2, mode="async")
+    assert step == 2 * STEPS
+    for name, value in got[0].items():
+        assert torch.equal(got[1][name], value), name
+
+
+def test_a_dense_mode_that_does_not_exist_is_refused():
+    with ps_servers(num_ps=1, num_workers=1) as (cluster, _):
+        with pytest.raises(InvalidArgumentError, match="dense='ring'.*'allreduce'"):
+            Replica(Net(table="fleet"), cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=LR),
+                    dense="ring")
