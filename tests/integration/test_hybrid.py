@@ -18,6 +18,10 @@ from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.worker.embedding import EmbeddingTable
+from tensorfleet.train.checkpoint import latest_checkpoint, load, load_into_module
+from tensorfleet.train.hooks import StopAtStepHook
+from tensorfleet.train.session import TrainingSession
+from tensorfleet.worker import dense as dense_module
 from tensorfleet.worker.client import PsClient
 from tensorfleet.worker.replica import Replica
 
@@ -51,10 +55,11 @@ def train_workers(num_workers: int, *, mode: str, num_ps: int = 2, **options) ->
     """Each worker's dense values after training, the table's rows, the global step."""
     with ps_servers(num_ps=num_ps, num_workers=num_workers) as (cluster, _):
         results: list[dict | BaseException | None] = [None] * num_workers
+        models = [Net(table="fleet") for _ in range(num_workers)]  # here: torch's seed is global to the threads
 
         def worker(index: int) -> None:
             try:
-                model = Net(table="fleet")
+                model = models[index]
                 with Replica(model, cluster, TaskSpec("worker", index), optimizer=OptimizerSpec.sgd(lr=LR),
                              mode=mode, dense="allreduce", init_timeout_s=60, **options) as replica:
                     assert not replica.placement.parts, "hybrid: no dense variable on the ps"
@@ -98,7 +103,12 @@ def train_locally(num_workers: int) -> tuple[dict, torch.Tensor]:
     return {name: p.detach() for name, p in model.body.named_parameters()}, model.table.weight.detach()
 
 
-def test_two_sync_workers_end_where_one_process_on_the_union_batch_ends():
+@pytest.mark.parametrize("bucket_bytes", [None, 64], ids=["one-bucket", "a-bucket-per-tensor"])
+def test_two_sync_workers_end_where_one_process_on_the_union_batch_ends(monkeypatch, bucket_bytes):
+    """Dense and table rows alike; with small buckets, each leaves during backward as soon as it is full."""
+    if bucket_bytes:
+        monkeypatch.setattr(dense_module, "BUCKET_BYTES", bucket_bytes)
+        monkeypatch.setattr(dense_module, "FIRST_BUCKET_BYTES", bucket_bytes)
     got, rows, step = train_workers(2, mode="sync")
     want, want_rows = train_locally(2)
     assert step == STEPS
@@ -131,3 +141,80 @@ def test_a_dense_mode_that_does_not_exist_is_refused():
         with pytest.raises(InvalidArgumentError, match="dense='ring'.*'allreduce'"):
             Replica(Net(table="fleet"), cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=LR),
                     dense="ring")
+
+
+def run_threads(target, count: int) -> list:
+    """``target(index)`` on ``count`` threads; their results (an exception is raised here)."""
+    results: list = [None] * count
+
+    def run(index: int) -> None:
+        try:
+            results[index] = target(index)
+        except BaseException as exc:  # noqa: BLE001 - raised by the test thread
+            results[index] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a worker hung"
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+def session_job(cluster, directory, *, workers: int, dense: str, last_step: int, momentum: float = 0.9):
+    """Every worker trains through a TrainingSession whose chief checkpoints into ``directory`` at the end;
+    each worker's dense values and optimizer slots after training."""
+    models = [Net(table="fleet") for _ in range(workers)]  # here: torch's seed is global to the threads
+
+    def worker(index: int) -> tuple[dict, dict]:
+        model = models[index]
+        replica = Replica(model, cluster, TaskSpec("worker", index), init_timeout_s=60, mode="sync", dense=dense,
+                          optimizer=OptimizerSpec.sgd(lr=LR, momentum=momentum))
+        data = iter(batches(index) * 4)
+        with TrainingSession(replica, hooks=[StopAtStepHook(last_step=last_step)], checkpoint_dir=directory,
+                             save_checkpoint_steps=1000, summary_dir=False, log_step_count_steps=None) as session:
+            while not session.should_stop():
+                x, ids, y = next(data)
+                session.run_step(lambda: F.cross_entropy(model(x, ids), y), batch_size=BATCH)
+            values = {n: p.detach().clone() for n, p in model.body.named_parameters()}
+            slots = ({} if replica.dense is None else
+                     {n: s["momentum_buffer"].clone() for n, s in replica.dense_state()[1].items()})
+        return values, slots
+    return run_threads(worker, workers)
+
+
+def test_a_checkpoint_holds_the_chiefs_dense_state_and_the_ps_tables(tmp_path):
+    with ps_servers(num_ps=2, num_workers=2) as (cluster, _):
+        (values, slots), _ = session_job(cluster, tmp_path, workers=2, dense="allreduce", last_step=STEPS)
+    saved = load(latest_checkpoint(tmp_path))
+    assert saved.global_step == STEPS and saved.info["dense_updates"] == STEPS
+    for name, value in values.items():
+        assert torch.equal(saved.state.values[f"body.{name}"], value), name
+        assert torch.equal(saved.state.slots[f"body.{name}"]["momentum_buffer"], slots[f"body.{name}"]), name
+    assert saved.state.tables["ids"].ids.numel() > 0  # the rows from the ps, in the same file
+    served = Net(table="fleet")
+    assert load_into_module(served, tmp_path) == STEPS  # serving reads it as any checkpoint
+    assert all(torch.equal(p.detach(), values[n]) for n, p in served.body.named_parameters())
+
+
+@pytest.mark.parametrize("saved_as, restored_as, workers, num_ps",
+                         [("allreduce", "allreduce", 3, 1), ("ps", "allreduce", 2, 2), ("allreduce", "ps", 1, 3)],
+                         ids=["hybrid->hybrid-3w-1ps", "classic->hybrid", "hybrid->classic-3ps"])
+def test_a_checkpoint_restores_into_either_layout_on_any_number_of_workers_and_ps(tmp_path, saved_as, restored_as,
+                                                                                  workers, num_ps):
+    """Training resumes from the checkpoint's step with its dense values and momentum on every worker: one more
+    step from there equals one more step of the job that saved it."""
+    with ps_servers(num_ps=2, num_workers=2) as (cluster, _):
+        session_job(cluster, tmp_path / "a", workers=2, dense=saved_as, last_step=STEPS)
+    saved = load(latest_checkpoint(tmp_path / "a"))
+    with ps_servers(num_ps=num_ps, num_workers=workers) as (cluster, _):
+        results = session_job(cluster, tmp_path / "a", workers=workers, dense=restored_as, last_step=STEPS)
+    for values, slots in results:  # resumed at STEPS: nothing trained, every worker holds the checkpoint's state
+        for name, value in values.items():
+            assert torch.equal(value, saved.state.values[f"body.{name}"]), name
+        for name, buffer in slots.items():
+            assert torch.equal(buffer, saved.state.slots[name]["momentum_buffer"]), name

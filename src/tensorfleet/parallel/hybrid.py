@@ -174,6 +174,16 @@ class TowerReplica:
     overlap: _OnTower0[bool] = _OnTower0()
     prefetch: _OnTower0[bool] = _OnTower0()
     shard_steps: _OnTower0[tuple[int, ...]] = _OnTower0()
+    dense_names: _OnTower0[frozenset[str]] = _OnTower0()  # hybrid (one tower): what the workers keep
+    dense: _OnTower0[Any] = _OnTower0()
+
+    def dense_state(self) -> Any:
+        """Tower 0: ``Replica.dense_state`` (hybrid mode, one tower)."""
+        return self._tower_0("dense_state").dense_state()
+
+    def restore_dense(self, values: Any, slots: Any, updates: int) -> None:
+        """Tower 0: ``Replica.restore_dense`` (hybrid mode, one tower)."""
+        self._tower_0("restore_dense").restore_dense(values, slots, updates)
 
     def settle(self) -> int:
         """Tower 0: ``Replica.settle`` (prefetch, which needs a single tower)."""

@@ -41,7 +41,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -155,6 +155,27 @@ def split(state: ShardState, placement: Placement, num_ps: int, *, sync: bool) -
         for index, shard in enumerate(shards):
             shard.tables[name] = table.select(owner == index)
     return shards
+
+
+DenseState = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]  # hybrid: values, slots
+
+
+def dense_names(replica: Any) -> frozenset[str]:
+    """Hybrid (``dense="allreduce"``): the parameters the workers keep, not the ps; empty in the classic layout."""
+    return getattr(replica, "dense_names", frozenset())
+
+
+def split_for(replica: TrainingReplica, state: ShardState) -> list[ShardState]:
+    """``split`` along the replica's placement. Hybrid: the checkpoint's dense part is left out (the chief
+    restores it on the workers, ``Replica.restore_dense``), so a checkpoint of either layout restores into
+    either, on any number of ps."""
+    dense = dense_names(replica)
+    if dense:
+        state = replace(state, values={k: v for k, v in state.values.items() if k not in dense},
+                        slots={k: v for k, v in state.slots.items() if k not in dense},
+                        averages=None if state.averages is None else
+                        {k: v for k, v in state.averages.items() if k not in dense})
+    return split(state, replica.placement, replica.num_ps, sync=replica.sync is not None)
 
 
 def _parts_by_variable(placement: Placement) -> dict[str, list[Part]]:
@@ -397,7 +418,12 @@ class Checkpointer:
         latest = latest_checkpoint(self.directory) if replica.is_chief else None
         if latest is not None:
             saved = load(latest)
-            restore = split(saved.state, replica.placement, replica.num_ps, sync=replica.sync is not None)
+            restore = split_for(replica, saved.state)
+            dense = dense_names(replica)
+            if dense:  # hybrid: the chief begins from the checkpoint's dense state and shares it at start
+                replica.restore_dense({name: saved.state.values[name] for name in dense if name in saved.state.values},
+                                      {name: saved.state.slots[name] for name in dense if name in saved.state.slots},
+                                      int(saved.info.get("dense_updates", saved.global_step)))
         return replica.start(restore=restore)
 
     def save(self, replica: TrainingReplica) -> Path:
@@ -427,6 +453,7 @@ class Checkpointer:
                      base: tuple[str, list[int], list[str], int] | None) -> Path:
         """Write ``taken`` (inline, or from a thread with ``background``); return the file's path."""
         heads = [taken.heads[shard] for shard in range(replica.num_ps)]
+        dense = replica.dense_state() if dense_names(replica) else None  # hybrid: the chief's, at this very step
         info = {"optimizer": replica.optimizer.to_meta(), "mode": replica.mode,
                 "sync": replica.sync.to_meta() if replica.sync else None, "average_decay": replica.average_decay,
                 "num_ps": replica.num_ps, "tables": [spec.to_meta() for spec in replica.client.tables.values()],
@@ -434,24 +461,30 @@ class Checkpointer:
                               for p in replica.placement.parts],
                 "shard_updates": [head.applied_updates for head in heads],
                 "epochs": [head.epoch for head in heads], "chain_length": base[3] + 1 if base else 0}
+        if dense is not None:
+            info["dense_updates"] = replica.dense.updates
         base_name = base[0] if base else None
         if not self.background:
-            return self._write(replica.placement, taken, info, base_name)
+            return self._write(replica.placement, taken, info, base_name, dense)
         self._writer = threading.Thread(target=self._write_in_background,
-                                        args=(replica.placement, taken, info, base_name),
+                                        args=(replica.placement, taken, info, base_name, dense),
                                         name="tensorfleet-checkpoint-writer", daemon=True)
         self._writer.start()
         return self.directory / checkpoint_name(heads[0].global_step, delta=base is not None)
 
-    def _write(self, placement: Placement, taken: SnapshotInFlight, info: dict[str, Any], base: str | None) -> Path:
+    def _write(self, placement: Placement, taken: SnapshotInFlight, info: dict[str, Any], base: str | None,
+               dense: DenseState | None = None) -> Path:
         shards = taken.result()
         whole = gather(placement, [shards[shard] for shard in sorted(shards)])
+        if dense is not None:  # hybrid: the dense half under the same names as on the ps in the classic layout
+            whole.values.update(dense[0])
+            whole.slots.update(dense[1])
         return save(self.directory, whole, info=info, max_to_keep=self.max_to_keep, base=base)
 
     def _write_in_background(self, placement: Placement, taken: SnapshotInFlight, info: dict[str, Any],
-                             base: str | None) -> None:
+                             base: str | None, dense: DenseState | None = None) -> None:
         try:
-            self._write(placement, taken, info, base)
+            self._write(placement, taken, info, base, dense)
         except BaseException as exc:  # noqa: BLE001 - reported by the next save() or wait()
             self._write_error = exc
 

@@ -49,7 +49,7 @@ import torch
 from tensorfleet.cluster.environment import LOGDIR_ENV
 from tensorfleet.errors import DeadlineExceededError, NanLossError, NotInitializedError, UnavailableError
 from tensorfleet.protocol.status import PsStatus
-from tensorfleet.train.checkpoint import Checkpointer, latest_checkpoint, load, split
+from tensorfleet.train.checkpoint import Checkpointer, latest_checkpoint, load, split_for
 from tensorfleet.train.hooks import CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult
 from tensorfleet.worker.leave import install_leave_handler, leave_requested
 from tensorfleet.worker.protocol import TrainingReplica, ended_cleanly
@@ -293,7 +293,7 @@ class TrainingSession:
             latest = latest_checkpoint(self.checkpoint_dir)
             if latest is not None:
                 state = load(latest).state
-                restore = split(state, self.replica.placement, self.replica.num_ps, sync=self.replica.sync is not None)
+                restore = split_for(self.replica, state)  # hybrid: the workers keep their live dense half
         started = time.monotonic()
         self.replica.recover(restore=restore, timeout_s=self.recovery_timeout_s)
         self.recoveries += 1

@@ -33,7 +33,7 @@ class DenseAllReduce:
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], optimizer: OptimizerSpec, collective: Collective, *,
-                 bucket_bytes: int = BUCKET_BYTES, first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> None:
+                 bucket_bytes: int | None = None, first_bucket_bytes: int | None = None) -> None:
         self.params = dict(params)
         self.spec = optimizer
         self.collective = collective
@@ -44,10 +44,13 @@ class DenseAllReduce:
             raise InvalidArgumentError(f"cannot build optimizer {optimizer.name} with {dict(optimizer.options)}: "
                                        f"{exc}") from None
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
-        self._buckets = _plan_buckets(self.params, bucket_bytes, first_bucket_bytes)
+        self.updates = 0  # optimizer steps taken: the same on every worker (the learning-rate schedule's clock)
+        self._buckets = _plan_buckets(self.params, bucket_bytes or BUCKET_BYTES,
+                                      first_bucket_bytes or FIRST_BUCKET_BYTES)
         self._bucket_of = {name: i for i, bucket in enumerate(self._buckets) for name in bucket.names}
         self._works: dict[int, torch.distributed.Work] = {}
         self._ready: list[set[str]] = [set() for _ in self._buckets]
+        self._next = 0  # buckets leave in order (every worker's collective calls must match one for one)
         self._misuse: str | None = None
         self._hooks = [param.register_post_accumulate_grad_hook(lambda p, name=name: self._on_gradient(name))
                        for name, param in self.params.items()]
@@ -61,8 +64,8 @@ class DenseAllReduce:
                             "each gradient as backward produces it, so one backward per push")
             return
         self._ready[index].add(name)
-        if len(self._ready[index]) == len(self._buckets[index].names):
-            self._launch(index)
+        while self._next < len(self._buckets) and len(self._ready[self._next]) == len(self._buckets[self._next].names):
+            self._launch(self._next)
 
     def _launch(self, index: int) -> None:
         bucket = self._buckets[index]
@@ -74,6 +77,7 @@ class DenseAllReduce:
                 else:
                     view.copy_(grad.reshape(-1))
         self._works[index] = self.collective.all_reduce(bucket.flat)
+        self._next = index + 1
 
     # --- at push() ------------------------------------------------------------------------------------
 
@@ -83,9 +87,8 @@ class DenseAllReduce:
         if misuse is not None:
             self.drop()
             raise InvalidArgumentError(f"{misuse}; nothing was applied")
-        for index in range(len(self._buckets)):
-            if index not in self._works:
-                self._launch(index)
+        while self._next < len(self._buckets):  # what backward did not fill (unused parameters: zeros)
+            self._launch(self._next)
         world = float(self.collective.world_size)
         with torch.no_grad():
             for index, bucket in enumerate(self._buckets):
@@ -97,22 +100,84 @@ class DenseAllReduce:
                         param.grad = view.view_as(param).clone()
                     else:
                         param.grad.copy_(view.view_as(param))
-        self._works, self._ready = {}, [set() for _ in self._buckets]
+        self._works, self._ready, self._next = {}, [set() for _ in self._buckets], 0
 
-    def step(self, update: int) -> None:
-        """Average the gradients and apply the optimizer (learning rate of update number ``update``); clear them."""
+    def step(self) -> None:
+        """Average the gradients and apply the optimizer (the schedule's learning rate of this update); clear
+        them."""
         self.reduce()
         if self.spec.schedule is not None:
-            factor = self.spec.schedule.factor(update)
+            factor = self.spec.schedule.factor(self.updates)
             for group, base in zip(self.optimizer.param_groups, self._base_lrs):
                 group["lr"] = base * factor
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+
+    # --- state: checkpoints and joining workers -----------------------------------------------------
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        """The values and optimizer slots (momentum, Adam's moments and step), by parameter name, in host memory:
+        what a checkpoint keeps of the dense half (the same names as on the ps in the classic layout)."""
+        values = {name: p.detach().cpu().clone() for name, p in self.params.items()}
+        slots = {name: {slot: value.detach().cpu().clone() for slot, value in self.optimizer.state[p].items()
+                        if isinstance(value, torch.Tensor)}
+                 for name, p in self.params.items() if self.optimizer.state.get(p)}
+        return values, slots
+
+    def load(self, values: Mapping[str, torch.Tensor], slots: Mapping[str, Mapping[str, torch.Tensor]],
+             updates: int) -> None:
+        """Take a checkpoint's dense state and update count (this worker only: ``broadcast`` then shares it)."""
+        self.updates = updates
+        if set(values) != set(self.params) or set(slots) - set(self.params):
+            missing, extra = sorted(set(self.params) - set(values)), sorted(set(values) - set(self.params))
+            raise InvalidArgumentError(f"the checkpoint's dense state does not fit this model: missing {missing[:5]}, "
+                                       f"unexpected {extra[:5]}")
+        with torch.no_grad():
+            for name, param in self.params.items():
+                if values[name].shape != param.shape:
+                    raise InvalidArgumentError(f"{name} has shape {tuple(values[name].shape)} in the checkpoint, "
+                                               f"{tuple(param.shape)} in the model")
+                param.copy_(values[name])
+        for name, entries in slots.items():
+            param = self.params[name]
+            self.optimizer.state[param] = {slot: value.to(param.device) if value.dim() else value.clone()
+                                           for slot, value in entries.items()}
 
     def broadcast(self, src: int = 0) -> None:
-        """Every worker's values (and optimizer state, once it exists) become worker ``src``'s."""
+        """Every worker's values, optimizer slots and update count become worker ``src``'s (a joining or restored
+        worker's replicas then agree to the bit). The slots' names and shapes travel first, as a small JSON."""
         with torch.no_grad():
             self.collective.broadcast([p.data for p in self.params.values()], src)
+        layout = {name: {slot: [list(value.shape), str(value.dtype).removeprefix("torch."), value.dim() > 0]
+                         for slot, value in self.optimizer.state[p].items() if isinstance(value, torch.Tensor)}
+                  for name, p in self.params.items() if self.optimizer.state.get(p)}
+        shared = self._broadcast_json({"slots": layout, "updates": self.updates}, src)
+        layout, self.updates = shared["slots"], shared["updates"]
+        for name, entries in layout.items():
+            param = self.params[name]
+            state = self.optimizer.state[param]
+            for slot, (shape, dtype, on_param_device) in entries.items():
+                kept = state.get(slot)
+                device = param.device if on_param_device else torch.device("cpu")
+                travelling = (kept if isinstance(kept, torch.Tensor) and list(kept.shape) == shape
+                              else torch.zeros(shape, dtype=getattr(torch, dtype), device=device))
+                moved = travelling.to(self.collective.device)
+                self.collective.broadcast([moved], src)
+                state[slot] = moved.to(device)
+
+    def _broadcast_json(self, value: object, src: int) -> dict:
+        """``value`` of worker ``src``, on every worker (the collective carries bytes as tensors)."""
+        import json
+
+        raw = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8)
+        size = torch.tensor([raw.numel()], dtype=torch.int64, device=self.collective.device)
+        self.collective.broadcast([size], src)
+        buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.collective.device)
+        if self.collective.rank == src:
+            buffer.copy_(raw)
+        self.collective.broadcast([buffer], src)
+        return json.loads(bytes(buffer.cpu().tolist()).decode())
 
     def drop(self) -> None:
         """Abandon a step's reduce (the step runs again): wait for what was launched, forget it."""
@@ -121,7 +186,7 @@ class DenseAllReduce:
                 work.wait()
             except Exception:  # noqa: BLE001 - a failed collective is what is being recovered from
                 pass
-        self._works, self._ready, self._misuse = {}, [set() for _ in self._buckets], None
+        self._works, self._ready, self._misuse, self._next = {}, [set() for _ in self._buckets], None, 0
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:

@@ -145,7 +145,7 @@ class Replica:
         if self.options.dense == "allreduce":
             self._dense_params, self._params = self._params, {}
         self.dense: DenseAllReduce | None = None
-        self._dense_updates = 0  # the dense optimizer's steps: the same on every worker (the schedule's clock)
+        self._dense_restore: tuple[dict, dict, int] | None = None  # the chief's: a checkpoint's dense state
         self._cluster = cluster
         self.tables = tables_of(module)
         if not self._params and not self.tables and not self._dense_params:
@@ -240,6 +240,21 @@ class Replica:
         self.status.global_step = self.global_step
         return self
 
+    @property
+    def dense_names(self) -> frozenset[str]:
+        """Hybrid: the dense parameters the workers keep (not on the ps); empty in the classic layout."""
+        return frozenset(self._dense_params)
+
+    def restore_dense(self, values: Mapping[str, torch.Tensor], slots: Mapping[str, Mapping[str, torch.Tensor]],
+                      updates: int) -> None:
+        """Hybrid, the chief, before ``start()``: begin from a checkpoint's dense state (values and optimizer
+        slots by parameter name, and the optimizer's update count), which ``start()`` shares with every worker."""
+        self._dense_restore = (dict(values), dict(slots), updates)
+
+    def dense_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        """Hybrid: this worker's dense values and optimizer slots (the chief's go into checkpoints)."""
+        return self.dense.state() if self.dense is not None else ({}, {})
+
     def _join_workers(self) -> DenseAllReduce:
         """Hybrid: meet the other workers through ps 0 (``worker/collective.py``), take the chief's dense values."""
         device = next(iter(self._dense_params.values())).device
@@ -248,7 +263,10 @@ class Replica:
         collective = Collective(store, rank=self.replica_id, world_size=len(self._cluster.replicas), device=device,
                                 host=host, timeout_s=self.init_timeout_s)
         dense = DenseAllReduce(self._dense_params, self.optimizer, collective)
-        dense.broadcast(src=0)  # the chief's initial values: every replica starts equal
+        if self._dense_restore is not None and self.is_chief:
+            dense.load(*self._dense_restore)  # a checkpoint's dense state, which the broadcast shares
+        self._dense_restore = None
+        dense.broadcast(src=0)  # the chief's values and slots: every replica starts equal
         log.info("%s: dense parameters (%d) replicated on %d workers, averaged by %s; tables on the ps",
                  self.task.name, len(self._dense_params), collective.world_size,
                  "NCCL" if device.type == "cuda" else "gloo")
@@ -492,8 +510,7 @@ class Replica:
         """
         self._prefetched = None
         if self.dense is not None:  # hybrid: the dense gradients averaged over the workers, applied here
-            self.dense.step(self._dense_updates)
-            self._dense_updates += 1
+            self.dense.step()
         if self._in_flight is not None:  # the reply lands during the next step
             self.settle()  # the previous push's: normally long done, it travelled during this step's compute
             self._in_flight.send(self._send(into=self._in_flight.landing, rows=rows))
