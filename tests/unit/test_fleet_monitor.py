@@ -347,3 +347,29 @@ def test_the_jobs_global_step_is_ps0s_and_each_shard_shows_its_own_counters(cloc
     assert ps1["step"] == 3003  # the updates the shard applied: its own counter
     assert ps1["global_step"] == (3003 if mode == "sync" else None)  # async: not a step counter at all
     assert task(picture, "ps:0")["global_step"] == 3000 and task(picture, "worker:0")["global_step"] == 2990
+
+
+def test_a_worker_scaled_away_while_its_status_is_asked_leaves_the_monitor_polling(monitor):
+    """The launcher's thread scales the job down (``set_cluster``) while the monitor's thread waits on the leaver's
+    Status, which then fails (the leaver exited). Before, the failure looked the leaver up among the current
+    channels: a KeyError ended the polling thread, and the picture stayed as it was for the rest of the job (a
+    scaled job's test waited for steps that never showed). Real calls: nothing listens at these addresses."""
+    without_leaver = ClusterSpec.from_dict({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]})
+    leaver = monitor._channels["worker:1"]
+    ask = leaver.call_async
+
+    class ScaledAwayMeanwhile:
+        """The leaver's pending answer; the scale happens while the monitor waits on it."""
+
+        def __init__(self, future) -> None:
+            self.future = future
+
+        def result(self):
+            monitor.set_cluster(without_leaver)
+            return self.future.result()
+
+    leaver.call_async = lambda *args, **kwargs: ScaledAwayMeanwhile(ask(*args, **kwargs))
+    monitor.poll(timeout_s=1.0)  # before: KeyError: 'worker:1'
+    assert [t.short for t in monitor.tasks] == ["ps:0", "worker:0"]
+    monitor.poll(timeout_s=1.0)  # the next round asks the tasks left
+    assert {t["name"] for t in monitor.picture()["tasks"]} == {"ps:0", "worker:0"}

@@ -171,17 +171,22 @@ class FleetMonitor:
     def poll(self, timeout_s: float = 0.8) -> None:
         """Ask every task once (concurrently), then update the picture."""
         asked = time.monotonic()
-        pending = {name: channel.call_async("Status", timeout=timeout_s)
+        pending = {name: (channel, channel.call_async("Status", timeout=timeout_s))
                    for name, channel in list(self._channels.items()) if self._worth_asking(name)}
         answers: dict[str, dict[str, Any]] = {}
         refused: dict[str, str] = {}
-        for name, future in pending.items():
+        for name, (channel, future) in pending.items():
             try:
                 answers[name] = future.result()[0]
             except UnauthenticatedError as exc:
                 refused[name] = exc.message
             except TensorfleetError:
-                self._channels[name].reconnect()  # a restarted task: do not wait on the dead connection
+                # A restarted task: do not wait on the dead connection. The channel asked, which a scale may
+                # have replaced or dropped meanwhile (set_cluster, from the launcher's thread): a leaver's
+                # failed answer then names a task no longer here, and is not looked up (a KeyError there ended
+                # this thread, and the picture stayed as it was for the rest of the job).
+                if self._channels.get(name) is channel:
+                    channel.reconnect()
         answers.update(self._final_statuses())
         self.update(answers, asked=asked)
         self._note_refusals(refused)
