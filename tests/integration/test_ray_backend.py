@@ -30,6 +30,10 @@ psutil = pytest.importorskip("psutil")
 pytestmark = pytest.mark.cluster
 MNIST = REPO / "examples" / "mnist_mlp.py"
 NODE_CPUS = 2
+# The GCS asks each raylet every second and declares its node dead after 6 failed asks in a row: ~6 s after a node is
+# removed instead of Ray's ~15 s. A loaded raylet is not taken for dead: each ask waits 10 s (Ray's default) for it.
+HEALTH_CHECK = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
+                "health_check_failure_threshold": 6}
 
 
 def ray_processes() -> set[int]:
@@ -142,7 +146,9 @@ def test_the_local_ray_of_a_job_listens_on_loopback_only_and_its_tasks_get_the_t
 def cluster(keep_processes):
     from ray.cluster_utils import Cluster
 
-    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"node0": 1}})
+    # A removed node is declared dead after HEALTH_CHECK's period x threshold (Ray's default: 3 s x 5, ~15 s).
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"node0": 1},
+                                                         "_system_config": HEALTH_CHECK})
     kept: set[int] = set()
     try:
         nodes = {f"node{i}": made.add_node(num_cpus=NODE_CPUS, resources={f"node{i}": 1}) for i in (1, 2, 3)}
