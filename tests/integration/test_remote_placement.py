@@ -37,6 +37,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 STEPS, BATCH, IN, HIDDEN, OUT = 8, 16, 20, 12, 4
 START_S = 60.0  # every wait below is bounded; a start on a loaded 2-core machine takes seconds
 TOKEN = "placement-test-token-" + "7" * 20
+# The members whose chief dies below hold its lease for this long instead of placegroup.LEASE_S (15 s): the lapse
+# is what they wait out. Still well above the chief's renewals (every ALIVE_EVERY_S, 2 s).
+TEST_LEASE_S = 6.0
 PLACEMENT_METHODS = ("Join", "Place", "Forward", "Backward", "Optimizer", "Step", "State", "LoadState", "Done")
 
 WORKER = """
@@ -490,7 +493,9 @@ def test_a_launched_placed_job_finishes_through_stray_bytes_and_a_process_withou
 MEMBER = """
 import sys, time
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.coordinator import placegroup
 from tensorfleet.coordinator.placement import RpcGroup
+placegroup.LEASE_S = {lease_s}
 with RpcGroup(ClusterSpec.from_dict({cluster!r}), TaskSpec(sys.argv[1], 0), start_timeout_s={start_s}) as group:
     print("joined", flush=True)
     if group.is_chief:
@@ -504,7 +509,7 @@ def test_a_worker_whose_chief_dies_leaves_in_seconds():
     release that will never come."""
     ports = free_ports(2)
     cluster = ClusterSpec.from_dict({"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]})
-    code = MEMBER.format(cluster=cluster.as_dict(), start_s=START_S)
+    code = MEMBER.format(cluster=cluster.as_dict(), start_s=START_S, lease_s=TEST_LEASE_S)
     members = [subprocess.Popen([sys.executable, "-c", code, role], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True) for role in ("chief", "worker")]
     try:
@@ -515,7 +520,7 @@ def test_a_worker_whose_chief_dies_leaves_in_seconds():
         _, err = members[1].communicate(timeout=60)
         assert members[1].returncode != 0
         assert "ChiefLeftError: worker:0: the chief (chief:0) does not answer any more" in err, err[-2000:]
-        assert time.monotonic() - killed < placement.LEASE_S + 20
+        assert time.monotonic() - killed < TEST_LEASE_S + 20
     finally:
         stop(members)
 
@@ -573,7 +578,7 @@ def test_a_crashed_placed_chief_resumes_from_its_checkpoint_with_the_worker_that
     """The chief SIGKILLed mid-run: worker 0 does not exit "done" but keeps serving, the launcher starts the chief
     again, its new session replaces the last one's module on the worker, it resumes from its checkpoint, and the
     summary's global step is the real one."""
-    run = placed_launch(tmp_path, "--train_steps", "1500", "--save_checkpoint_steps", "300")
+    run = placed_launch(tmp_path, "--train_steps", "900", "--save_checkpoint_steps", "300")
     checkpoint = run.logdir / "checkpoints" / "placed.safetensors"
     try:
         poll(checkpoint.exists, 120, "the chief's first checkpoint")
@@ -586,7 +591,7 @@ def test_a_crashed_placed_chief_resumes_from_its_checkpoint_with_the_worker_that
     assert "chief:0 killed by SIGKILL; restarting" in output, output
     resumed = int(re.search(r"\[chief:0\] resuming from the checkpoint of step (\d+)", output).group(1))
     assert resumed >= 300 and resumed % 300 == 0, output
-    assert "global step 1500" in output and "1 restart," in output, output
+    assert "global step 900" in output and "1 restart," in output, output
     assert [e["task"] for e in run.events() if e["event"] == "started"].count("worker:0") == 1, run.events()
     worker_log = (run.logdir / "worker-0.log").read_text()
     assert worker_log.count("worker:0 joined chief:0's placement session") == 2, worker_log
@@ -594,7 +599,7 @@ def test_a_crashed_placed_chief_resumes_from_its_checkpoint_with_the_worker_that
            "dropped" in worker_log, worker_log
     assert float(re.search(r"\[chief:0\] test accuracy: ([\d.]+)", output).group(1)) > 0.9, output
     final = json.loads((run.logdir / "chief-0.status.json").read_text())
-    assert final["global_step"] == 1500 and final["state"] == "done", final
+    assert final["global_step"] == 900 and final["state"] == "done", final
     assert not [line for line in output.splitlines() if any(word in line for word in NOISE)], output
 
 
@@ -602,7 +607,7 @@ def test_a_killed_placed_worker_is_restarted_and_its_chief_resumes_from_its_chec
     """Worker 0 SIGKILLed mid-run: the chief's next call fails, it says so in one line and exits 1 (no traceback),
     the launcher starts both again, the new chief places its layer in the new worker and resumes from its
     checkpoint, and the job ends with its real global step."""
-    run = placed_launch(tmp_path, "--train_steps", "1500", "--save_checkpoint_steps", "300")
+    run = placed_launch(tmp_path, "--train_steps", "900", "--save_checkpoint_steps", "300")
     checkpoint = run.logdir / "checkpoints" / "placed.safetensors"
     try:
         poll(checkpoint.exists, 120, "the chief's first checkpoint")
@@ -615,14 +620,16 @@ def test_a_killed_placed_worker_is_restarted_and_its_chief_resumes_from_its_chec
     assert re.search(r"\[chief:0\] mnist_placed\.py: error: .*\[/job:worker/task:0\] \(exiting, to be started again",
                      output), output
     assert re.search(r"\[chief:0\] resuming from the checkpoint of step \d+", output), output
-    assert "global step 1500" in output, output
+    assert "global step 900" in output, output
     assert not [line for line in output.splitlines() if any(word in line for word in NOISE)], output
 
 
 WAITING_MEMBER = '''
 import argparse, sys, time
 import tensorfleet as tfl
+from tensorfleet.coordinator import placegroup
 from tensorfleet.coordinator.placement import run_placed
+placegroup.LEASE_S = {lease_s}
 
 
 def drive(group):
@@ -642,7 +649,7 @@ def test_a_worker_waits_a_bounded_time_for_its_chief_to_come_back_saying_so(tmp_
     ports = free_ports(2)
     tf_config = {"cluster": {"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]}}
     script = tmp_path / "member.py"
-    script.write_text(WAITING_MEMBER.format(timeout_s=8))
+    script.write_text(WAITING_MEMBER.format(timeout_s=8, lease_s=TEST_LEASE_S))
     members = {}
     for role in ("chief", "worker"):
         env = {**os.environ, "TF_CONFIG": json.dumps({**tf_config, "task": {"type": role, "index": 0}})}
