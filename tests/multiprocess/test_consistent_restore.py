@@ -15,6 +15,7 @@ from tensorfleet.train.manifest import list_checkpoints
 
 pytestmark = pytest.mark.cluster
 JOB = Path(__file__).with_name("two_scalars_job.py")
+LAST_STEP = 2000  # a checkpoint every 20 steps: 100 of them, each checked to be a cut
 
 
 def exact(checkpoint) -> tuple[float, float, list[int]]:
@@ -25,11 +26,12 @@ def exact(checkpoint) -> tuple[float, float, list[int]]:
 @pytest.mark.parametrize("kill_ps", [False, True], ids=["running", "ps-killed-and-restored"])
 def test_every_checkpoint_of_a_running_fleet_is_a_cut(tmp_path, kill_ps):
     ckpt = tmp_path / "ckpt"
-    fleet = Fleet(tmp_path / "logs", JOB, ["--checkpoint_dir", str(ckpt)], num_ps=2, num_workers=2)
+    fleet = Fleet(tmp_path / "logs", JOB, ["--checkpoint_dir", str(ckpt), "--last_step", str(LAST_STEP)],
+                  num_ps=2, num_workers=2)
     try:
         if kill_ps:
-            poll(lambda: (ckpt / "checkpoint.json").exists() and load(latest_checkpoint(ckpt)).global_step >= 1500,
-                 120, "a checkpoint at step 1500")
+            poll(lambda: (ckpt / "checkpoint.json").exists() and load(latest_checkpoint(ckpt)).global_step >= 800,
+                 120, "a checkpoint at step 800")
             fleet.kill("ps:1")
             fleet.start("ps:1")  # empty: the chief fences ps:0 and rolls every shard back to the latest checkpoint
         codes = fleet.wait_all(timeout_s=240)
@@ -48,5 +50,5 @@ def test_every_checkpoint_of_a_running_fleet_is_a_cut(tmp_path, kill_ps):
     assert not torn, f"{len(torn)} of {len(files)} checkpoints are not one cut, e.g. {torn[:3]}"
     last = load(latest_checkpoint(ckpt))  # saved at the end
     a, b, updates = exact(last)
-    assert a == b == -updates[0] and last.global_step >= 4000
+    assert a == b == -updates[0] and last.global_step >= LAST_STEP
     assert torch.equal(last.state.values["a"], last.state.values["b"])

@@ -47,10 +47,10 @@ def latest_step(ckpt: Path) -> int:
 
 def test_the_chief_killed_together_with_a_ps_restores_every_shard(tmp_path):
     ckpt = tmp_path / "ckpt"
-    fleet = Fleet(tmp_path / "logs", JOB, ["--checkpoint_dir", str(ckpt), "--last_step", "3000"],
+    fleet = Fleet(tmp_path / "logs", JOB, ["--checkpoint_dir", str(ckpt), "--last_step", "1500"],
                   num_ps=2, num_workers=2)
     try:
-        poll(lambda: latest_step(ckpt) >= 1000, 180, "a checkpoint at step 1000")
+        poll(lambda: latest_step(ckpt) >= 500, 180, "a checkpoint at step 500")
         fleet.kill("worker:0")  # the chief ...
         fleet.kill("ps:1")  # ... and a ps, together
         fleet.start("ps:1")
@@ -65,7 +65,7 @@ def test_the_chief_killed_together_with_a_ps_restores_every_shard(tmp_path):
     torn, count = torn_checkpoints(ckpt)
     assert count > 50 and not torn, f"{len(torn)} of {count} checkpoints are not one cut, e.g. {torn[:3]}"
     last = load(latest_checkpoint(ckpt))  # saved at the end: the fleet agrees
-    assert float(last.state.values["a"]) == float(last.state.values["b"]) and last.global_step >= 3000
+    assert float(last.state.values["a"]) == float(last.state.values["b"]) and last.global_step >= 1500
 
 
 def test_a_ps_killed_again_and_again_while_the_chief_saves_every_other_step(tmp_path):
