@@ -344,10 +344,11 @@ def test_the_seed_job_through_the_coordinator_survives_a_sigkilled_worker_ps_and
     from tensorfleet.testing.local_cluster import REPO, LauncherProcess
 
     checkpoints = tmp_path / "ckpt"
+    TRAIN_STEPS = 6000  # noqa: N806 - checkpoints every 500: the kills land after the 2nd and the 4th
     run = LauncherProcess(tmp_path / "job", ["--coordinator", "--ps", "1", "--workers", "2", "--max-restarts", "2",
                                              "--progress-every", "1"],
                           REPO / "examples" / "mnist_coordinator.py",
-                          ["--train_steps", "12000", "--checkpoint_dir", str(checkpoints),
+                          ["--train_steps", str(TRAIN_STEPS), "--checkpoint_dir", str(checkpoints),
                            "--save_checkpoint_steps", "500"])
     try:
         poll(lambda: len(list(checkpoints.glob("model.ckpt-*"))) >= 2 and run.events_of("worker:1", "running"),
@@ -371,7 +372,7 @@ def test_the_seed_job_through_the_coordinator_survives_a_sigkilled_worker_ps_and
                                               output)]
     assert len(began) == 2 and began[0] == 0 and began[1] > 0, output  # the second coordinator took up from the ps
     final = int(re.findall(r"\[chief:0\] Coordinator: .* global step \d+ -> (\d+)", output)[-1])
-    assert 12000 <= final <= 12000 + (2 * 2 + 1) * 50, output  # max_pending + 1 closures past it at most
+    assert TRAIN_STEPS <= final <= TRAIN_STEPS + (2 * 2 + 1) * 50, output  # max_pending + 1 closures past it at most
     assert float(re.search(r"\[chief:0\] test accuracy: ([\d.]+)", output).group(1)) > 0.95, output
 
 
