@@ -100,7 +100,7 @@ def test_a_rendered_script_runs_under_sbatch_itself(cluster, tmp_path):
 
 def test_a_rank_killed_mid_run_runs_the_step_again_from_the_last_checkpoint(cluster, tmp_path):
     run = launch(cluster, tmp_path, ["--async", "--max-restarts", "2"],
-                 ["--train_steps", "3000", "--checkpoint_dir", str(tmp_path / "ckpt"), "--save_checkpoint_steps",
+                 ["--train_steps", "1500", "--checkpoint_dir", str(tmp_path / "ckpt"), "--save_checkpoint_steps",
                   "200"])
     poll(lambda: len(ranks()) == 3 and any(p.name != "model.ckpt-0.safetensors"
                                            for p in (tmp_path / "ckpt").glob("model.ckpt-*")), 120,
@@ -120,7 +120,7 @@ def test_a_requeued_job_is_followed_from_the_reruns_first_line(cluster, tmp_path
     """``scontrol requeue``: Slurm runs the batch script again from the top and writes its output file afresh; the
     launcher reads it again from its start, so the rerun's first lines (the chief's restore) reach the console."""
     ckpt = tmp_path / "ckpt"
-    run = launch(cluster, tmp_path, ["--async"], ["--train_steps", "2500", "--checkpoint_dir", str(ckpt),
+    run = launch(cluster, tmp_path, ["--async"], ["--train_steps", "1500", "--checkpoint_dir", str(ckpt),
                                                   "--save_checkpoint_steps", "200"])
     poll(lambda: len(ranks()) == 3 and any(p.name != "model.ckpt-0.safetensors" for p in ckpt.glob("model.ckpt-*")),
          120, "the job to train and checkpoint")
