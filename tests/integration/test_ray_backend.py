@@ -174,7 +174,7 @@ def node_name(nodes: dict, node_id: str) -> str:
 @pytest.mark.parametrize("mode", ["--async", "--sync"])
 def test_the_seed_job_runs_with_the_ps_on_one_node_and_the_workers_on_the_others(cluster, launches, mode):
     made, nodes = cluster
-    run = launches(["--ray-address", made.address, "--ps", "1", "--workers", "2", mode], ["--train_steps", "600"],
+    run = launches(["--ray-address", made.address, "--ps", "1", "--workers", "2", mode], ["--train_steps", "300"],
                    env=LOOPBACK)
     code, output = run.wait(timeout_s=240)
     assert code == 0, output
