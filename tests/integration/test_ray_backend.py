@@ -313,7 +313,12 @@ def taken(address: str) -> socket.socket:
     return poll(bind, 30, f"{address} to be free")
 
 
-@pytest.mark.parametrize(("task", "port"), [("worker:1", "free"), ("ps:0", "taken")])
+# ps:0 with its port taken is heavy (pytest -m heavy; ~60-80 s, 15 s of it the actor's wait for the port, PORT_WAIT_S):
+# a node's death and the restart elsewhere are worker:1's variant here, a client following a moved ps through the
+# cluster file is tests/integration/test_moved_ps.py, and a chief restoring a ps restarted empty is
+# tests/multiprocess/test_recovery.py.
+@pytest.mark.parametrize(("task", "port"), [("worker:1", "free"),
+                                            pytest.param("ps:0", "taken", marks=pytest.mark.heavy)])
 def test_a_task_whose_node_dies_comes_back_on_another_and_the_job_finishes(cluster, launches, keep_processes, tmp_path,
                                                                            task, port):
     """Last in the module: it takes nodes away. The task's bundle moves to a node with a free CPU. On this machine
