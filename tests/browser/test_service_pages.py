@@ -90,7 +90,7 @@ def test_a_user_runs_stops_and_finds_jobs_from_the_browser_only(browser_page: Pa
         # Create a 2-worker MNIST job from the form.
         page.click("#new-job-link")
         page.select_option("#script", "examples/mnist_mlp.py")
-        page.fill("#args", "--train_steps 1500 --moving_average_decay 0.99")
+        page.fill("#args", "--train_steps 400 --moving_average_decay 0.99")
         page.fill("#workers", "2")
         page.select_option("#mode", "async")
         page.click("#create")
@@ -109,7 +109,7 @@ def test_a_user_runs_stops_and_finds_jobs_from_the_browser_only(browser_page: Pa
         page.click("#clone")
         expect(page.locator("#name")).to_have_value("mnist-mlp-copy")  # a name of its own, to be changed at will
         expect(page.locator("#script")).to_have_value("examples/mnist_mlp.py")
-        expect(page.locator("#args")).to_have_value("--train_steps 1500 --moving_average_decay 0.99")
+        expect(page.locator("#args")).to_have_value("--train_steps 400 --moving_average_decay 0.99")
         page.fill("#args", "--train_steps 200000")
         page.fill("#workers", "3")
         page.click("#create")

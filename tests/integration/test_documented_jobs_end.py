@@ -100,14 +100,14 @@ def test_the_coordinator_is_followed_as_a_chief_is_under_launch_coordinator(tmp_
     """``tensorfleet launch --coordinator``: the coordinator answers its Status, so it is running (not "starting")
     in the progress line, which knows the target step; the summary has its accuracy."""
     launcher = LauncherProcess(tmp_path / "logs", ["--coordinator", "--ps", "1", "--workers", "2"],
-                               REPO / "examples" / "mnist_coordinator.py", ["--train_steps", "3000"])
+                               REPO / "examples" / "mnist_coordinator.py", ["--train_steps", "2000"])
     try:
         code, output = launcher.wait(timeout_s=240)
     finally:
         launcher.kill()
     assert code == 0, output
     assert launcher.events_of("chief:0", "running"), output  # it answered its Status
-    assert re.search(r"\[launch\] step [\d,]+/3,000 \(\d+%\) .*4/4 tasks running", output), output
+    assert re.search(r"\[launch\] step [\d,]+/2,000 \(\d+%\) .*4/4 tasks running", output), output
     assert re.search(r"\[launch\] metrics: accuracy 0\.9\d{3}", output), output
 
 
