@@ -38,7 +38,8 @@ def checkpoint_dir(tmp_path):
         return SimpleNamespace(heads=states, result=lambda: states, discard=lambda: None)
 
     replica = SimpleNamespace(placement=placement, optimizer=SPEC, mode="async", sync=None, average_decay=0.9,
-                              num_ps=2, client=SimpleNamespace(start_snapshot=start_snapshot, tables={}))
+                              num_ps=2, client=SimpleNamespace(start_snapshot=start_snapshot, tables={}),
+                              dense_names=frozenset())
     saver = Checkpointer(tmp_path / "run", max_to_keep=2)
     for _ in range(3):
         for s, store in enumerate(stores):

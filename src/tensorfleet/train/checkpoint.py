@@ -160,9 +160,9 @@ def split(state: ShardState, placement: Placement, num_ps: int, *, sync: bool) -
 DenseState = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]  # hybrid: values, slots
 
 
-def dense_names(replica: Any) -> frozenset[str]:
+def dense_names(replica: TrainingReplica) -> frozenset[str]:
     """Hybrid (``dense="allreduce"``): the parameters the workers keep, not the ps; empty in the classic layout."""
-    return getattr(replica, "dense_names", frozenset())
+    return replica.dense_names
 
 
 def split_for(replica: TrainingReplica, state: ShardState) -> list[ShardState]:

@@ -73,6 +73,36 @@ class FleetStore(dist.Store):
         raise NotImplementedError("the fleet's rendezvous store does not count its keys")
 
 
+GENERATION_KEY = "tensorfleet/collective/generation"  # the generation being formed or running
+POLL_S = 0.05
+
+
+def _key(generation: int, what: str) -> str:
+    return f"tensorfleet/collective/{generation}/{what}"
+
+
+def generation_to_join(store: dist.Store, world_size: int, deadline: float) -> int:
+    """The generation this worker forms the group in: the current one while it has room (the job's start:
+    every worker arrives in generation 0), else the next (a restarted worker: the running group has a dead
+    member, whose place this worker takes in a new group the survivors join once their next collective fails)."""
+    generation = store.add(GENERATION_KEY, 0)
+    while store.add(_key(generation, "arrived"), 1) > world_size:
+        generation = generation_after(store, generation, deadline)
+    return generation
+
+
+def generation_after(store: dist.Store, failed: int, deadline: float) -> int:
+    """The first generation after ``failed`` (which lost a member): the first worker to ask moves the job's
+    generation on, once for everyone (the others wait for it); returns it."""
+    if store.add(_key(failed, "ended"), 1) == 1:
+        store.add(GENERATION_KEY, 1)
+    while (generation := store.add(GENERATION_KEY, 0)) <= failed:
+        if time.monotonic() > deadline:
+            raise DeadlineExceededError(f"the collective's generation {failed} ended, and no next one began")
+        time.sleep(POLL_S)
+    return generation
+
+
 class Collective:
     """One generation of the workers' process group, over a ``FleetStore``.
 
@@ -104,6 +134,14 @@ class Collective:
     def all_reduce(self, tensor: torch.Tensor) -> dist.Work:
         """Sum ``tensor`` over the group, in place; returns the work to wait on."""
         return self.group.allreduce([tensor])
+
+    def max_of(self, value: int) -> int:
+        """The largest of every rank's ``value`` (every rank gets it)."""
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        self.group.allreduce([tensor], options).wait()
+        return int(tensor.item())
 
     def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Every rank's ``tensors`` take rank ``src``'s values, in place."""

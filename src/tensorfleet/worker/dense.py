@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.errors import InvalidArgumentError, UnavailableError
 from tensorfleet.protocol.specs import OptimizerSpec, optimizer_class
 from tensorfleet.worker.collective import Collective
 
@@ -48,10 +49,11 @@ class DenseAllReduce:
         self._buckets = _plan_buckets(self.params, bucket_bytes or BUCKET_BYTES,
                                       first_bucket_bytes or FIRST_BUCKET_BYTES)
         self._bucket_of = {name: i for i, bucket in enumerate(self._buckets) for name in bucket.names}
-        self._works: dict[int, torch.distributed.Work] = {}
+        self._works: dict[int, dist.Work] = {}
         self._ready: list[set[str]] = [set() for _ in self._buckets]
         self._next = 0  # buckets leave in order (every worker's collective calls must match one for one)
         self._misuse: str | None = None
+        self.failure: BaseException | None = None  # the collective's: a peer died or stalled (rebind() ends it)
         self._hooks = [param.register_post_accumulate_grad_hook(lambda p, name=name: self._on_gradient(name))
                        for name, param in self.params.items()]
 
@@ -76,23 +78,47 @@ class DenseAllReduce:
                     view.zero_()
                 else:
                     view.copy_(grad.reshape(-1))
-        self._works[index] = self.collective.all_reduce(bucket.flat)
         self._next = index + 1
+        if self.failure is not None:
+            return
+        try:
+            self._works[index] = self.collective.all_reduce(bucket.flat)
+        except Exception as exc:  # noqa: BLE001 - raised by reduce(), where the step can recover
+            self.failure = exc
 
     # --- at push() ------------------------------------------------------------------------------------
 
-    def reduce(self) -> None:
-        """Every gradient averaged over the workers, in ``.grad`` (buckets backward did not fill leave now)."""
+    def reduce(self, clock: torch.Tensor | None = None) -> None:
+        """Every gradient averaged over the workers, in ``.grad`` (buckets backward did not fill leave now);
+        ``clock`` (one int64) becomes its largest value over the workers, reduced after the last bucket (every
+        worker's calls in the same order)."""
         misuse = self._misuse
         if misuse is not None:
             self.drop()
             raise InvalidArgumentError(f"{misuse}; nothing was applied")
         while self._next < len(self._buckets):  # what backward did not fill (unused parameters: zeros)
             self._launch(self._next)
+        if clock is not None and self.failure is None:
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.MAX
+            try:
+                self._works[len(self._buckets)] = self.collective.group.allreduce([clock], options)
+            except Exception as exc:  # noqa: BLE001 - raised below, where the step can recover
+                self.failure = exc
         world = float(self.collective.world_size)
+        try:
+            for index in sorted(self._works):  # the buckets, and step()'s clock
+                if self.failure is None:
+                    self._works[index].wait()
+        except Exception as exc:  # noqa: BLE001 - gloo's and NCCL's errors are RuntimeErrors of many kinds
+            self.failure = exc
+        if self.failure is not None:
+            self._works, self._ready, self._next = {}, [set() for _ in self._buckets], 0
+            raise UnavailableError(f"the dense all-reduce (generation {self.collective.generation}) failed: a worker "
+                                   f"of the group is gone or stalled ({str(self.failure)[:300]}); the workers form "
+                                   "the group again and run the step again")
         with torch.no_grad():
             for index, bucket in enumerate(self._buckets):
-                self._works[index].wait()
                 bucket.flat.div_(world)
                 for name, view in zip(bucket.names, bucket.views):
                     param = self.params[name]
@@ -102,10 +128,13 @@ class DenseAllReduce:
                         param.grad.copy_(view.view_as(param))
         self._works, self._ready, self._next = {}, [set() for _ in self._buckets], 0
 
-    def step(self) -> None:
+    def step(self, clock: int | None = None) -> int | None:
         """Average the gradients and apply the optimizer (the schedule's learning rate of this update); clear
-        them."""
-        self.reduce()
+        them. ``clock``: this worker's global step, whose largest value over the workers is returned (one small
+        collective beside the gradients'): what every worker's stop decision reads in async mode, where each
+        worker's own push sees another step."""
+        agreed = None if clock is None else torch.tensor([clock], dtype=torch.int64, device=self.collective.device)
+        self.reduce(clock=agreed)
         if self.spec.schedule is not None:
             factor = self.spec.schedule.factor(self.updates)
             for group, base in zip(self.optimizer.param_groups, self._base_lrs):
@@ -113,6 +142,7 @@ class DenseAllReduce:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1
+        return None if agreed is None else int(agreed.item())
 
     # --- state: checkpoints and joining workers -----------------------------------------------------
 
@@ -180,13 +210,20 @@ class DenseAllReduce:
         return json.loads(bytes(buffer.cpu().tolist()).decode())
 
     def drop(self) -> None:
-        """Abandon a step's reduce (the step runs again): wait for what was launched, forget it."""
-        for work in self._works.values():
+        """Abandon a step's reduce (the step runs again): wait for what was launched (unless the group failed:
+        then nothing of it will complete), forget it."""
+        for work in self._works.values() if self.failure is None else ():
             try:
                 work.wait()
             except Exception:  # noqa: BLE001 - a failed collective is what is being recovered from
-                pass
+                break
         self._works, self._ready, self._misuse, self._next = {}, [set() for _ in self._buckets], None, 0
+
+    def rebind(self, collective: Collective) -> None:
+        """Go on in a new generation of the group (after a failure): the optimizer and its state are kept."""
+        self.drop()
+        self.collective.close()
+        self.collective, self.failure = collective, None
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from tensorfleet.cluster.placement import Placement
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from tensorfleet.protocol.specs import Mode, OptimizerSpec, SyncOptions
     from tensorfleet.protocol.state import ShardState
     from tensorfleet.worker.client import PsClient
+    from tensorfleet.worker.dense import DenseAllReduce
 
 
 def ended_cleanly(exc_type: type[BaseException] | None) -> bool:
@@ -90,3 +92,15 @@ class TrainingReplica(Protocol):
     def prefetch(self) -> bool: ...
 
     def settle(self) -> int: ...
+
+    # hybrid mode (dense="allreduce"): the dense half the workers keep, which the chief checkpoints and restores
+    @property
+    def dense_names(self) -> frozenset[str]: ...
+
+    @property
+    def dense(self) -> DenseAllReduce | None: ...
+
+    def dense_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]: ...
+
+    def restore_dense(self, values: Mapping[str, torch.Tensor], slots: Mapping[str, Mapping[str, torch.Tensor]],
+                      updates: int) -> None: ...

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any, Mapping, Sequence, cast
 
 import torch
@@ -50,13 +51,13 @@ from torch import nn
 
 from tensorfleet.cluster.placement import PlacementStrategy, RowPartitioner, VariableInfo, place
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, parse_address
-from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError
 from tensorfleet.protocol.specs import Mode, OptimizerSpec, SyncOptions
 from tensorfleet.protocol.state import ShardState
 from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import Gathered, PsClient, Pulled, Pushed
-from tensorfleet.worker.collective import Collective, FleetStore
+from tensorfleet.worker.collective import Collective, FleetStore, generation_after, generation_to_join
 from tensorfleet.worker.dense import DenseAllReduce
 from tensorfleet.worker.streams import PushStreams
 from tensorfleet.worker.embedding import tables_of
@@ -146,6 +147,8 @@ class Replica:
             self._dense_params, self._params = self._params, {}
         self.dense: DenseAllReduce | None = None
         self._dense_restore: tuple[dict, dict, int] | None = None  # the chief's: a checkpoint's dense state
+        self._meeting: FleetStore | None = None  # hybrid: ps 0's rendezvous, where the workers' group forms
+        self._ps_step = 0  # the global step the ps told this worker last (async hybrid: global_step is agreed)
         self._cluster = cluster
         self.tables = tables_of(module)
         if not self._params and not self.tables and not self._dense_params:
@@ -255,21 +258,50 @@ class Replica:
         """Hybrid: this worker's dense values and optimizer slots (the chief's go into checkpoints)."""
         return self.dense.state() if self.dense is not None else ({}, {})
 
-    def _join_workers(self) -> DenseAllReduce:
-        """Hybrid: meet the other workers through ps 0 (``worker/collective.py``), take the chief's dense values."""
+    def _join_workers(self, *, after: int | None = None) -> DenseAllReduce:
+        """Hybrid: form the workers' group through ps 0 (``worker/collective.py``) and take the freshest dense
+        state in it: a survivor's live values, else a checkpoint's the chief restored, else the chief's initial
+        ones. ``after``: the generation that failed (a survivor re-forming); None: joining (start, or a restarted
+        worker, which takes a dead member's place in the next generation)."""
+        deadline = time.monotonic() + self.init_timeout_s
         device = next(iter(self._dense_params.values())).device
         host = parse_address(self._cluster.task_address(self.task.job_name, self.task.index))[0]
-        store = FleetStore(self.client.channels[0], timeout_s=self.init_timeout_s)
-        collective = Collective(store, rank=self.replica_id, world_size=len(self._cluster.replicas), device=device,
-                                host=host, timeout_s=self.init_timeout_s)
-        dense = DenseAllReduce(self._dense_params, self.optimizer, collective)
-        if self._dense_restore is not None and self.is_chief:
-            dense.load(*self._dense_restore)  # a checkpoint's dense state, which the broadcast shares
-        self._dense_restore = None
-        dense.broadcast(src=0)  # the chief's values and slots: every replica starts equal
-        log.info("%s: dense parameters (%d) replicated on %d workers, averaged by %s; tables on the ps",
-                 self.task.name, len(self._dense_params), collective.world_size,
-                 "NCCL" if device.type == "cuda" else "gloo")
+        world = len(self._cluster.replicas)
+        if self._meeting is None:
+            self._meeting = FleetStore(self.client.channels[0], timeout_s=self.init_timeout_s)
+        while True:
+            if after is not None:
+                generation_after(self._meeting, after, deadline)
+            generation = generation_to_join(self._meeting, world, deadline)
+            try:
+                collective = Collective(self._meeting, rank=self.replica_id, world_size=world, device=device,
+                                        host=host, timeout_s=self.init_timeout_s, generation=generation)
+                break
+            except Exception as exc:  # noqa: BLE001 - a member died while the group formed: the next generation
+                if time.monotonic() > deadline:
+                    raise DeadlineExceededError(f"{self.task.name}: the workers' collective did not form within "
+                                                f"{self.init_timeout_s:g} s (all {world} workers must join it): "
+                                                f"{str(exc)[:300]}", task=self.task.name) from None
+                log.warning("%s: the collective's generation %d did not form (%s); trying the next",
+                            self.task.name, generation, str(exc)[:200])
+                after = generation
+        # Whose state every worker takes: live (2) beats a restored checkpoint (1) beats initial values (0),
+        # the lowest rank among equals. One MAX over the group tells everyone.
+        priority = 2 if self.dense is not None else 1 if self._dense_restore is not None else 0
+        best = collective.max_of(priority * world + world - 1 - self.replica_id)
+        source = world - 1 - best % world
+        dense = self.dense
+        if dense is None:
+            dense = DenseAllReduce(self._dense_params, self.optimizer, collective)
+        else:
+            dense.rebind(collective)
+        if self._dense_restore is not None:
+            dense.load(*self._dense_restore)  # the chief's checkpoint (shared if it is the freshest state)
+            self._dense_restore = None
+        dense.broadcast(src=source)
+        log.info("%s: dense parameters (%d) replicated on %d workers (generation %d, state from worker %d), "
+                 "averaged by %s; tables on the ps", self.task.name, len(self._dense_params), world, generation,
+                 source, "NCCL" if device.type == "cuda" else "gloo")
         return dense
 
     def recover(self, *, restore: Sequence[ShardState] | None, timeout_s: float) -> None:
@@ -288,6 +320,8 @@ class Replica:
             param.grad = None                                                   # again must not add to them
         if self.dense is not None:
             self.dense.drop()
+            if self.dense.failure is not None:  # a worker died or stalled: the group forms again (it may be us)
+                self.dense = self._join_workers(after=self.dense.collective.generation)
         self._prefetched = None  # the pull below really pulls: the values, and the epoch of every shard
         for table in self.tables.values():
             table.forget()
@@ -408,6 +442,7 @@ class Replica:
             return self.global_step
         pulled = self._copy_in(averages=False)
         self.global_step, self._shard_steps = pulled.global_step, pulled.shard_steps
+        self._ps_step = self.global_step
         return self.global_step
 
     def prefetch_rows(self, ids: Mapping[Any, torch.Tensor]) -> None:
@@ -467,6 +502,7 @@ class Replica:
         """A push's reply: its values into the module, its step and drops into the counters and the Status."""
         self._take(pushed.pulled)
         self.global_step, self._shard_steps = pushed.pulled.global_step, pushed.pulled.shard_steps
+        self._ps_step = self.global_step
         if pushed.dropped:
             self.dropped_gradients += 1
         self.status.pushed(self.global_step, self.dropped_gradients)
@@ -509,8 +545,9 @@ class Replica:
         ``TowerReplica`` merges its towers' rows and hands them over here).
         """
         self._prefetched = None
+        agreed = None
         if self.dense is not None:  # hybrid: the dense gradients averaged over the workers, applied here
-            self.dense.step()
+            agreed = self.dense.step(clock=self._ps_step if self.mode is Mode.ASYNC else None)
         if self._in_flight is not None:  # the reply lands during the next step
             self.settle()  # the previous push's: normally long done, it travelled during this step's compute
             self._in_flight.send(self._send(into=self._in_flight.landing, rows=rows))
@@ -519,6 +556,8 @@ class Replica:
             self._prefetched = self._versions()
         for param in self._params.values():  # the push holds the gradients; the next backward makes new ones
             param.grad = None
+        if agreed is not None:  # async hybrid: every worker's hooks read the same step, so all stop together
+            self.global_step = agreed
         return self.global_step
 
     def _send(self, *, into: dict[str, torch.Tensor], rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None,
