@@ -18,7 +18,7 @@ from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.worker.embedding import EmbeddingTable
-from tensorfleet.train.checkpoint import latest_checkpoint, load, load_into_module
+from tensorfleet.train.checkpoint import Checkpointer, latest_checkpoint, load, load_into_module
 from tensorfleet.train.hooks import StopAtStepHook
 from tensorfleet.train.session import TrainingSession
 from tensorfleet.worker import dense as dense_module
@@ -218,3 +218,34 @@ def test_a_checkpoint_restores_into_either_layout_on_any_number_of_workers_and_p
             assert torch.equal(value, saved.state.values[f"body.{name}"]), name
         for name, buffer in slots.items():
             assert torch.equal(buffer, saved.state.slots[name]["momentum_buffer"]), name
+
+
+def test_moving_averages_mean_the_same_in_either_layout_and_training_goes_on_from_the_live_values(tmp_path):
+    """average_decay: the workers keep the dense averages by the ps's rule; load_averages() shows them, the next
+    pull() brings the live values back (the ps cannot: it does not hold them), and a checkpoint keeps them."""
+    seen = {}
+    for dense in ("ps", "allreduce"):
+        with ps_servers(num_ps=1, num_workers=1) as (cluster, _):
+            model = Net(table="fleet")
+            with Replica(model, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=LR), dense=dense,
+                         average_decay=0.9) as replica:
+                for x, ids, y in batches(0):
+                    replica.pull()
+                    F.cross_entropy(model(x, ids), y).backward()
+                    replica.push()
+                live = {n: p.detach().clone() for n, p in model.body.named_parameters()}
+                Checkpointer(tmp_path / dense).save(replica)
+                replica.load_averages()
+                averaged = {n: p.detach().clone() for n, p in model.body.named_parameters()}
+                replica.pull()
+                back = {n: p.detach().clone() for n, p in model.body.named_parameters()}
+        seen[dense] = live, averaged, back
+    for name in seen["ps"][0]:
+        (live, averaged, back), (h_live, h_averaged, h_back) = seen["ps"], seen["allreduce"]
+        assert torch.allclose(h_live[name], live[name], rtol=1e-5, atol=1e-6), name
+        assert torch.allclose(h_averaged[name], averaged[name], rtol=1e-5, atol=1e-6), name
+        assert not torch.allclose(h_averaged[name], h_live[name]), name  # the averages are not the live values
+        assert torch.equal(h_back[name], h_live[name]), name
+        for layout in ("ps", "allreduce"):  # the checkpoint keeps the averages in either layout
+            saved = load(latest_checkpoint(tmp_path / layout))
+            assert torch.allclose(saved.state.averages[f"body.{name}"], h_averaged[name], rtol=1e-5, atol=1e-6)

@@ -181,9 +181,9 @@ class TowerReplica:
         """Tower 0: ``Replica.dense_state`` (hybrid mode, one tower)."""
         return self._tower_0("dense_state").dense_state()
 
-    def restore_dense(self, values: Any, slots: Any, updates: int) -> None:
+    def restore_dense(self, values: Any, slots: Any, updates: int, averages: Any = None) -> None:
         """Tower 0: ``Replica.restore_dense`` (hybrid mode, one tower)."""
-        self._tower_0("restore_dense").restore_dense(values, slots, updates)
+        self._tower_0("restore_dense").restore_dense(values, slots, updates, averages)
 
     def settle(self) -> int:
         """Tower 0: ``Replica.settle`` (prefetch, which needs a single tower)."""

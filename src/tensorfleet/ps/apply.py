@@ -21,6 +21,7 @@ from torch.optim.adam import adam as functional_adam
 from torch.optim.sgd import sgd as functional_sgd
 
 from tensorfleet.errors import InvalidArgumentError
+from tensorfleet.protocol.averages import MovingAverage  # noqa: F401 (the ps's averages, by the shared rule)
 from tensorfleet.protocol.specs import OPTIMIZER_NAMES, OptimizerSpec, optimizer_class
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {name: optimizer_class(name) for name in OPTIMIZER_NAMES}
@@ -137,29 +138,6 @@ def _sgd_step(optimizer: torch.optim.Optimizer, variables: Mapping[str, torch.Te
 
 
 _FUNCTIONAL_STEPS: dict[str, Callable[..., bool]] = {"adam": _adam_step, "adamw": _adam_step, "sgd": _sgd_step}
-
-
-class MovingAverage:
-    """Exponential moving averages ("shadows") of variables, as ``tf.train.ExponentialMovingAverage``.
-
-    After update number ``n`` (counted from 0), ``decay_eff = min(decay, (1 + n) / (10 + n))`` and
-    ``shadow -= (1 - decay_eff) * (shadow - variable)``; each shadow starts at its variable's
-    initial value.  Averaged parameters evaluate better than the last, noisy iterate.
-    """
-
-    def __init__(self, decay: float, variables: Mapping[str, torch.Tensor]) -> None:
-        if not (isinstance(decay, (int, float)) and 0.0 < decay < 1.0):
-            raise InvalidArgumentError(f"moving-average decay {decay!r} must be in (0, 1), e.g. 0.99")
-        self.decay = float(decay)
-        self._variables = dict(variables)
-        self.shadows = {name: value.detach().clone() for name, value in self._variables.items()}
-
-    def update(self, num_updates: int) -> None:
-        """Move every shadow toward its variable after update number ``num_updates``."""
-        decay = min(self.decay, (1.0 + num_updates) / (10.0 + num_updates))
-        with torch.no_grad():
-            for name, shadow in self.shadows.items():
-                shadow.lerp_(self._variables[name], 1.0 - decay)
 
 
 def check_layout(variables: Mapping[str, torch.Tensor], layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],

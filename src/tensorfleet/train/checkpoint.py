@@ -61,6 +61,7 @@ from tensorfleet.train.manifest import (FORMAT, MANIFEST, check_checkpoint_direc
                                         is_checkpoint_name, latest_checkpoint, parse_header, read_header,
                                         read_manifest)
 from tensorfleet.train.manifest import list_checkpoints  # noqa: F401 (re-exported: part of this module's API)
+from tensorfleet.worker.dense import DenseState
 from tensorfleet.worker.snapshots import SnapshotInFlight
 from tensorfleet.worker.embedding import tables_of
 from tensorfleet.worker.protocol import TrainingReplica
@@ -157,7 +158,6 @@ def split(state: ShardState, placement: Placement, num_ps: int, *, sync: bool) -
     return shards
 
 
-DenseState = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]  # hybrid: values, slots
 
 
 def dense_names(replica: TrainingReplica) -> frozenset[str]:
@@ -421,9 +421,11 @@ class Checkpointer:
             restore = split_for(replica, saved.state)
             dense = dense_names(replica)
             if dense:  # hybrid: the chief begins from the checkpoint's dense state and shares it at start
+                averages = saved.state.averages
                 replica.restore_dense({name: saved.state.values[name] for name in dense if name in saved.state.values},
                                       {name: saved.state.slots[name] for name in dense if name in saved.state.slots},
-                                      int(saved.info.get("dense_updates", saved.global_step)))
+                                      int(saved.info.get("dense_updates", saved.global_step)),
+                                      None if averages is None else {n: averages[n] for n in dense if n in averages})
         return replica.start(restore=restore)
 
     def save(self, replica: TrainingReplica) -> Path:
@@ -479,6 +481,8 @@ class Checkpointer:
         if dense is not None:  # hybrid: the dense half under the same names as on the ps in the classic layout
             whole.values.update(dense[0])
             whole.slots.update(dense[1])
+            if dense[2] is not None:
+                whole = replace(whole, averages={**(whole.averages or {}), **dense[2]})
         return save(self.directory, whole, info=info, max_to_keep=self.max_to_keep, base=base)
 
     def _write_in_background(self, placement: Placement, taken: SnapshotInFlight, info: dict[str, Any],

@@ -17,10 +17,13 @@ import torch.distributed as dist
 from torch import nn
 
 from tensorfleet.errors import InvalidArgumentError, UnavailableError
+from tensorfleet.protocol.averages import MovingAverage
 from tensorfleet.protocol.specs import OptimizerSpec, optimizer_class
 from tensorfleet.worker.collective import Collective
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket
+# values, optimizer slots and moving averages (None: not kept), by parameter name
+DenseState = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor] | None]
 FIRST_BUCKET_BYTES = 1 << 20  # the last layers' gradients leave early, as DDP's first bucket does
 
 
@@ -34,7 +37,8 @@ class DenseAllReduce:
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], optimizer: OptimizerSpec, collective: Collective, *,
-                 bucket_bytes: int | None = None, first_bucket_bytes: int | None = None) -> None:
+                 average_decay: float | None = None, bucket_bytes: int | None = None,
+                 first_bucket_bytes: int | None = None) -> None:
         self.params = dict(params)
         self.spec = optimizer
         self.collective = collective
@@ -46,6 +50,8 @@ class DenseAllReduce:
                                        f"{exc}") from None
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.updates = 0  # optimizer steps taken: the same on every worker (the learning-rate schedule's clock)
+        # average_decay: the parameters' moving averages, kept here by the ps's rule (load_averages evaluates them)
+        self.averages = MovingAverage(average_decay, self.params) if average_decay is not None else None
         self._buckets = _plan_buckets(self.params, bucket_bytes or BUCKET_BYTES,
                                       first_bucket_bytes or FIRST_BUCKET_BYTES)
         self._bucket_of = {name: i for i, bucket in enumerate(self._buckets) for name in bucket.names}
@@ -141,23 +147,29 @@ class DenseAllReduce:
                 group["lr"] = base * factor
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.averages is not None:
+            self.averages.update(self.updates)
         self.updates += 1
         return None if agreed is None else int(agreed.item())
 
     # --- state: checkpoints and joining workers -----------------------------------------------------
 
-    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-        """The values and optimizer slots (momentum, Adam's moments and step), by parameter name, in host memory:
-        what a checkpoint keeps of the dense half (the same names as on the ps in the classic layout)."""
+    def state(self) -> DenseState:
+        """The values, optimizer slots (momentum, Adam's moments and step) and moving averages (None without),
+        by parameter name, in host memory: what a checkpoint keeps of the dense half (the same names as on the
+        ps in the classic layout)."""
         values = {name: p.detach().cpu().clone() for name, p in self.params.items()}
         slots = {name: {slot: value.detach().cpu().clone() for slot, value in self.optimizer.state[p].items()
                         if isinstance(value, torch.Tensor)}
                  for name, p in self.params.items() if self.optimizer.state.get(p)}
-        return values, slots
+        averages = None if self.averages is None else {name: shadow.detach().cpu().clone()
+                                                        for name, shadow in self.averages.shadows.items()}
+        return values, slots, averages
 
     def load(self, values: Mapping[str, torch.Tensor], slots: Mapping[str, Mapping[str, torch.Tensor]],
-             updates: int) -> None:
-        """Take a checkpoint's dense state and update count (this worker only: ``broadcast`` then shares it)."""
+             updates: int, averages: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Take a checkpoint's dense state and update count (this worker only: ``broadcast`` then shares it);
+        averages the checkpoint lacks start at the values."""
         self.updates = updates
         if set(values) != set(self.params) or set(slots) - set(self.params):
             missing, extra = sorted(set(self.params) - set(values)), sorted(set(values) - set(self.params))
@@ -173,12 +185,18 @@ class DenseAllReduce:
             param = self.params[name]
             self.optimizer.state[param] = {slot: value.to(param.device) if value.dim() else value.clone()
                                            for slot, value in entries.items()}
+        if self.averages is not None:
+            with torch.no_grad():
+                for name, shadow in self.averages.shadows.items():
+                    shadow.copy_(averages[name] if averages and name in averages else self.params[name])
 
     def broadcast(self, src: int = 0) -> None:
         """Every worker's values, optimizer slots and update count become worker ``src``'s (a joining or restored
         worker's replicas then agree to the bit). The slots' names and shapes travel first, as a small JSON."""
         with torch.no_grad():
             self.collective.broadcast([p.data for p in self.params.values()], src)
+            if self.averages is not None:
+                self.collective.broadcast(list(self.averages.shadows.values()), src)
         layout = {name: {slot: [list(value.shape), str(value.dtype).removeprefix("torch."), value.dim() > 0]
                          for slot, value in self.optimizer.state[p].items() if isinstance(value, torch.Tensor)}
                   for name, p in self.params.items() if self.optimizer.state.get(p)}

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from tensorfleet.protocol.specs import Mode, OptimizerSpec, SyncOptions
     from tensorfleet.protocol.state import ShardState
     from tensorfleet.worker.client import PsClient
-    from tensorfleet.worker.dense import DenseAllReduce
+    from tensorfleet.worker.dense import DenseAllReduce, DenseState
 
 
 def ended_cleanly(exc_type: type[BaseException] | None) -> bool:
@@ -100,7 +100,7 @@ class TrainingReplica(Protocol):
     @property
     def dense(self) -> DenseAllReduce | None: ...
 
-    def dense_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]: ...
+    def dense_state(self) -> DenseState: ...
 
     def restore_dense(self, values: Mapping[str, torch.Tensor], slots: Mapping[str, Mapping[str, torch.Tensor]],
-                      updates: int) -> None: ...
+                      updates: int, averages: Mapping[str, torch.Tensor] | None = None) -> None: ...

@@ -58,7 +58,7 @@ from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import Gathered, PsClient, Pulled, Pushed
 from tensorfleet.worker.collective import Collective, FleetStore, generation_after, generation_to_join
-from tensorfleet.worker.dense import DenseAllReduce
+from tensorfleet.worker.dense import DenseAllReduce, DenseState
 from tensorfleet.worker.streams import PushStreams
 from tensorfleet.worker.embedding import tables_of
 from tensorfleet.worker.staging import HostStaging
@@ -146,8 +146,9 @@ class Replica:
         if self.options.dense == "allreduce":
             self._dense_params, self._params = self._params, {}
         self.dense: DenseAllReduce | None = None
-        self._dense_restore: tuple[dict, dict, int] | None = None  # the chief's: a checkpoint's dense state
+        self._dense_restore: tuple[dict, dict, int, dict | None] | None = None  # the chief's: a checkpoint's
         self._meeting: FleetStore | None = None  # hybrid: ps 0's rendezvous, where the workers' group forms
+        self._live_dense: dict[str, torch.Tensor] | None = None  # hybrid: set aside by load_averages()
         self._ps_step = 0  # the global step the ps told this worker last (async hybrid: global_step is agreed)
         self._cluster = cluster
         self.tables = tables_of(module)
@@ -249,14 +250,16 @@ class Replica:
         return frozenset(self._dense_params)
 
     def restore_dense(self, values: Mapping[str, torch.Tensor], slots: Mapping[str, Mapping[str, torch.Tensor]],
-                      updates: int) -> None:
-        """Hybrid, the chief, before ``start()``: begin from a checkpoint's dense state (values and optimizer
-        slots by parameter name, and the optimizer's update count), which ``start()`` shares with every worker."""
-        self._dense_restore = (dict(values), dict(slots), updates)
+                      updates: int, averages: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Hybrid, the chief, before ``start()``: begin from a checkpoint's dense state (values, optimizer slots and
+        moving averages by parameter name, and the optimizer's update count), which ``start()`` shares with every
+        worker."""
+        self._dense_restore = (dict(values), dict(slots), updates, averages)
 
-    def dense_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-        """Hybrid: this worker's dense values and optimizer slots (the chief's go into checkpoints)."""
-        return self.dense.state() if self.dense is not None else ({}, {})
+    def dense_state(self) -> DenseState:
+        """Hybrid: this worker's dense values, optimizer slots and moving averages (the chief's go into
+        checkpoints)."""
+        return self.dense.state() if self.dense is not None else ({}, {}, None)
 
     def _join_workers(self, *, after: int | None = None) -> DenseAllReduce:
         """Hybrid: form the workers' group through ps 0 (``worker/collective.py``) and take the freshest dense
@@ -292,7 +295,7 @@ class Replica:
         source = world - 1 - best % world
         dense = self.dense
         if dense is None:
-            dense = DenseAllReduce(self._dense_params, self.optimizer, collective)
+            dense = DenseAllReduce(self._dense_params, self.optimizer, collective, average_decay=self.average_decay)
         else:
             dense.rebind(collective)
         if self._dense_restore is not None:
@@ -435,6 +438,7 @@ class Replica:
         (unless the module's parameters were changed in place since; then they are fetched again).
         """
         self._drop_streams()
+        self._back_to_live_dense()
         if self._in_flight is not None and self._in_flight.travelling:
             return self.global_step  # prefetch: this step computes on the values held; the push lands later
         if self._prefetched is not None and self._prefetched == self._versions():
@@ -482,11 +486,26 @@ class Replica:
     def load_averages(self) -> int:
         """Copy the ps's moving averages into the module, for evaluation; return the global step.
 
-        Training continues from the real values: the next ``pull()`` brings them back.
+        Training continues from the real values: the next ``pull()`` brings them back. Hybrid: the workers keep
+        the dense parameters' averages themselves (``average_decay``); their live values are kept aside meanwhile.
         """
         self._drop_streams()
         self.settle()
+        if self.dense is not None and self.dense.averages is not None:
+            if self._live_dense is None:
+                self._live_dense = {name: p.detach().clone() for name, p in self._dense_params.items()}
+            with torch.no_grad():
+                for name, shadow in self.dense.averages.shadows.items():
+                    self._dense_params[name].copy_(shadow)
         return self._copy_in(averages=True).global_step
+
+    def _back_to_live_dense(self) -> None:
+        """Hybrid, after ``load_averages()``: the live dense values again (the ps cannot bring them back)."""
+        if self._live_dense is not None:
+            with torch.no_grad():
+                for name, value in self._live_dense.items():
+                    self._dense_params[name].copy_(value)
+            self._live_dense = None
 
     def settle(self) -> int:
         """Prefetch: wait for the push in flight and copy its values into the module (no-op otherwise).
@@ -546,6 +565,7 @@ class Replica:
         """
         self._prefetched = None
         agreed = None
+        self._back_to_live_dense()  # a push straight after load_averages(): the step's gradients are the averages'
         if self.dense is not None:  # hybrid: the dense gradients averaged over the workers, applied here
             agreed = self.dense.step(clock=self._ps_step if self.mode is Mode.ASYNC else None)
         if self._in_flight is not None:  # the reply lands during the next step
