@@ -23,6 +23,7 @@ launcher and a ps shard (``tensorfleet.ps``) is defined here and nowhere else:
   Status       -                      ``PsStatus``          control (workers, launcher, dashboards)
   Done         ``DoneRequest``        ``DoneReply``         control
   Resize       ``ResizeRequest``      ``ResizeReply``       control (the launcher's, not a worker's)
+  Rendezvous   ``RendezvousRequest``  ``RendezvousReply``   control (ps 0: hybrid mode's workers meet)
   Run          ``RunRequest``         ``RunReply``          control (coordinator -> worker, ``closures``)
   ===========  =====================  ====================  ========================
 
@@ -30,6 +31,7 @@ launcher and a ps shard (``tensorfleet.ps``) is defined here and nowhere else:
   functions, named) and how its arguments and results travel (JSON, tensors, per-worker values);
 * ``placement``: placing a model's parts (a chief builds modules in its workers by name, runs their forward and
   backward there, steps their optimizers): Join, Place, Forward, Backward, Optimizer, Step, State, LoadState;
+* ``averages``: the moving-average rule every holder of averages applies (the ps; hybrid mode's workers);
 * ``status``: what a task answers to Status (``PsStatus``, ``WorkerStatus``), for workers, the launcher and
   dashboards; read strictly (``from_meta``) or, by the launcher's monitor, leniently (``read``: a junk
   field is None and reported, the others kept);
