@@ -22,9 +22,9 @@ from tensorfleet.protocol.specs import OptimizerSpec, optimizer_class
 from tensorfleet.worker.collective import Collective
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket
+FIRST_BUCKET_BYTES = 1 << 20  # the last layers' gradients leave early, as DDP's first bucket does
 # values, optimizer slots and moving averages (None: not kept), by parameter name
 DenseState = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor] | None]
-FIRST_BUCKET_BYTES = 1 << 20  # the last layers' gradients leave early, as DDP's first bucket does
 
 
 class DenseAllReduce:
