@@ -30,7 +30,8 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
     model = Net()
     generator = torch.Generator().manual_seed(replica_id)
     replica = tfl.Replica(model, cluster, task, optimizer=tfl.OptimizerSpec.adam(lr=0.01), dense="allreduce",
-                          init_timeout_s=args.init_timeout_s)
+                          init_timeout_s=args.init_timeout_s, mode=args.mode,
+                          sync=tfl.SyncOptions(timeout_s=args.sync_timeout_s) if args.mode == "sync" else None)
     with tfl.TrainingSession(replica, hooks=[tfl.StopAtStepHook(last_step=args.last_step)],
                              log_step_count_steps=None, summary_dir=False, recovery_timeout_s=60) as session:
         print(f"worker {replica_id} starts at global step {session.global_step}", flush=True)
@@ -51,6 +52,8 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--last_step", type=int, default=1500)
     parser.add_argument("--init_timeout_s", type=float, default=60.0)
+    parser.add_argument("--mode", default="async")
+    parser.add_argument("--sync_timeout_s", type=float, default=300.0)
     return tfl.run_task(parser.parse_args(), train)
 
 

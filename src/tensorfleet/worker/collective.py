@@ -11,8 +11,9 @@ is neither authenticated nor encrypted by torch: SECURITY.md says so.
 from __future__ import annotations
 
 import datetime
+import json
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -81,19 +82,9 @@ def _key(generation: int, what: str) -> str:
     return f"tensorfleet/collective/{generation}/{what}"
 
 
-def generation_to_join(store: dist.Store, world_size: int, deadline: float) -> int:
-    """The generation this worker forms the group in: the current one while it has room (the job's start:
-    every worker arrives in generation 0), else the next (a restarted worker: the running group has a dead
-    member, whose place this worker takes in a new group the survivors join once their next collective fails)."""
-    generation = store.add(GENERATION_KEY, 0)
-    while store.add(_key(generation, "arrived"), 1) > world_size:
-        generation = generation_after(store, generation, deadline)
-    return generation
-
-
 def generation_after(store: dist.Store, failed: int, deadline: float) -> int:
-    """The first generation after ``failed`` (which lost a member): the first worker to ask moves the job's
-    generation on, once for everyone (the others wait for it); returns it."""
+    """The first generation after ``failed`` (it lost a member, or a worker waits to join): the first worker to
+    ask moves the job's generation on, once for everyone (the others wait for it); returns it."""
     if store.add(_key(failed, "ended"), 1) == 1:
         store.add(GENERATION_KEY, 1)
     while (generation := store.add(GENERATION_KEY, 0)) <= failed:
@@ -101,6 +92,52 @@ def generation_after(store: dist.Store, failed: int, deadline: float) -> int:
             raise DeadlineExceededError(f"the collective's generation {failed} ended, and no next one began")
         time.sleep(POLL_S)
     return generation
+
+
+def join_generation(store: dist.Store, replica: int, expected: int, window_s: float, deadline: float, *,
+                    incarnation: str = "", others_done: Callable[[], bool] = lambda: False
+                    ) -> tuple[int, list[int]]:
+    """This worker's place in the next group that forms: (its generation, its members' replica ids, sorted).
+
+    A generation's members are the workers that arrive while it is the job's current one: all ``expected``
+    (the job's start), or whoever arrived within ``window_s`` of this worker's arrival (survivors of a death:
+    the group goes on without the dead; sync mode passes its whole init timeout, so every worker must come).
+    The first worker whose wait ends seals the list, of (replica, ``incarnation``) pairs: a restarted worker
+    (another incarnation) finding a running generation sealed, even with its replica id in it, arrives in the
+    next and waits until the group moves there (``waiting_to_join``), or, once ``others_done()`` (every other
+    worker finished: no group will move), moves there itself."""
+    generation = store.add(GENERATION_KEY, 0)
+    while True:
+        store.set(_key(generation, f"member/{replica}"), incarnation.encode())
+        arrived = store.add(_key(generation, "arrived"), 1)  # seen by the running group (waiting_to_join)
+        checked = time.monotonic()
+        while store.add(GENERATION_KEY, 0) < generation:  # arrived early: the group is still in an older one
+            if time.monotonic() > deadline:
+                raise DeadlineExceededError(f"waited for the workers' group to make room (generation {generation})")
+            if time.monotonic() - checked > 1.0:
+                checked = time.monotonic()
+                if others_done():
+                    generation_after(store, generation - 1, deadline)
+            time.sleep(POLL_S * 4)
+        window_end = time.monotonic() + window_s
+        while not store.check([_key(generation, "members")]):
+            if arrived >= expected or time.monotonic() >= min(window_end, deadline) \
+                    or store.add(_key(generation, "arrived"), 0) >= expected:
+                if store.add(_key(generation, "seal"), 1) == 1:
+                    members = [[r, store.get(_key(generation, f"member/{r}")).decode()] for r in range(expected)
+                               if store.check([_key(generation, f"member/{r}")])]
+                    store.set(_key(generation, "members"), json.dumps(members).encode())
+                break
+            time.sleep(POLL_S)
+        members = json.loads(store.get(_key(generation, "members")).decode())
+        if [replica, incarnation] in members:
+            return generation, sorted(r for r, _ in members)
+        generation += 1  # sealed without this worker (this incarnation): the next one, once the group moves on
+
+
+def waiting_to_join(store: dist.Store, generation: int) -> bool:
+    """Whether a worker waits in the generation after ``generation`` (the running group should move there)."""
+    return store.check([_key(generation + 1, "arrived")])
 
 
 class Collective:

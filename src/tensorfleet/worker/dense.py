@@ -96,7 +96,7 @@ class DenseAllReduce:
 
     def reduce(self, clock: torch.Tensor | None = None) -> None:
         """Every gradient averaged over the workers, in ``.grad`` (buckets backward did not fill leave now);
-        ``clock`` (one int64) becomes its largest value over the workers, reduced after the last bucket (every
+        ``clock`` (int64s) becomes its largest values over the workers, reduced after the last bucket (every
         worker's calls in the same order)."""
         misuse = self._misuse
         if misuse is not None:
@@ -134,12 +134,12 @@ class DenseAllReduce:
                         param.grad.copy_(view.view_as(param))
         self._works, self._ready, self._next = {}, [set() for _ in self._buckets], 0
 
-    def step(self, clock: int | None = None) -> int | None:
+    def step(self, clock: int, regroup: bool = False) -> tuple[int, bool]:
         """Average the gradients and apply the optimizer (the schedule's learning rate of this update); clear
-        them. ``clock``: this worker's global step, whose largest value over the workers is returned (one small
-        collective beside the gradients'): what every worker's stop decision reads in async mode, where each
-        worker's own push sees another step."""
-        agreed = None if clock is None else torch.tensor([clock], dtype=torch.int64, device=self.collective.device)
+        them. Returns the largest ``clock`` (this worker's global step) over the workers, and whether any worker
+        asked to ``regroup`` (a restarted worker waits to join), from one small collective beside the
+        gradients': what every worker decides on alike (async mode's stop; moving to the next group)."""
+        agreed = torch.tensor([clock, int(regroup)], dtype=torch.int64, device=self.collective.device)
         self.reduce(clock=agreed)
         if self.spec.schedule is not None:
             factor = self.spec.schedule.factor(self.updates)
@@ -150,7 +150,7 @@ class DenseAllReduce:
         if self.averages is not None:
             self.averages.update(self.updates)
         self.updates += 1
-        return None if agreed is None else int(agreed.item())
+        return int(agreed[0]), bool(agreed[1])
 
     # --- state: checkpoints and joining workers -----------------------------------------------------
 

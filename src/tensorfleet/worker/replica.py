@@ -57,7 +57,8 @@ from tensorfleet.protocol.state import ShardState
 from tensorfleet.wire.codec import dtype_name
 from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import Gathered, PsClient, Pulled, Pushed
-from tensorfleet.worker.collective import Collective, FleetStore, generation_after, generation_to_join
+from tensorfleet.worker.collective import (GENERATION_KEY, Collective, FleetStore, generation_after,
+                                            join_generation, waiting_to_join)
 from tensorfleet.worker.dense import DenseAllReduce, DenseState
 from tensorfleet.worker.streams import PushStreams
 from tensorfleet.worker.embedding import tables_of
@@ -67,6 +68,8 @@ from tensorfleet.worker.protocol import ended_cleanly
 from tensorfleet.worker.status import PROCESS_STATUS, TaskStatus
 
 log = logging.getLogger(__name__)
+REGROUP_WINDOW_S = 10.0  # async hybrid: after a death, the survivors that arrive this soon go on together
+NEWCOMER_CHECK_S = 1.0  # hybrid: how often the group's first rank asks ps 0 whether a worker waits to join
 SETTLE_S = 30.0  # a recovery waits this long at most for the parts of its failed push still on their shards
 
 
@@ -149,6 +152,7 @@ class Replica:
         self._dense_restore: tuple[dict, dict, int, dict | None] | None = None  # the chief's: a checkpoint's
         self._meeting: FleetStore | None = None  # hybrid: ps 0's rendezvous, where the workers' group forms
         self._live_dense: dict[str, torch.Tensor] | None = None  # hybrid: set aside by load_averages()
+        self._next_newcomer_check = 0.0  # hybrid: when the group's first rank looks for a waiting worker again
         self._ps_step = 0  # the global step the ps told this worker last (async hybrid: global_step is agreed)
         self._cluster = cluster
         self.tables = tables_of(module)
@@ -264,34 +268,54 @@ class Replica:
     def _join_workers(self, *, after: int | None = None) -> DenseAllReduce:
         """Hybrid: form the workers' group through ps 0 (``worker/collective.py``) and take the freshest dense
         state in it: a survivor's live values, else a checkpoint's the chief restored, else the chief's initial
-        ones. ``after``: the generation that failed (a survivor re-forming); None: joining (start, or a restarted
-        worker, which takes a dead member's place in the next generation)."""
+        ones. ``after``: the generation this worker leaves (it lost a member, or a restarted worker waits to
+        join); None: joining (the job's start, or a restarted worker, which waits for the group to let it in).
+
+        The group is whoever arrives: every worker at the job's start (generation 0) and in sync mode (the ps
+        aggregates every worker's rows anyway); after a death in async mode, the survivors that arrive within
+        ``REGROUP_WINDOW_S``, so the job goes on among the living and a restarted worker joins at a later step."""
         deadline = time.monotonic() + self.init_timeout_s
         device = next(iter(self._dense_params.values())).device
         host = parse_address(self._cluster.task_address(self.task.job_name, self.task.index))[0]
-        world = len(self._cluster.replicas)
+        expected = len(self._cluster.replicas)
         if self._meeting is None:
             self._meeting = FleetStore(self.client.channels[0], timeout_s=self.init_timeout_s)
         while True:
             if after is not None:
                 generation_after(self._meeting, after, deadline)
-            generation = generation_to_join(self._meeting, world, deadline)
+            current = self._meeting.add(GENERATION_KEY, 0)
+            window = (self.init_timeout_s if self.mode is Mode.SYNC or current == 0 else
+                      min(REGROUP_WINDOW_S, self.init_timeout_s))
             try:
-                collective = Collective(self._meeting, rank=self.replica_id, world_size=world, device=device,
-                                        host=host, timeout_s=self.init_timeout_s, generation=generation)
+                generation, members = join_generation(self._meeting, self.replica_id, expected, window, deadline,
+                                                      incarnation=str(self.client.incarnation),
+                                                      others_done=self._others_done)
+                if len(members) < expected and (self.mode is Mode.SYNC or current == 0):
+                    missing = sorted(set(range(expected)) - set(members))
+                    raise DeadlineExceededError(
+                        f"{self.task.name}: the workers' collective did not form within {self.init_timeout_s:g} s "
+                        f"(at the job's start and in sync mode all {expected} workers must join it; missing: "
+                        f"{', '.join(self._cluster.replicas[r].name for r in missing)})", task=self.task.name)
+                collective = Collective(self._meeting, rank=members.index(self.replica_id), world_size=len(members),
+                                        device=device, host=host, timeout_s=self.init_timeout_s,
+                                        generation=generation)
                 break
+            except DeadlineExceededError:
+                raise
             except Exception as exc:  # noqa: BLE001 - a member died while the group formed: the next generation
                 if time.monotonic() > deadline:
                     raise DeadlineExceededError(f"{self.task.name}: the workers' collective did not form within "
-                                                f"{self.init_timeout_s:g} s (all {world} workers must join it): "
-                                                f"{str(exc)[:300]}", task=self.task.name) from None
-                log.warning("%s: the collective's generation %d did not form (%s); trying the next",
-                            self.task.name, generation, str(exc)[:200])
-                after = generation
+                                                f"{self.init_timeout_s:g} s (at the job's start and in sync mode all "
+                                                f"{expected} workers must join it): {str(exc)[:300]}",
+                                                task=self.task.name) from None
+                log.warning("%s: the collective did not form (%s); trying the next generation",
+                            self.task.name, str(exc)[:200])
+                after = self._meeting.add(GENERATION_KEY, 0)
         # Whose state every worker takes: live (2) beats a restored checkpoint (1) beats initial values (0),
         # the lowest rank among equals. One MAX over the group tells everyone.
+        world, rank = collective.world_size, collective.rank
         priority = 2 if self.dense is not None else 1 if self._dense_restore is not None else 0
-        best = collective.max_of(priority * world + world - 1 - self.replica_id)
+        best = collective.max_of(priority * world + world - 1 - rank)
         source = world - 1 - best % world
         dense = self.dense
         if dense is None:
@@ -302,9 +326,9 @@ class Replica:
             dense.load(*self._dense_restore)  # the chief's checkpoint (shared if it is the freshest state)
             self._dense_restore = None
         dense.broadcast(src=source)
-        log.info("%s: dense parameters (%d) replicated on %d workers (generation %d, state from worker %d), "
-                 "averaged by %s; tables on the ps", self.task.name, len(self._dense_params), world, generation,
-                 source, "NCCL" if device.type == "cuda" else "gloo")
+        log.info("%s: dense parameters (%d) replicated on %d of %d workers (generation %d, replicas %s, state "
+                 "from worker %d), averaged by %s; tables on the ps", self.task.name, len(self._dense_params),
+                 world, expected, generation, members, members[source], "NCCL" if device.type == "cuda" else "gloo")
         return dense
 
     def recover(self, *, restore: Sequence[ShardState] | None, timeout_s: float) -> None:
@@ -564,10 +588,10 @@ class Replica:
         ``TowerReplica`` merges its towers' rows and hands them over here).
         """
         self._prefetched = None
-        agreed = None
+        agreed, regroup = None, False
         self._back_to_live_dense()  # a push straight after load_averages(): the step's gradients are the averages'
         if self.dense is not None:  # hybrid: the dense gradients averaged over the workers, applied here
-            agreed = self.dense.step(clock=self._ps_step if self.mode is Mode.ASYNC else None)
+            agreed, regroup = self.dense.step(clock=self._ps_step, regroup=self._newcomer_waits())
         if self._in_flight is not None:  # the reply lands during the next step
             self.settle()  # the previous push's: normally long done, it travelled during this step's compute
             self._in_flight.send(self._send(into=self._in_flight.landing, rows=rows))
@@ -576,9 +600,24 @@ class Replica:
             self._prefetched = self._versions()
         for param in self._params.values():  # the push holds the gradients; the next backward makes new ones
             param.grad = None
-        if agreed is not None:  # async hybrid: every worker's hooks read the same step, so all stop together
-            self.global_step = agreed
+        if agreed is not None and self.mode is Mode.ASYNC:  # hybrid: every worker's hooks read the same step,
+            self.global_step = agreed                         # so all stop together
+        if regroup:  # a restarted worker waits: every worker moves to the next group after this same step
+            self.dense = self._join_workers(after=self.dense.collective.generation)
         return self.global_step
+
+    def _others_done(self) -> bool:
+        """Whether every other worker has said Done to ps 0 (a restarted worker then waits for no group)."""
+        done = set(self.client.wait_for_shards(self.init_timeout_s)[0].done_replicas or [])
+        return all(replica in done for replica in range(len(self._cluster.replicas)) if replica != self.replica_id)
+
+    def _newcomer_waits(self) -> bool:
+        """Hybrid, the group's first rank, at most once a second: whether a worker waits to join the group."""
+        now = time.monotonic()
+        if self.dense is None or self.dense.collective.rank != 0 or now < self._next_newcomer_check:
+            return False
+        self._next_newcomer_check = now + NEWCOMER_CHECK_S
+        return waiting_to_join(self._meeting, self.dense.collective.generation)
 
     def _send(self, *, into: dict[str, torch.Tensor], rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None,
               wait: bool = False) -> Any:
