@@ -36,7 +36,7 @@ SYNC_FLAGS = ["--sync", "--replicas_to_aggregate", "1", "--total_num_replicas", 
               "--moving_average_decay", "0.9", "--wire_dtype", "bfloat16", "--overlap",
               "--nonfinite_gradients", "apply"]
 ASYNC_FLAGS = ["--async", "--prefetch", "--wire_dtype", "float16", "--allow_soft_placement",
-               "--moving_average_decay", "0", "--insecure", "--ps_memory_budget", "64MiB"]
+               "--moving_average_decay", "0", "--insecure", "--ps_memory_budget", "64MiB", "--dense", "allreduce"]
 # The cluster's flags (the launcher gives TF_CONFIG instead; --slurm_ps is read only in a Slurm step: the unit tests
 # of cluster/slurm.py and the live Slurm tests cover it).
 CLUSTER_FLAGS = {"--ps_hosts", "--worker_hosts", "--job_name", "--task_index", "--slurm_ps", "--slurm-ps"}
