@@ -221,6 +221,15 @@ def job_state(job_id: str) -> tuple[str | None, str | None]:
     return (state.group(1) if state else (queued[0] if queued else None)), (code.group(1) if code else None)
 
 
+def job_restarts(job_id: str) -> int | None:
+    """How many times Slurm has requeued the job (scontrol's Restarts, counted when the requeue is asked for);
+    None once it forgot the job."""
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
+                           timeout=COMMAND_TIMEOUT_S)
+    found = re.search(r"\bRestarts=(\d+)", shown.stdout)
+    return int(found.group(1)) if found else None
+
+
 class SlurmLauncher:
     """Submits ``config``'s job to Slurm and follows it to its end (see the module's docstring)."""
 
@@ -236,6 +245,7 @@ class SlurmLauncher:
         self.on_restart = on_restart
         self.on_poll = on_poll
         self.job_id: str | None = None
+        self._restarts_seen = 0  # Slurm's requeue count of the job as last seen (see _still_ended)
         self.state: str | None = None  # Slurm's word for the job, as last seen
         self.exit_code: str | None = None  # "N:S", once Slurm says
         self.restarts = 0  # the step run again by the batch script
@@ -342,8 +352,14 @@ class SlurmLauncher:
             time.sleep(POLL_S)
 
     def _still_ended(self, state: str | None) -> bool:
-        """Whether the job ended for good: asked again after ``ENDED_CONFIRM_S``. A job being requeued can show an
-        ended state (the batch script's run killed) for a moment before Slurm lists it pending again."""
+        """Whether the job ended for good. A job being requeued shows an ended state (FAILED, its batch script's
+        run killed) until its step has ended, up to Slurm's KillWait (30 s), before it is listed pending again:
+        its restart count has grown meanwhile, so an ended state is not believed then; otherwise it is asked
+        again after ``ENDED_CONFIRM_S``."""
+        restarts = job_restarts(self.job_id)
+        if restarts is not None and restarts > self._restarts_seen:
+            self._restarts_seen = restarts
+            return False
         time.sleep(ENDED_CONFIRM_S)
         again, _ = job_state(self.job_id)
         return again is None or again in ENDED or again == state
