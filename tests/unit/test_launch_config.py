@@ -215,3 +215,27 @@ def test_console_prints_progress_at_most_every_interval_in_a_log():
     console.progress("step 1")
     console.progress("step 2")
     assert out.getvalue() == "[launch] step 1\n"
+
+
+def test_a_jobs_dense_setting_reaches_every_task_and_the_slurm_script_and_a_bad_one_is_refused(script, monkeypatch):
+    """Issue 40: `dense: allreduce` in a job file (or --dense, TENSORFLEET_DENSE) is the default of the scripts'
+    --dense; the launch side's choices are the Replica's."""
+    import argparse
+
+    from tensorfleet.launch.config import DENSE_HOMES
+    from tensorfleet.launch.local import LocalLauncher
+    from tensorfleet.launch.slurm import rendered_script
+    from tensorfleet.worker import options
+    from tensorfleet.worker.flags import add_training_flags
+    assert DENSE_HOMES == options.DENSE_HOMES
+    Path("job.yaml").write_text("script: train.py\ndense: allreduce\n")
+    config = job_config("job.yaml", None, NO_FLAGS, environ={})
+    launcher = LocalLauncher(config)
+    assert {launcher.task_env(task).get("TENSORFLEET_DENSE") for task in launcher.tasks} == {"allreduce"}
+    assert "export TENSORFLEET_DENSE=allreduce" in rendered_script(config)
+    monkeypatch.setenv("TENSORFLEET_DENSE", "allreduce")  # what the task finds in its environment
+    parser = argparse.ArgumentParser()
+    add_training_flags(parser)
+    assert parser.parse_args([]).dense == "allreduce"
+    with pytest.raises(ConfigError, match="dense 'ring' is not valid: use 'ps'"):
+        JobConfig("train.py", dense="ring").validate()

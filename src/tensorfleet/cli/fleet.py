@@ -64,6 +64,9 @@ def _add_job_flags(run: argparse.ArgumentParser) -> None:
     mode.add_argument("--sync", dest="mode", action="store_const", const="sync",
                       help="synchronous training (sets TENSORFLEET_MODE for the script's --sync/--async default)")
     mode.add_argument("--async", dest="mode", action="store_const", const="async", help="asynchronous training")
+    run.add_argument("--dense", choices=("ps", "allreduce"), help="where the dense parameters live: on the ps, or "
+                     "replicated on the workers and averaged by an all-reduce, tables on the ps (sets "
+                     "TENSORFLEET_DENSE for the script's --dense default)")
     run.add_argument("--restart", choices=RESTART_MODES, help="restart a task that exits abnormally (default "
                      "on-failure), with exponential backoff")
     run.add_argument("--max-restarts", dest="max_restarts", type=non_negative_int, metavar="R",

@@ -8,6 +8,7 @@ A job file has the launch flags as fields (dashes or underscores alike)::
     ps: 1                                       ps = 1
     workers: 2                                  workers = 2
     mode: sync                                  mode = "sync"
+    dense: allreduce                            dense = "allreduce"          # hybrid: dense by all-reduce
     restart: on-failure                         restart = "on-failure"
     max_restarts: 3                             max_restarts = 3
     logdir: runs/mnist                          logdir = "runs/mnist"
@@ -37,6 +38,8 @@ from tensorfleet.launch.supervisor import RESTART_MODES, RestartPolicy
 
 JOB_FILE_SUFFIXES = (".yaml", ".yml", ".toml")
 MODES = ("sync", "async")
+DENSE_HOMES = ("ps", "allreduce")  # worker/options.py's: what TENSORFLEET_DENSE tells every task's --dense default
+DENSE_ENV = "TENSORFLEET_DENSE"
 NAME_PATTERN = re.compile(r"^[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$")
 # What the kernel lets one environment string ("NAME=VALUE" and its NUL) hold: MAX_ARG_STRLEN, 32 pages of 4 KiB.
 # A longer one, or one with a NUL, cannot be given to a process at all: each task would fail to start.
@@ -53,6 +56,7 @@ class JobConfig:
     workers: int = 2
     gpus_per_worker: int = 0
     mode: str | None = None  # None: the script's own default
+    dense: str | None = None  # where the dense parameters live ("ps", "allreduce": hybrid); None: the script's
     restart: str = "on-failure"
     max_restarts: int = 3
     restart_backoff: float = 1.0  # seconds before the first restart of a task; doubles each time, at most 30
@@ -95,6 +99,9 @@ class JobConfig:
             raise ConfigError(f"restart_backoff must be a number of seconds in (0, 3600], got {self.restart_backoff!r}")
         if self.mode is not None and self.mode not in MODES:
             raise ConfigError(f"mode {self.mode!r} is not valid: use 'sync' or 'async' (or leave it out)")
+        if self.dense is not None and self.dense not in DENSE_HOMES:
+            raise ConfigError(f"dense {self.dense!r} is not valid: use 'ps' (dense parameters on the ps) or "
+                              "'allreduce' (replicated on the workers, tables on the ps), or leave it out")
         if self.restart not in RESTART_MODES:
             raise ConfigError(f"restart {self.restart!r} is not valid: use one of {', '.join(RESTART_MODES)}")
         if self.dashboard is not None:
@@ -256,7 +263,8 @@ def _line_and_column(text: str, position: int) -> tuple[int, int]:
 
 
 # Every launch setting can also come from TENSORFLEET_<FIELD> (TENSORFLEET_WORKERS=4, TENSORFLEET_MODE=sync).
-ENV_FIELDS = {"ps": int, "workers": int, "gpus_per_worker": int, "mode": str, "restart": str, "max_restarts": int,
+ENV_FIELDS = {"ps": int, "workers": int, "gpus_per_worker": int, "mode": str, "dense": str, "restart": str,
+              "max_restarts": int,
               "restart_backoff": float, "logdir": str, "dashboard": int, "port": int, "name": str, "backend": str,
               "ray_address": str, "ray_placement": str, "ray_replace_timeout": float, "slurm_partition": str,
               "slurm_nodes": int, "slurm_time": str}

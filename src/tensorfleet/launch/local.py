@@ -40,7 +40,7 @@ from tensorfleet.cluster.environment import (COORDINATOR_FILE, COORDINATOR_TOKEN
                                              STATUS_DIR_ENV)
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, parse_address
 from tensorfleet.errors import ConfigError, TensorfleetError
-from tensorfleet.launch.config import JobConfig
+from tensorfleet.launch.config import DENSE_ENV, JobConfig
 from tensorfleet.launch.console import Console
 from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks, metrics_text, progress_line, task_role
 from tensorfleet.launch.output import TaskOutput
@@ -208,6 +208,8 @@ class LocalLauncher:
             env[LOGDIR_ENV] = str(self.logdir.resolve())  # where the chief's TensorBoard summaries go
         if self.config.mode is not None:
             env["TENSORFLEET_MODE"] = self.config.mode  # the default of --sync/--async in add_training_flags
+        if self.config.dense is not None:
+            env[DENSE_ENV] = self.config.dense  # the default of --dense in add_training_flags
         if self.config.coordinator:
             env[IN_GRAPH_ENV] = "1"  # a between-graph script (run_task) refuses it rather than train on its own
         if BUSY_POLL_ENV not in os.environ and BUSY_POLL_ENV not in self.config.env:

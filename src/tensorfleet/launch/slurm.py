@@ -61,7 +61,7 @@ from typing import Any, Callable, TextIO
 from tensorfleet.cluster.environment import LOGDIR_ENV, STATUS_DIR_ENV
 from tensorfleet.cluster.slurm import PS_ENV
 from tensorfleet.errors import ConfigError, LaunchError
-from tensorfleet.launch.config import JobConfig
+from tensorfleet.launch.config import DENSE_ENV, JobConfig
 from tensorfleet.wire.auth import TOKEN_ENV, TOKEN_FILE_ENV, job_token
 
 SCRIPT_FILE = "job.sbatch"
@@ -139,6 +139,8 @@ def render_sbatch(config: JobConfig, logdir: Path, *, output: Path | None = None
               "export PYTHONUNBUFFERED=1"]
     if config.mode is not None:
         lines.append(f"export TENSORFLEET_MODE={config.mode}")
+    if config.dense is not None:
+        lines.append(f"export {DENSE_ENV}={config.dense}")
     if config.gpus_per_worker:  # Slurm sets each rank's CUDA_VISIBLE_DEVICES (--gpus-per-task)
         lines.append(f"export TENSORFLEET_GPUS_PER_WORKER={config.gpus_per_worker}")
     for name, value in sorted(config.env.items()):

@@ -35,6 +35,7 @@ from typing import Any, Iterable
 from tensorfleet.cluster.spec import TASK_INDEX_ENV, TaskSpec
 from tensorfleet.errors import ConfigError, LaunchError, TensorfleetError, UnavailableError
 from tensorfleet.launch import k8s
+from tensorfleet.launch.config import DENSE_ENV
 from tensorfleet.service.backend import LogChunk, Observed, TaskNotFoundError, TaskView
 from tensorfleet.service.store import JobRecord, JobState
 
@@ -230,6 +231,8 @@ class KubernetesBackend:
         extra = dict(config.env)
         if config.mode is not None:
             extra[MODE_ENV] = config.mode
+        if config.dense is not None:
+            extra[DENSE_ENV] = config.dense
         for _, container in _containers(docs, each_task=False):
             ours = {e["name"] for e in container["env"]}  # TF_CONFIG, the token: the renderer's, not the user's
             container["env"][-1:-1] = [{"name": k, "value": v} for k, v in extra.items() if k not in ours]
