@@ -54,32 +54,20 @@ def batches(worker: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def train_workers(num_workers: int, *, mode: str, num_ps: int = 2, **options) -> tuple[list[dict], torch.Tensor, int]:
     """Each worker's dense values after training, the table's rows, the global step."""
     with ps_servers(num_ps=num_ps, num_workers=num_workers) as (cluster, _):
-        results: list[dict | BaseException | None] = [None] * num_workers
         models = [Net(table="fleet") for _ in range(num_workers)]  # here: torch's seed is global to the threads
 
-        def worker(index: int) -> None:
-            try:
-                model = models[index]
-                with Replica(model, cluster, TaskSpec("worker", index), optimizer=OptimizerSpec.sgd(lr=LR),
-                             mode=mode, dense="allreduce", init_timeout_s=60, **options) as replica:
-                    assert not replica.placement.parts, "hybrid: no dense variable on the ps"
-                    for x, ids, y in batches(index):
-                        replica.pull()
-                        F.cross_entropy(model(x, ids), y).backward()
-                        replica.push()
-                    results[index] = {name: p.detach().clone() for name, p in model.body.named_parameters()}
-            except BaseException as exc:  # noqa: BLE001 - reported by the test thread
-                results[index] = exc
+        def worker(index: int) -> dict:
+            model = models[index]
+            with Replica(model, cluster, TaskSpec("worker", index), optimizer=OptimizerSpec.sgd(lr=LR),
+                         mode=mode, dense="allreduce", init_timeout_s=60, **options) as replica:
+                assert not replica.placement.parts, "hybrid: no dense variable on the ps"
+                for x, ids, y in batches(index):
+                    replica.pull()
+                    F.cross_entropy(model(x, ids), y).backward()
+                    replica.push()
+                return {name: p.detach().clone() for name, p in model.body.named_parameters()}
 
-        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(num_workers)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-        assert not any(thread.is_alive() for thread in threads), "a worker hung"
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        results = run_threads(worker, num_workers)
         client = PsClient(cluster, {}, tables=[Net(table="fleet").table.spec()])  # the replicas have finished
         try:
             client.wait_for_shards(10)
