@@ -37,6 +37,11 @@ Embedding tables (``EmbeddingTable`` layers of the module) are bound to the ps o
 construction: their forward fetches the batch's rows, and ``push()`` sends each table's
 row gradients (unique ids, duplicates summed) in the same push as the dense gradients,
 one transaction per shard.
+
+A module on a GPU (or spread over devices) works the same: its values and gradients cross to
+the host through buffers made once (``worker/staging.py``). With ``dense="allreduce"`` (hybrid)
+the dense parameters stay on the workers, averaged by a collective (``worker/dense.py``), and
+only the tables' rows travel to the ps.
 """
 
 from __future__ import annotations
