@@ -180,7 +180,7 @@ def test_what_the_service_refuses(home, workspace, tmp_path):
                 api.call("POST", "/api/jobs", {"script": script})
         with pytest.raises(TensorfleetError, match="not a Python file of the workspace"):
             api.call("POST", "/api/jobs", {"script": "missing.py"})
-        with pytest.raises(TensorfleetError, match="unknown setting\\(s\\) wokers; valid: args, coordinator, env, gpus_per_worker"):
+        with pytest.raises(TensorfleetError, match="unknown setting\\(s\\) wokers; valid: args, coordinator, dense, env, gpus_per_worker"):
             api.call("POST", "/api/jobs", {"script": "paced_job.py", "wokers": 2})
         with pytest.raises(TensorfleetError, match="job file 'job.json' must end in .yaml, .yml or .toml"):
             api.call("POST", "/api/jobs", {"job_file": {"name": "job.json", "text": "script: paced_job.py"}})
