@@ -239,3 +239,11 @@ def test_a_jobs_dense_setting_reaches_every_task_and_the_slurm_script_and_a_bad_
     assert parser.parse_args([]).dense == "allreduce"
     with pytest.raises(ConfigError, match="dense 'ring' is not valid: use 'ps'"):
         JobConfig("train.py", dense="ring").validate()
+
+
+def test_launch_and_slurm_render_take_dense_on_the_command_line(script, capsys):
+    from tensorfleet.cli import main
+    assert main(["launch", "--dry-run", "--dense", "allreduce", "--ps", "1", "--workers", "1", "train.py"]) == 0
+    assert "TENSORFLEET_DENSE=allreduce" in capsys.readouterr().out
+    assert main(["slurm", "render", "--dense", "allreduce", "train.py"]) == 0
+    assert "export TENSORFLEET_DENSE=allreduce" in capsys.readouterr().out

@@ -143,7 +143,7 @@ def run_launch(args: argparse.Namespace, line: CommandLine) -> int:
 def _job_config(args: argparse.Namespace, line: CommandLine) -> JobConfig:
     """The job of ``launch``'s (or ``slurm render``'s) flags, script or job file."""
     extra = line.script_args(args, args.target)
-    flags = {name: getattr(args, name) for name in ("ps", "workers", "gpus_per_worker", "mode", "restart",
+    flags = {name: getattr(args, name) for name in ("ps", "workers", "gpus_per_worker", "mode", "dense", "restart",
                                                     "max_restarts", "restart_backoff", "logdir", "dashboard",
                                                     "port", "name", "backend", "ray_address", "ray_placement",
                                                     "ray_replace_timeout",
