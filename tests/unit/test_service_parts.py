@@ -102,7 +102,8 @@ def test_only_a_few_password_checks_run_at_once(store):
 
 def test_the_form_round_trips_through_a_jobs_settings():
     form = {"name": "mnist", "script": "examples/mnist_mlp.py", "args": "--train_steps 2000 --note 'a b'",
-            "ps": "2", "workers": "3", "mode": "sync", "replicas_to_aggregate": "2", "gpus_per_worker": "0",
+            "ps": "2", "workers": "3", "mode": "sync", "dense": "allreduce", "replicas_to_aggregate": "2",
+            "gpus_per_worker": "0",
             "towers": "2", "restart": "never", "max_restarts": "1", "restart_backoff": "2.5",
             "env": "OMP_NUM_THREADS=1\n\nA=b=c", "backend": "local"}
     settings, backend = settings_from_form(form)
@@ -111,6 +112,7 @@ def test_the_form_round_trips_through_a_jobs_settings():
                                 "--towers", "2"]
     assert settings["env"] == {"OMP_NUM_THREADS": "1", "A": "b=c"}
     assert (settings["ps"], settings["workers"], settings["mode"], settings["restart"]) == (2, 3, "sync", "never")
+    assert settings["dense"] == "allreduce"
     assert settings["restart_backoff"] == 2.5
     back = form_from_settings({**settings, "script": "/ws/examples/mnist_mlp.py"}, backend, "/ws")
     assert {k: v for k, v in back.items() if k in form} == {k: v for k, v in form.items() if k != "env"} | {

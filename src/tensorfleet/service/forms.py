@@ -20,7 +20,7 @@ from tensorfleet.launch.config import JobConfig
 from tensorfleet.service.jobs import takes_towers
 
 SCRIPT_FLAGS = ("replicas_to_aggregate", "towers")  # form fields that become script flags
-FORM_FIELDS = ("name", "script", "args", "ps", "workers", "mode", "replicas_to_aggregate", "gpus_per_worker",
+FORM_FIELDS = ("name", "script", "args", "ps", "workers", "mode", "dense", "replicas_to_aggregate", "gpus_per_worker",
                "towers", "restart", "max_restarts", "restart_backoff", "env", "backend")
 _COPY = re.compile(r"^(?P<base>.*?)-copy(?:-(?P<n>\d+))?$")
 
@@ -57,7 +57,7 @@ def settings_from_form(form: Mapping[str, str]) -> tuple[dict[str, Any], str]:
             fields["restart_backoff"] = float(text["restart_backoff"])
         except ValueError:
             raise ConfigError(f"restart_backoff must be a number of seconds, got {text['restart_backoff']!r}") from None
-    for name in ("mode", "restart", "name"):
+    for name in ("mode", "dense", "restart", "name"):
         if text[name]:
             fields[name] = text[name]
     env = {}
@@ -95,7 +95,8 @@ def form_from_settings(config: Mapping[str, Any], backend: str = "local",
     if workspace and script.startswith(workspace.rstrip("/") + "/"):
         script = script[len(workspace.rstrip("/")) + 1:]
     form = {"script": script, "args": shlex.join(rest), "backend": backend, **extracted}
-    for name in ("name", "ps", "workers", "mode", "gpus_per_worker", "restart", "max_restarts", "restart_backoff"):
+    for name in ("name", "ps", "workers", "mode", "dense", "gpus_per_worker", "restart", "max_restarts",
+                 "restart_backoff"):
         if config.get(name) is not None:
             form[name] = str(config[name])
     env = config.get("env") or {}
