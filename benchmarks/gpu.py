@@ -423,40 +423,33 @@ def ctr_configs(args: argparse.Namespace, sizes: Sizes, dev: Device,
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     where = dev.device.type
 
-    def on_device() -> Config:
-        config = Config(f"ref: table on {where}", "reference")
-        torch.manual_seed(0)
-        model = CtrNet(host_bag(sizes), sizes.dim).to(dev.device)
+    def bag_reference(name: str, model: CtrNet, *, host_ids: bool) -> Config:
+        """A whole EmbeddingBag model, sparse Adagrad on its table and Adam on its head; ``host_ids``: the batch's
+        ids as the host has them (the table in host memory), else as moved to the device."""
+        config = Config(name, "reference")
         tables = torch.optim.Adagrad(model.table.parameters(), lr=TABLE_LR)
         head = torch.optim.Adam(model.head.parameters(), lr=DENSE_LR)
 
         def step(i: int) -> None:
-            _, ids, labels = data[i % len(data)]
+            on_host, on_device, labels = data[i % len(data)]
             tables.zero_grad(set_to_none=True)
             head.zero_grad(set_to_none=True)
-            loss_fn(model(ids), labels).backward()
+            loss_fn(model(on_host if host_ids else on_device), labels).backward()
             tables.step()
             head.step()
         config.step = step
         return config
 
+    def on_device() -> Config:
+        torch.manual_seed(0)
+        return bag_reference(f"ref: table on {where}", CtrNet(host_bag(sizes), sizes.dim).to(dev.device),
+                             host_ids=False)
+
     def pooled_to_device() -> Config:
-        config = Config(f"ref: host table, pooled->{where}", "reference")
         torch.manual_seed(0)
         model = CtrNet(host_bag(sizes), sizes.dim)
         model.head.to(dev.device)
-        tables = torch.optim.Adagrad(model.table.parameters(), lr=TABLE_LR)
-        head = torch.optim.Adam(model.head.parameters(), lr=DENSE_LR)
-
-        def step(i: int) -> None:
-            ids, _, labels = data[i % len(data)]
-            tables.zero_grad(set_to_none=True)
-            head.zero_grad(set_to_none=True)
-            loss_fn(model(ids), labels).backward()
-            tables.step()
-            head.step()
-        config.step = step
-        return config
+        return bag_reference(f"ref: host table, pooled->{where}", model, host_ids=True)
 
     def rows_to_device() -> Config:
         config = Config(f"ref: host table, rows->{where}", "reference")
