@@ -172,12 +172,16 @@ class Collective:
         """Sum ``tensor`` over the group, in place; returns the work to wait on."""
         return self.group.allreduce([tensor])
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> dist.Work:
+        """Each element of ``tensor`` becomes its largest value over the group, in place; the work to wait on."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        return self.group.allreduce([tensor], options)
+
     def max_of(self, value: int) -> int:
         """The largest of every rank's ``value`` (every rank gets it)."""
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MAX
-        self.group.allreduce([tensor], options).wait()
+        self.all_reduce_max(tensor).wait()
         return int(tensor.item())
 
     def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:

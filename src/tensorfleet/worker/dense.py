@@ -105,10 +105,8 @@ class DenseAllReduce:
         while self._next < len(self._buckets):  # what backward did not fill (unused parameters: zeros)
             self._launch(self._next)
         if clock is not None and self.failure is None:
-            options = dist.AllreduceOptions()
-            options.reduceOp = dist.ReduceOp.MAX
             try:
-                self._works[len(self._buckets)] = self.collective.group.allreduce([clock], options)
+                self._works[len(self._buckets)] = self.collective.all_reduce_max(clock)
             except Exception as exc:  # noqa: BLE001 - raised below, where the step can recover
                 self.failure = exc
         world = float(self.collective.world_size)
