@@ -46,7 +46,8 @@ def test_the_survivors_go_on_among_the_living_and_a_restarted_worker_joins_them(
     joined = re.search(r"replicated on 2 of 2 workers \(generation (\d+), replicas \[0, 1\], state from worker 0\)",
                        restarted)
     assert joined and int(joined.group(1)) >= 2, restarted  # the survivor's live state, in a later group
-    assert re.search(r"recoveries [1-9]", survivor) and "a worker of the group is gone" in survivor
+    # the survivor's rows of the failed step reached the ps; only its dense update is dropped (no step runs twice)
+    assert "a worker of the group is gone" in survivor and "this step's dense update is dropped" in survivor
     values = [torch.load(tmp_path / f"worker-{i}.pt") for i in range(2)]
     assert all(torch.equal(values[0][name], values[1][name]) for name in values[0])  # the replicas agree
 

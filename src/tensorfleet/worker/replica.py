@@ -56,7 +56,7 @@ from torch import nn
 
 from tensorfleet.cluster.placement import PlacementStrategy, RowPartitioner, VariableInfo, place
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, parse_address
-from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError
+from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
 from tensorfleet.protocol.specs import Mode, OptimizerSpec, SyncOptions
 from tensorfleet.protocol.state import ShardState
 from tensorfleet.wire.codec import dtype_name
@@ -595,6 +595,8 @@ class Replica:
         self._prefetched = None
         agreed, regroup = None, False
         self._back_to_live_dense()  # a push straight after load_averages(): the step's gradients are the averages'
+        if self.dense is not None and self.mode is Mode.ASYNC:  # Persia's mode: the rows travel to the ps while
+            return self._push_beside_dense(rows)                # the dense all-reduce completes
         if self.dense is not None:  # hybrid: the dense gradients averaged over the workers, applied here
             agreed, regroup = self.dense.step(clock=self._ps_step, regroup=self._newcomer_waits())
         if self._in_flight is not None:  # the reply lands during the next step
@@ -609,6 +611,40 @@ class Replica:
             self.global_step = agreed                         # so all stop together
         if regroup:  # a restarted worker waits: every worker moves to the next group after this same step
             self.dense = self._join_workers(after=self.dense.collective.generation)
+        return self.global_step
+
+    def _push_beside_dense(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None) -> int:
+        """Hybrid in async mode: the ps push leaves first, then the dense step waits for the all-reduce, so the
+        rows' round trip hides behind the workers' reduce. The ps part of a step is then sent before its dense
+        part is known to succeed: when the group fails, this step's dense update is dropped (on every member of
+        the failed group: none completed it, or the next group's broadcast makes them agree) and the group forms
+        again here, rather than the step running again and pushing its rows twice."""
+        if self._in_flight is not None:
+            self.settle()  # the previous push's: normally long done, it travelled during this step's compute
+            self._in_flight.send(self._send(into=self._in_flight.landing, rows=rows))
+            sent = None
+        else:
+            sent = self._send(into=self._param_views, rows=rows)
+        dense = self.dense
+        try:
+            agreed, regroup = dense.step(clock=self._ps_step, regroup=self._newcomer_waits())
+        except UnavailableError as exc:
+            if sent is not None:
+                self._landed(sent.result())  # the rows applied: this step is done but for its dense update
+            for param in self._dense_params.values():
+                param.grad = None
+            log.warning("%s: %s; this step's dense update is dropped", self.task.name, exc)
+            agreed, regroup = None, True
+        if sent is not None:
+            if agreed is not None:
+                self._landed(sent.result())
+            self._prefetched = self._versions()
+        for param in self._params.values():  # the push holds the gradients; the next backward makes new ones
+            param.grad = None
+        if agreed is not None:  # every worker's hooks read the same step, so all stop together
+            self.global_step = agreed
+        if regroup:  # a restarted worker waits, or the group failed: move to the next group after this step
+            self.dense = self._join_workers(after=dense.collective.generation)
         return self.global_step
 
     def _others_done(self) -> bool:
