@@ -174,9 +174,9 @@ def ddp_role(rank: int, master: str, steps: int, fp16: bool) -> float:
     return ddp_worker(rank, 29500, steps, master=master, fp16=fp16)
 
 
-def tensorfleet_role(cluster: ClusterSpec, index: int, steps: int, bf16: bool) -> float:
+def tensorfleet_role(cluster: ClusterSpec, index: int, steps: int, bf16: bool, dense: str = "ps") -> float:
     from vs_ddp import tensorfleet_worker
-    return tensorfleet_worker(cluster, index, steps, overlap=True, bf16=bf16)
+    return tensorfleet_worker(cluster, index, steps, overlap=dense == "ps", bf16=bf16, dense=dense)
 
 
 @contextmanager
@@ -193,6 +193,7 @@ def _run_roles(network: Network, roles: dict[str, list[str]], env: dict[str, str
 
 
 def run_bandwidth_config(kind: str, bf16: bool, steps: int, rate_gbit: float) -> dict[str, Any]:
+    """``kind``: "ddp", "tensorfleet" (every variable on 2 ps) or "hybrid" (dense by all-reduce, 1 ps)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": DEVICE}
     with _bandwidth_network(rate_gbit) as network:
         flags = ["--steps", str(steps), *(["--bf16"] if bf16 else [])]
@@ -201,12 +202,14 @@ def run_bandwidth_config(kind: str, bf16: bool, steps: int, rate_gbit: float) ->
             seconds = _run_roles(network, {f"worker:{r}": ["--role", "ddp", "--rank", str(r), "--master", master,
                                                           *flags] for r in range(2)}, env)
         else:
-            cluster = ClusterSpec.from_dict({job: [f"{network.address(f'{job}:{i}')}:2222" for i in range(2)]
-                                             for job in ("ps", "worker")})
+            num_ps = 1 if kind == "hybrid" else 2
+            cluster = ClusterSpec.from_dict({job: [f"{network.address(f'{job}:{i}')}:2222" for i in range(count)]
+                                             for job, count in (("ps", num_ps), ("worker", 2))})
             with ps_processes(cluster, env, on_host=network.command, wait_s=60):
                 spec = json.dumps(cluster.as_dict())
                 seconds = _run_roles(network, {f"worker:{i}": ["--role", "tensorfleet", "--cluster", spec, "--index",
-                                                              str(i), *flags] for i in range(2)}, env)
+                                                              str(i), "--dense", "allreduce" if kind == "hybrid"
+                                                              else "ps", *flags] for i in range(2)}, env)
         stats = network.stats()
     from vs_ddp import BATCH, WARMUP
     busiest = max(max(stats["bytes_sent"][h], stats["bytes_received"][h]) for h in BANDWIDTH_HOSTS)
@@ -216,7 +219,8 @@ def run_bandwidth_config(kind: str, bf16: bool, steps: int, rate_gbit: float) ->
 
 def bandwidth(args: argparse.Namespace) -> dict[str, Any]:
     configs = {"DDP (gloo), fp32": ("ddp", False), "DDP, fp16_compress_hook": ("ddp", True),
-               "tensorfleet sync, fp32": ("tensorfleet", False), "tensorfleet sync, bf16 wire": ("tensorfleet", True)}
+               "tensorfleet sync, fp32": ("tensorfleet", False), "tensorfleet sync, bf16 wire": ("tensorfleet", True),
+               "tensorfleet hybrid, fp32": ("hybrid", False)}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     for _ in range(args.repeats):  # interleaved
         for name, (kind, bf16) in configs.items():
@@ -250,6 +254,7 @@ def main() -> int:
     parser.add_argument("--master", help=argparse.SUPPRESS)
     parser.add_argument("--cluster", help=argparse.SUPPRESS)
     parser.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dense", choices=["ps", "allreduce"], default="ps", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
         import torch
@@ -258,7 +263,7 @@ def main() -> int:
             print(ddp_role(args.rank, args.master, args.steps, args.bf16))
         else:
             cluster = ClusterSpec.from_dict(json.loads(args.cluster))
-            print(tensorfleet_role(cluster, args.index, args.steps, args.bf16))
+            print(tensorfleet_role(cluster, args.index, args.steps, args.bf16, args.dense))
         return 0
     reason = Network.unavailable()
     if reason:

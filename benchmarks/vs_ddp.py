@@ -80,12 +80,14 @@ def ddp_worker(rank: int, port: int, steps: int, *, master: str = "127.0.0.1", f
     return elapsed
 
 
-def tensorfleet_worker(cluster: ClusterSpec, index: int, steps: int, overlap: bool, bf16: bool) -> float:
+def tensorfleet_worker(cluster: ClusterSpec, index: int, steps: int, overlap: bool, bf16: bool,
+                       dense: str = "ps") -> float:
+    """``dense="allreduce"``: hybrid mode (the dense parameters by gloo all-reduce, only the step on the ps)."""
     model = build_model()
     replica = tfl.Replica(model, cluster, TaskSpec("worker", index), optimizer=tfl.OptimizerSpec.sgd(
         lr=LR, momentum=MOMENTUM), mode="sync", placement=tfl.GreedyByBytes(),
         partitioner=tfl.RowPartitioner(num_parts=2, min_bytes=1 << 20), overlap=overlap,
-        wire_dtype=torch.bfloat16 if bf16 else None)
+        wire_dtype=torch.bfloat16 if bf16 else None, dense=dense)
     with replica:
         return timed_steps(replica, model, index, steps)
 
