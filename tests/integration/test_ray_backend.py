@@ -171,14 +171,18 @@ def node_name(nodes: dict, node_id: str) -> str:
     return next(name for name, node in nodes.items() if node.node_id == node_id)
 
 
-@pytest.mark.parametrize("mode", ["--async", "--sync"])
+@pytest.mark.parametrize("mode", [["--async"], ["--sync"], ["--async", "--dense", "allreduce"]],
+                         ids=["async", "sync", "hybrid"])
 def test_the_seed_job_runs_with_the_ps_on_one_node_and_the_workers_on_the_others(cluster, launches, mode):
+    """Hybrid too: the workers' collective meets through ps 0 and gloo binds each worker's node address."""
     made, nodes = cluster
-    run = launches(["--ray-address", made.address, "--ps", "1", "--workers", "2", mode], ["--train_steps", "300"],
+    run = launches(["--ray-address", made.address, "--ps", "1", "--workers", "2", *mode], ["--train_steps", "300"],
                    env=LOOPBACK)
     code, output = run.wait(timeout_s=240)
     assert code == 0, output
     assert accuracy(output) > 0.9, output
+    if "allreduce" in mode:
+        assert re.search(r"dense parameters \(\d+\) replicated on 2 of 2 workers .* averaged by gloo", output), output
     where = {e["task"]: node_name(nodes, e["node"]) for e in run.events() if e["event"] == "started"}
     assert set(where) == {"ps:0", "worker:0", "worker:1"}
     assert len(set(where.values())) == 3, where  # spread: each task on a node of its own, none on the head

@@ -81,11 +81,13 @@ def test_the_seed_job_runs_through_sbatch_and_leaves_nothing(cluster, tmp_path):
 
 def test_a_rendered_script_runs_under_sbatch_itself(cluster, tmp_path):
     """As the README says: ``slurm render ... > job.sbatch`` then ``sbatch job.sbatch`` in the user's folder, which
-    holds nothing else: the output lands there, the job's folder is made by the job."""
+    holds nothing else: the output lands there, the job's folder is made by the job. The job runs in hybrid mode
+    (``--dense allreduce``): the ranks' collective meets through ps 0 under Slurm as under ``launch``."""
     user, logdir = tmp_path / "user", tmp_path / "by-hand"
     user.mkdir()
     rendered = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "slurm", "render", "--ps", "1", "--workers",
-                               "2", "--logdir", str(logdir), str(MNIST), "--", "--train_steps", "300"],
+                               "2", "--dense", "allreduce", "--logdir", str(logdir), str(MNIST), "--",
+                               "--train_steps", "300"],
                               cwd=user, env=cluster.env, capture_output=True, text=True, timeout=60)
     assert rendered.returncode == 0, rendered.stderr
     (user / "job.sbatch").write_text(rendered.stdout)
@@ -95,6 +97,8 @@ def test_a_rendered_script_runs_under_sbatch_itself(cluster, tmp_path):
     output = (user / f"slurm-{job}.out").read_text()
     assert "[slurm] every rank finished" in output, output
     assert float(re.findall(r"^\d+: test accuracy: ([\d.]+)", output, re.M)[-1]) > 0.85, output
+    # both workers in one gloo group met on ps 0: the dense half never went to the ps
+    assert re.search(r"dense parameters \(\d+\) replicated on 2 of 2 workers .* averaged by gloo", output), output
     assert (logdir / "train").is_dir()  # the chief's TensorBoard summaries, in the folder the job made
 
 

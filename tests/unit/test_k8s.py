@@ -584,3 +584,22 @@ def test_an_output_without_the_token_keeps_the_usual_mode(tmp_path, capsys):
     finally:
         os.umask(previous)
     assert target.stat().st_mode & 0o777 == 0o644 and "kind: Secret" not in target.read_text()
+
+
+@pytest.mark.parametrize("fmt", k8s.FORMATS)
+def test_dense_allreduce_reaches_every_pod_as_the_scripts_default(fmt, capsys):
+    """Hybrid on Kubernetes: TENSORFLEET_DENSE (the default of the scripts' --dense) in every task's container;
+    without the flag the pods leave the script's own default alone."""
+    assert main(["k8s", "render", "--ps", "1", "--workers", "2", "--image", "repo/img:1", "--dense", "allreduce",
+                 "--format", fmt, "train.py"]) == 0
+    containers = containers_of(list(yaml.safe_load_all(capsys.readouterr().out)))
+    assert containers and all(env_of(c).get("TENSORFLEET_DENSE") == "allreduce" for c in containers)
+    assert main(["k8s", "render", "--ps", "1", "--workers", "2", "--image", "repo/img:1", "--format", fmt,
+                 "train.py"]) == 0
+    containers = containers_of(list(yaml.safe_load_all(capsys.readouterr().out)))
+    assert all("TENSORFLEET_DENSE" not in env_of(c) for c in containers)
+
+
+def test_a_dense_home_that_does_not_exist_is_refused():
+    with pytest.raises(ConfigError, match="dense 'gpu' is not valid: use one of ps, allreduce"):
+        make_job(dense="gpu")

@@ -474,6 +474,14 @@ def jobset_child(task: str, *conditions: dict) -> dict:
     return made
 
 
+def test_a_hybrid_job_tells_every_pod_where_dense_parameters_live_once(api, backend, workspace, tmp_path):
+    backend.start(make_record(workspace, dense="allreduce"), tmp_path)
+    for job in (r.body for r in api.of("POST", JOBS_PATH)):
+        (container,) = job["spec"]["template"]["spec"]["containers"]
+        dense = [e for e in container["env"] if e["name"] == "TENSORFLEET_DENSE"]
+        assert dense == [{"name": "TENSORFLEET_DENSE", "value": "allreduce"}]
+
+
 def test_a_jobset_job_is_the_secret_and_one_jobset_valid_for_the_pinned_crd(api, jobset_backend, workspace, tmp_path):
     jobset_backend.start(make_record(workspace), tmp_path)
     assert [(r.method, r.path) for r in api.requests] == [("POST", SECRETS_PATH), ("POST", JOBSETS_PATH)]

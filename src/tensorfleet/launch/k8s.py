@@ -68,6 +68,7 @@ import yaml
 
 from tensorfleet.cluster.spec import TASK_INDEX_ENV, TASK_TYPE_ENV, ClusterSpec, TaskSpec
 from tensorfleet.errors import ConfigError
+from tensorfleet.launch.config import DENSE_ENV, DENSE_HOMES
 from tensorfleet.wire.auth import TOKEN_ENV, new_token
 
 RESTART_POLICIES = {"on-failure": "OnFailure", "never": "Never"}
@@ -111,6 +112,7 @@ class K8sJob:
     memory: str = "2Gi"
     token: str = field(default_factory=new_token, repr=False)  # the job's secret, rendered as a Secret
     token_secret: str | None = field(default=None, repr=False)  # an existing Secret (key "token") instead
+    dense: str | None = None  # where dense parameters live (TENSORFLEET_DENSE in every pod); None: the script's
 
     def __post_init__(self) -> None:
         if not isinstance(self.token, str) or len(self.token) < 16 or any(c.isspace() for c in self.token):
@@ -124,6 +126,8 @@ class K8sJob:
             _check_int(name, getattr(self, name), low)
         _check_int("port", self.port, 1, 65535)
         self._check_names()
+        if self.dense is not None and self.dense not in DENSE_HOMES:
+            raise ConfigError(f"dense {self.dense!r} is not valid: use one of {', '.join(DENSE_HOMES)}")
         if self.restart not in RESTART_POLICIES:
             raise ConfigError(f"restart {self.restart!r} is not valid: use one of {', '.join(RESTART_POLICIES)}")
         for name in ("image", "script"):
@@ -228,6 +232,8 @@ def _container(job: K8sJob, job_name: str, *, name: str, port_name: str,
     env.append({"name": "PYTHONUNBUFFERED", "value": "1"})  # log lines reach `kubectl logs` as they happen
     # Every task requires the job's token of every caller; it comes from the Secret, not the pod spec.
     env.append({"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name(job), "key": "token"}}})
+    if job.dense is not None:  # hybrid: the workers' collective meets through ps 0, nothing else to render
+        env.append({"name": DENSE_ENV, "value": job.dense})
     return {"name": name, "image": job.image, "command": ["python", job.script, *job.script_args],
             "env": env, "ports": [{"name": port_name, "containerPort": job.port, "protocol": "TCP"}],
             "resources": _resources(job, job_name)}
@@ -468,6 +474,10 @@ _OPTIONS: tuple[tuple[str, str, Callable[[str], Any], Any, str, str], ...] = (
     ("--token-secret", "TENSORFLEET_TOKEN_SECRET", str, "", "SECRET",
      "an existing Secret whose key 'token' holds the job's token (kubectl create secret generic SECRET "
      "--from-file=token=FILE): the output then holds no secret; by default a new token is rendered in a Secret"),
+    ("--dense", DENSE_ENV, _choice(DENSE_HOMES), "", "HOME",
+     "where the dense parameters live: ps, or allreduce (replicated on the workers, averaged by an all-reduce, "
+     "tables on the ps); sets TENSORFLEET_DENSE, the script's --dense default, in every pod; by default the "
+     "script's own"),
     ("--restart", "TENSORFLEET_RESTART", _choice(tuple(RESTART_POLICIES)), "on-failure", "POLICY",
      "on-failure (restart a task up to --max-restarts times) or never"),
     ("--max-restarts", "TENSORFLEET_MAX_RESTARTS", _integer(0), 3, "R",
@@ -533,7 +543,7 @@ def job_from_args(args: argparse.Namespace) -> tuple[K8sJob, str]:
                  script=args.script, script_args=tuple(extra), gpus_per_worker=values["gpus_per_worker"],
                  namespace=values["namespace"], restart=values["restart"], max_restarts=values["max_restarts"],
                  port=values["port"], cpu=values["cpu"], memory=values["memory"],
-                 token_secret=values["token_secret"] or None)
+                 token_secret=values["token_secret"] or None, dense=values["dense"] or None)
     return job, values["format"]
 
 

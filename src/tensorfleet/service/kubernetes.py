@@ -35,7 +35,6 @@ from typing import Any, Iterable
 from tensorfleet.cluster.spec import TASK_INDEX_ENV, TaskSpec
 from tensorfleet.errors import ConfigError, LaunchError, TensorfleetError, UnavailableError
 from tensorfleet.launch import k8s
-from tensorfleet.launch.config import DENSE_ENV
 from tensorfleet.service.backend import LogChunk, Observed, TaskNotFoundError, TaskView
 from tensorfleet.service.store import JobRecord, JobState
 
@@ -222,17 +221,16 @@ class KubernetesBackend:
                           script=self._script(config.script), script_args=tuple(config.args),
                           gpus_per_worker=config.gpus_per_worker, namespace=self.namespace,
                           restart=config.restart, max_restarts=config.max_restarts,
-                          port=config.port or DEFAULT_PORT)
+                          port=config.port or DEFAULT_PORT, dense=config.dense)
 
     def _render(self, job: JobRecord) -> list[dict[str, Any]]:
-        """The job's objects, each Job's pod with the job's own environment and mode added."""
+        """The job's objects, each Job's pod with the job's own environment and mode added (where dense parameters
+        live is the renderer's own)."""
         config = job.job_config
         docs = k8s.RENDERERS[self.format](self._k8s_job(job))
         extra = dict(config.env)
         if config.mode is not None:
             extra[MODE_ENV] = config.mode
-        if config.dense is not None:
-            extra[DENSE_ENV] = config.dense
         for _, container in _containers(docs, each_task=False):
             ours = {e["name"] for e in container["env"]}  # TF_CONFIG, the token: the renderer's, not the user's
             container["env"][-1:-1] = [{"name": k, "value": v} for k, v in extra.items() if k not in ours]
