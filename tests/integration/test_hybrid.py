@@ -78,8 +78,8 @@ def train_workers(num_workers: int, *, mode: str, num_ps: int = 2, **options) ->
         return results, rows, step
 
 
-def train_locally(num_workers: int) -> tuple[dict, torch.Tensor]:
-    """One process, each step on the union of the workers' batches."""
+def train_locally(num_workers: int, *, skip_dense_at: int | None = None) -> tuple[dict, torch.Tensor]:
+    """One process, each step on the union of the workers' batches (at ``skip_dense_at`` the table's rows only)."""
     model = Net(table="local")
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     per_worker = [batches(i) for i in range(num_workers)]
@@ -87,6 +87,8 @@ def train_locally(num_workers: int) -> tuple[dict, torch.Tensor]:
         x, ids, y = (torch.cat(parts) for parts in zip(*(per_worker[i][step] for i in range(num_workers))))
         optimizer.zero_grad()
         F.cross_entropy(model(x, ids), y).backward()
+        if step == skip_dense_at:
+            model.body.zero_grad(set_to_none=True)  # plain SGD: a parameter without a gradient stays as it is
         optimizer.step()
     return {name: p.detach() for name, p in model.body.named_parameters()}, model.table.weight.detach()
 
@@ -122,6 +124,50 @@ def test_async_tables_with_sync_dense_keeps_every_replica_equal():
     assert step == 2 * STEPS
     for name, value in got[0].items():
         assert torch.equal(got[1][name], value), name
+
+
+@pytest.mark.parametrize("policy", ["reject", "apply"])
+def test_nan_in_one_workers_dense_gradient_is_rejected_on_every_worker_and_training_goes_on(policy):
+    """Worker 1's output bias gets a NaN gradient at step 1 (its rows stay finite). Under "reject" (the default)
+    no worker applies that step's dense update, each counts it as a dropped gradient, the rows are applied, and
+    the job ends where the local loop ends when it skips that one dense update; "apply" lets the NaN in."""
+    poisoned_step = 1
+    with ps_servers(num_ps=2, num_workers=2) as (cluster, _):
+        models = [Net(table="fleet") for _ in range(2)]
+
+        def worker(index: int) -> tuple[dict, int]:
+            model = models[index]
+            with Replica(model, cluster, TaskSpec("worker", index), optimizer=OptimizerSpec.sgd(lr=LR), mode="sync",
+                         dense="allreduce", init_timeout_s=60, nonfinite_gradients=policy) as replica:
+                for step, (x, ids, y) in enumerate(batches(index)):
+                    replica.pull()
+                    hook = (model.body[2].bias.register_hook(lambda g: torch.full_like(g, float("nan")))
+                            if index == 1 and step == poisoned_step else None)
+                    F.cross_entropy(model(x, ids), y).backward()
+                    if hook is not None:
+                        hook.remove()
+                    replica.push()
+                return {name: p.detach().clone() for name, p in model.body.named_parameters()}, \
+                    replica.dropped_gradients
+
+        results = run_threads(worker, 2)
+        client = PsClient(cluster, {}, tables=[Net(table="fleet").table.spec()])
+        try:
+            client.wait_for_shards(10)
+            rows = client.lookup({"ids": torch.arange(ROWS)})["ids"]
+        finally:
+            client.close()
+    if policy == "apply":
+        assert all(not torch.isfinite(values["2.bias"]).all() for values, _ in results)
+        assert [dropped for _, dropped in results] == [0, 0]
+        return
+    want, want_rows = train_locally(2, skip_dense_at=poisoned_step)
+    assert [dropped for _, dropped in results] == [1, 1]
+    for values, _ in results:
+        for name, value in want.items():
+            assert torch.isfinite(values[name]).all(), name
+            assert torch.allclose(values[name], value, rtol=1e-5, atol=1e-6), name
+    assert torch.allclose(rows, want_rows, rtol=1e-5, atol=1e-6)
 
 
 def test_a_dense_mode_that_does_not_exist_is_refused():

@@ -36,6 +36,31 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     return getattr(torch.optim, _OPTIMIZER_CLASS_NAMES[name])
 
 
+# torch's fused kernels (one pass over each tensor: SGD with momentum ~2x, Adam ~5x the default loop on a CPU) and
+# the device types each runs on. The ps and hybrid mode's workers take them where every tensor can.
+FUSED_KERNELS: dict[str, frozenset[str]] = {"sgd": frozenset({"cpu", "cuda"}), "adam": frozenset({"cpu", "cuda"}),
+                                            "adamw": frozenset({"cpu", "cuda"}), "adagrad": frozenset({"cpu"})}
+
+
+def build_optimizer(spec: OptimizerSpec, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer of ``spec`` over ``params``: its fused kernel where torch has one for these
+    tensors (equal to the default loop up to float rounding, ~1e-7 relative), else the default loop.
+
+    Raises:
+        InvalidArgumentError: torch refuses the spec's options (the message quotes them).
+    """
+    cls = optimizer_class(spec.name)
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.options.items()}
+    try:
+        optimizer = cls(params, **options)
+    except (TypeError, ValueError, IndexError, OverflowError) as exc:  # torch's own checks of the options
+        raise InvalidArgumentError(f"cannot build optimizer {spec.name} with {dict(spec.options)}: {exc}") from None
+    devices = FUSED_KERNELS.get(spec.name, frozenset())
+    if params and all(p.dtype.is_floating_point and p.device.type in devices for p in params):
+        return cls(params, **options, fused=True)
+    return optimizer
+
+
 # Per-row rules the ps runs for embedding tables (adam: lazy Adam, moments and step count per row), with the
 # options each takes.
 TABLE_OPTIMIZERS: dict[str, frozenset[str]] = {

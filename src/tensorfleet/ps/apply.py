@@ -22,11 +22,7 @@ from torch.optim.sgd import sgd as functional_sgd
 
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.protocol.averages import MovingAverage  # noqa: F401 (the ps's averages, by the shared rule)
-from tensorfleet.protocol.specs import OPTIMIZER_NAMES, OptimizerSpec, optimizer_class
-
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {name: optimizer_class(name) for name in OPTIMIZER_NAMES}
-# Optimizers with a fused CPU kernel: the ps picks it itself.
-FUSED = {"sgd", "adam", "adamw", "adagrad"}
+from tensorfleet.protocol.specs import OptimizerSpec, build_optimizer
 
 
 class Applier:
@@ -40,16 +36,10 @@ class Applier:
     def __init__(self, spec: OptimizerSpec, variables: Mapping[str, torch.Tensor]) -> None:
         self.spec = spec
         self._variables = dict(variables)
-        options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.options.items()}
         params = list(self._variables.values()) or [torch.zeros(0)]
-        try:
-            self.optimizer = OPTIMIZERS[spec.name](params, **options)
-        except (TypeError, ValueError, IndexError, OverflowError) as exc:  # torch's own checks of the options
-            raise InvalidArgumentError(f"cannot build optimizer {spec.name} with {dict(spec.options)}: {exc}") from None
-        self._fused_step: Callable[..., bool] | None = None
-        if spec.name in FUSED and all(p.dtype.is_floating_point for p in params):
-            self.optimizer = OPTIMIZERS[spec.name](params, **options, fused=True)
-            self._fused_step = _FUNCTIONAL_STEPS.get(spec.name)
+        self.optimizer = build_optimizer(spec, params)  # fused where torch has the kernel
+        self._fused_step: Callable[..., bool] | None = (_FUNCTIONAL_STEPS.get(spec.name)
+                                                          if self.optimizer.defaults.get("fused") else None)
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
 
     def apply(self, gradients: Mapping[str, torch.Tensor], *, step: int = 0) -> None:

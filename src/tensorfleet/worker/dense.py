@@ -10,7 +10,8 @@ stay equal, and N workers with batch b end where one process with batch N·b end
 
 from __future__ import annotations
 
-from typing import Mapping
+import math
+from typing import Mapping, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -18,13 +19,21 @@ from torch import nn
 
 from tensorfleet.errors import InvalidArgumentError, UnavailableError
 from tensorfleet.protocol.averages import MovingAverage
-from tensorfleet.protocol.specs import OptimizerSpec, optimizer_class
+from tensorfleet.protocol.specs import OptimizerSpec, build_optimizer
 from tensorfleet.worker.collective import Collective
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket
 FIRST_BUCKET_BYTES = 1 << 20  # the last layers' gradients leave early, as DDP's first bucket does
 # values, optimizer slots and moving averages (None: not kept), by parameter name
 DenseState = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor] | None]
+
+
+class DenseStep(NamedTuple):
+    """What one dense step agreed on every worker alike."""
+
+    global_step: int  # the largest worker's global step (the clock every worker's hooks read)
+    regroup: bool  # some worker asked for the next group (a restarted worker waits to join)
+    applied: bool  # False: the averaged gradients held NaN/Inf and the policy is "reject": nothing changed
 
 
 class DenseAllReduce:
@@ -34,20 +43,18 @@ class DenseAllReduce:
         params: the dense parameters by name (``named_parameters()`` order).
         optimizer: the rule every worker applies (the ps's ``OptimizerSpec``, built as ``torch.optim``).
         collective: the workers' group (``Collective``).
+        nonfinite: NaN/Inf in the averaged gradients (any worker's): ``"reject"`` the step on every worker (the
+            parameters and slots untouched, as a ps rejects such a push) or ``"apply"`` it.
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], optimizer: OptimizerSpec, collective: Collective, *,
                  average_decay: float | None = None, bucket_bytes: int | None = None,
-                 first_bucket_bytes: int | None = None) -> None:
+                 first_bucket_bytes: int | None = None, nonfinite: str = "reject") -> None:
         self.params = dict(params)
+        self.nonfinite = nonfinite
         self.spec = optimizer
         self.collective = collective
-        options = {k: tuple(v) if isinstance(v, list) else v for k, v in optimizer.options.items()}
-        try:
-            self.optimizer = optimizer_class(optimizer.name)(list(self.params.values()), **options)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgumentError(f"cannot build optimizer {optimizer.name} with {dict(optimizer.options)}: "
-                                       f"{exc}") from None
+        self.optimizer = build_optimizer(optimizer, list(self.params.values()))  # fused where torch can, as the ps
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.updates = 0  # optimizer steps taken: the same on every worker (the learning-rate schedule's clock)
         # average_decay: the parameters' moving averages, kept here by the ps's rule (load_averages evaluates them)
@@ -58,6 +65,7 @@ class DenseAllReduce:
         self._works: dict[int, dist.Work] = {}
         self._ready: list[set[str]] = [set() for _ in self._buckets]
         self._next = 0  # buckets leave in order (every worker's collective calls must match one for one)
+        self._finite = True  # this step's averaged gradients so far (checked as each bucket lands)
         self._misuse: str | None = None
         self.failure: BaseException | None = None  # the collective's: a peer died or stalled (rebind() ends it)
         self._hooks = [param.register_post_accumulate_grad_hook(lambda p, name=name: self._on_gradient(name))
@@ -110,10 +118,13 @@ class DenseAllReduce:
             except Exception as exc:  # noqa: BLE001 - raised below, where the step can recover
                 self.failure = exc
         world = float(self.collective.world_size)
+        self._finite = True
         try:
-            for index in sorted(self._works):  # the buckets, and step()'s clock
+            for index in sorted(self._works):  # the buckets in launch order, then step()'s clock
                 if self.failure is None:
                     self._works[index].wait()
+                    if index < len(self._buckets):  # averaged while the later buckets still travel
+                        self._average(self._buckets[index], world)
         except Exception as exc:  # noqa: BLE001 - gloo's and NCCL's errors are RuntimeErrors of many kinds
             self.failure = exc
         if self.failure is not None:
@@ -121,33 +132,43 @@ class DenseAllReduce:
             raise UnavailableError(f"the dense all-reduce (generation {self.collective.generation}) failed: a worker "
                                    f"of the group is gone or stalled ({str(self.failure)[:300]}); the workers form "
                                    "the group again and run the step again")
-        with torch.no_grad():  # the sums divided straight into .grad: one pass over each bucket
-            for index, bucket in enumerate(self._buckets):
-                for name, view in zip(bucket.names, bucket.views):
-                    param = self.params[name]
-                    if param.grad is None:
-                        param.grad = view.view_as(param) / world
-                    else:
-                        torch.div(view.view_as(param), world, out=param.grad)
         self._works, self._ready, self._next = {}, [set() for _ in self._buckets], 0
 
-    def step(self, clock: int, regroup: bool = False) -> tuple[int, bool]:
+    def _average(self, bucket: "_Bucket", world: float) -> None:
+        """A landed bucket's sums divided straight into ``.grad`` (one pass); with ``nonfinite="reject"``, whether
+        they are all finite (a cheap sum first, element by element only when it is not)."""
+        if self.nonfinite == "reject" and self._finite and not math.isfinite(float(bucket.flat.sum())):
+            self._finite = bool(torch.isfinite(bucket.flat).all())
+        with torch.no_grad():
+            for name, view in zip(bucket.names, bucket.views):
+                param = self.params[name]
+                if param.grad is None:
+                    param.grad = view.view_as(param) / world
+                else:
+                    torch.div(view.view_as(param), world, out=param.grad)
+
+    def step(self, clock: int, regroup: bool = False) -> DenseStep:
         """Average the gradients and apply the optimizer (the schedule's learning rate of this update); clear
         them. Returns the largest ``clock`` (this worker's global step) over the workers, and whether any worker
         asked to ``regroup`` (a restarted worker waits to join), from one small collective beside the
-        gradients': what every worker decides on alike (async mode's stop; moving to the next group)."""
+        gradients': what every worker decides on alike (async mode's stop; moving to the next group). Averaged
+        gradients holding NaN/Inf (every worker sees the same sums) are not applied under ``"reject"``:
+        ``applied`` is False on every worker and nothing changed, the update count included."""
         agreed = torch.tensor([clock, int(regroup)], dtype=torch.int64, device=self.collective.device)
         self.reduce(clock=agreed)
-        if self.spec.schedule is not None:
-            factor = self.spec.schedule.factor(self.updates)
-            for group, base in zip(self.optimizer.param_groups, self._base_lrs):
-                group["lr"] = base * factor
-        self.optimizer.step()
+        applied = self._finite or self.nonfinite == "apply"
+        if applied:
+            if self.spec.schedule is not None:
+                factor = self.spec.schedule.factor(self.updates)
+                for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+                    group["lr"] = base * factor
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.averages is not None:
-            self.averages.update(self.updates)
-        self.updates += 1
-        return int(agreed[0]), bool(agreed[1])
+        if applied:
+            if self.averages is not None:
+                self.averages.update(self.updates)
+            self.updates += 1
+        return DenseStep(int(agreed[0]), bool(agreed[1]), applied)
 
     # --- state: checkpoints and joining workers -----------------------------------------------------
 

@@ -324,7 +324,8 @@ class Replica:
         source = world - 1 - best % world
         dense = self.dense
         if dense is None:
-            dense = DenseAllReduce(self._dense_params, self.optimizer, collective, average_decay=self.average_decay)
+            dense = DenseAllReduce(self._dense_params, self.optimizer, collective, average_decay=self.average_decay,
+                                   nonfinite=self.nonfinite_gradients)
         else:
             dense.rebind(collective)
         if self._dense_restore is not None:
@@ -598,7 +599,7 @@ class Replica:
         if self.dense is not None and self.mode is Mode.ASYNC:  # Persia's mode: the rows travel to the ps while
             return self._push_beside_dense(rows)                # the dense all-reduce completes
         if self.dense is not None:  # hybrid: the dense gradients averaged over the workers, applied here
-            agreed, regroup = self.dense.step(clock=self._ps_step, regroup=self._newcomer_waits())
+            agreed, regroup = self._dense_step(self.dense)
         if self._in_flight is not None:  # the reply lands during the next step
             self.settle()  # the previous push's: normally long done, it travelled during this step's compute
             self._in_flight.send(self._send(into=self._in_flight.landing, rows=rows))
@@ -627,7 +628,7 @@ class Replica:
             sent = self._send(into=self._param_views, rows=rows)
         dense = self.dense
         try:
-            agreed, regroup = dense.step(clock=self._ps_step, regroup=self._newcomer_waits())
+            agreed, regroup = self._dense_step(dense)
         except UnavailableError as exc:
             if sent is not None:
                 self._landed(sent.result())  # the rows applied: this step is done but for its dense update
@@ -646,6 +647,18 @@ class Replica:
         if regroup:  # a restarted worker waits, or the group failed: move to the next group after this step
             self.dense = self._join_workers(after=dense.collective.generation)
         return self.global_step
+
+    def _dense_step(self, dense: DenseAllReduce) -> tuple[int, bool]:
+        """Hybrid: the dense half's step; the agreed global step and whether to regroup. Averaged gradients with
+        NaN/Inf that the policy rejects changed nothing on any worker: counted as a dropped gradient, as a ps
+        counts a rejected push."""
+        outcome = dense.step(clock=self._ps_step, regroup=self._newcomer_waits())
+        if not outcome.applied:
+            self.dropped_gradients += 1
+            log.warning("%s: the dense gradients averaged at global step %d hold NaN/Inf (some worker's): not "
+                        "applied on any worker (nonfinite_gradients='reject'); the table rows are checked by their "
+                        "ps", self.task.name, outcome.global_step)
+        return outcome.global_step, outcome.regroup
 
     def _others_done(self) -> bool:
         """Whether every other worker has said Done to ps 0 (a restarted worker then waits for no group)."""
