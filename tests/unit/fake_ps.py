@@ -182,6 +182,14 @@ class FakePsClient:
         return streams
 
 
+class FakeStreamsOpener:
+    """Stands for ``PushStreams`` in the Replica: ``open(client, layout, ...)`` opens the fake client's streams."""
+
+    @staticmethod
+    def open(client: FakePsClient, layout: Mapping[str, torch.Tensor], **kwargs: Any) -> FakeStreams:
+        return client.push_streams(layout, **kwargs)
+
+
 def install(monkeypatch: Any) -> list[FakePsClient]:
     """Every Replica built from now on (in this test) talks to a ``FakePsClient``; returns them as made.
 
@@ -190,5 +198,6 @@ def install(monkeypatch: Any) -> list[FakePsClient]:
     made: list[FakePsClient] = []
     monkeypatch.setattr(FakePsClient, "instances", made)
     monkeypatch.setattr(replica_module, "PsClient", FakePsClient)
+    monkeypatch.setattr(replica_module, "PushStreams", FakeStreamsOpener)
     monkeypatch.setattr(replica_module, "PROCESS_STATUS", TaskStatus())
     return made

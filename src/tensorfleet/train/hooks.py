@@ -12,15 +12,31 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from tensorfleet.errors import InvalidArgumentError, NotInitializedError, UnavailableError
 from tensorfleet.train.checkpoint import Checkpointer
 
-if TYPE_CHECKING:  # the session imports the hooks; hooks only need its type
-    from tensorfleet.train.session import TrainingSession
+if TYPE_CHECKING:
+    from tensorfleet.worker.replica import Replica
 
 log = logging.getLogger(__name__)
+
+
+class Session(Protocol):
+    """What a hook sees of its session (``TrainingSession`` is one; the session imports the hooks, so they name
+    it by this shape, not by its class)."""
+
+    replica: "Replica"
+
+    @property
+    def global_step(self) -> int: ...
+
+    def request_stop(self) -> None: ...
+
+    def fetch_global_step(self) -> int: ...
+
+    def fetch_dropped_stale_gradients(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -39,15 +55,15 @@ class StepResult:
 class Hook:
     """Base class: every method does nothing."""
 
-    def begin(self, session: "TrainingSession") -> None: ...
+    def begin(self, session: Session) -> None: ...
 
-    def after_create_session(self, session: "TrainingSession") -> None: ...
+    def after_create_session(self, session: Session) -> None: ...
 
-    def before_step(self, session: "TrainingSession") -> None: ...
+    def before_step(self, session: Session) -> None: ...
 
-    def after_step(self, session: "TrainingSession", result: StepResult) -> None: ...
+    def after_step(self, session: Session, result: StepResult) -> None: ...
 
-    def end(self, session: "TrainingSession") -> None: ...
+    def end(self, session: Session) -> None: ...
 
 
 class StepTimer:
@@ -96,14 +112,14 @@ class StopAtStepHook(Hook):
             raise InvalidArgumentError("StopAtStepHook takes exactly one of num_steps and last_step")
         self.num_steps, self.last_step = num_steps, last_step
 
-    def after_create_session(self, session: "TrainingSession") -> None:
+    def after_create_session(self, session: Session) -> None:
         if self.num_steps is not None and self.last_step is None:  # not recomputed after a recovery
             self.last_step = session.global_step + self.num_steps
         session.replica.report(target_step=self.last_step)
         if session.global_step >= self.last_step:
             session.request_stop()
 
-    def after_step(self, session: "TrainingSession", result: StepResult) -> None:
+    def after_step(self, session: Session, result: StepResult) -> None:
         step = result.global_step
         if step + 1 >= self.last_step and getattr(session.replica, "prefetch", False):
             # With prefetch this step's push is still travelling and ``step`` is the one before it: without
@@ -132,19 +148,19 @@ class CheckpointSaverHook(Hook):
         self._timer = StepTimer(every_steps=save_steps, every_secs=save_secs, clock=clock)
         self.saved: list[Path] = []
 
-    def after_create_session(self, session: "TrainingSession") -> None:
+    def after_create_session(self, session: Session) -> None:
         self._save(session, session.global_step)
 
-    def after_step(self, session: "TrainingSession", result: StepResult) -> None:
+    def after_step(self, session: Session, result: StepResult) -> None:
         if self._timer.should_trigger(result.global_step):
             self._save(session, result.global_step)
 
-    def end(self, session: "TrainingSession") -> None:
+    def end(self, session: Session) -> None:
         if session.replica.is_chief:
             self._save(session, None)
             self.checkpointer.wait()  # the last checkpoint is on disk when the session ends
 
-    def _save(self, session: "TrainingSession", step: int | None) -> None:
+    def _save(self, session: Session, step: int | None) -> None:
         """Save unless this step was just saved. A ps that is down skips the save: the next step recovers."""
         if not session.replica.is_chief:
             return
@@ -171,7 +187,7 @@ class LoggingHook(Hook):
         self._seconds = 0.0
         self._examples = 0
 
-    def after_step(self, session: "TrainingSession", result: StepResult) -> None:
+    def after_step(self, session: Session, result: StepResult) -> None:
         self._seconds += result.seconds
         self._examples += result.batch_size or 0
         if result.local_step % self.every_n_steps:

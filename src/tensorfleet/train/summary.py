@@ -11,15 +11,11 @@ TensorBoard's own event-file writer (``torch.utils.tensorboard``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from torch.utils.tensorboard import SummaryWriter
 
 from tensorfleet.errors import NotInitializedError, UnavailableError
-from tensorfleet.train.hooks import Hook, StepResult, StepTimer
-
-if TYPE_CHECKING:
-    from tensorfleet.train.session import TrainingSession
+from tensorfleet.train.hooks import Hook, Session, StepResult, StepTimer
 
 
 class SummaryHook(Hook):
@@ -35,11 +31,11 @@ class SummaryHook(Hook):
         self._examples = 0
         self._last_loss: float | None = None
 
-    def after_create_session(self, session: "TrainingSession") -> None:
+    def after_create_session(self, session: Session) -> None:
         if session.replica.is_chief:
             self._writer = SummaryWriter(str(self.logdir))
 
-    def after_step(self, session: "TrainingSession", result: StepResult) -> None:
+    def after_step(self, session: Session, result: StepResult) -> None:
         if self._writer is None:
             return
         self._seconds += result.seconds
@@ -48,7 +44,7 @@ class SummaryHook(Hook):
         if self._timer.should_trigger(result.global_step):
             self._write(session, result.global_step, histograms=self.histograms)
 
-    def end(self, session: "TrainingSession") -> None:
+    def end(self, session: Session) -> None:
         if self._writer is None:
             return
         # The final step (a StopAtStepHook's last_step) is rarely a multiple of save_steps: write it too.
@@ -57,7 +53,7 @@ class SummaryHook(Hook):
             self._write(session, session.global_step, histograms=False)
         self._writer.close()
 
-    def _write(self, session: "TrainingSession", step: int, *, histograms: bool) -> None:
+    def _write(self, session: Session, step: int, *, histograms: bool) -> None:
         """The scalars (and histograms) at ``step``; the loss is the chief's latest step's."""
         assert self._writer is not None and self._last_loss is not None
         self._timer.mark(step)

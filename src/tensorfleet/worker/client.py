@@ -13,8 +13,8 @@ are slices of one tensor, never masked copies.
 Pulled values, the values a push brings back and looked-up rows are received straight
 into the tensors the caller names (``into``: a model's parameters), with no copy.  ps
 task 0 also keeps the global step, so every push includes it (with ``advance_step``),
-even when it holds none of the pushed variables.  A push whose gradients leave during backward is ``push_streams``
-(``worker/streams.py``).
+even when it holds none of the pushed variables.  A push whose gradients leave during backward is a
+``PushStreams`` over this client (``worker/streams.py``, which builds on this module).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import logging
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, overload
+from typing import Any, Callable, Mapping, Sequence, overload
 
 import numpy as np
 import torch
@@ -43,9 +43,6 @@ from tensorfleet.wire.rpc import Channel, WireOptions
 from tensorfleet.worker.embedding import Fetched
 from tensorfleet.worker.routing import Spans, spans_of, unique_by_shard
 from tensorfleet.worker.snapshots import SnapshotInFlight, fence_for_restore, release_fences, start_snapshot
-
-if TYPE_CHECKING:
-    from tensorfleet.worker.streams import PushStreams
 
 log = logging.getLogger(__name__)
 
@@ -532,19 +529,6 @@ class PsClient:
              replica: int = 0, timeout_s: float | None = None,
              into: Mapping[str, torch.Tensor] | None = None, rows: Rows | None = None) -> "Pushed":
         return self._push(gradients, sync_steps, replica, timeout_s, into, inline=True, rows=rows).result()
-
-    def push_streams(self, layout: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
-                     replica: int = 0, timeout_s: float | None = None, values: bool = True,
-                     row_ids: Mapping[str, torch.Tensor] | None = None) -> PushStreams:
-        """Open one push per shard whose gradients will follow one by one (``PushStreams.send``).
-
-        ``layout`` names every gradient of the push, with a tensor of its shape and dtype, in the
-        order they will be sent (backward's order, for overlap with the backward pass). ``row_ids``:
-        each table's unique ids whose row gradients will follow last (``PushStreams.send_rows``).
-        """
-        from tensorfleet.worker.streams import PushStreams  # here: streams.py builds on this module
-
-        return PushStreams(self, layout, sync_steps, replica, timeout_s, values, row_ids or {})
 
     def shard_thread(self, shard: int) -> ThreadPoolExecutor:
         """The thread that carries ``shard``'s calls (one at a time, in the order submitted)."""

@@ -794,9 +794,8 @@ class _GradientStreams:
             sync_steps, timeout = replica._push_tags()
             self._row_ids = {table_name: ids for table_name, table in replica.tables.items()
                              if (ids := table.pending_ids()) is not None}
-            self._streams = replica.client.push_streams(self._layout, sync_steps=sync_steps,
-                                                        replica=replica.replica_id, timeout_s=timeout,
-                                                        row_ids=self._row_ids)
+            self._streams = PushStreams.open(replica.client, self._layout, sync_steps=sync_steps,
+                                             replica=replica.replica_id, timeout_s=timeout, row_ids=self._row_ids)
         self._streamed.add(name)
         host, ready = replica._staging.gradient_ready(name, param.grad)  # a device's copy starts now
         for part, view in replica.placement.views_of(name, host).items():

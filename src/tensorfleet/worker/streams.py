@@ -1,6 +1,6 @@
 """A push streamed during backward: each shard's gradients leave as soon as backward produces them.
 
-``PsClient.push_streams`` opens one; ``worker/replica.py``'s gradient hooks feed it. It lives apart from
+``PushStreams.open`` opens one over a ``PsClient``; ``worker/replica.py``'s gradient hooks feed it. It lives apart from
 ``client.py`` because it is a second way to push (one stream per shard, a gradient at a time, the last held
 back until the caller commits), built on the client's pieces: the shards' threads and data channels, the
 push's numbering (``push_meta``), the wire dtype (``wire_entry``, ``narrow``) and the tables' routes (``route``).
@@ -27,6 +27,18 @@ class PushStreams:
     push before the caller commits to it.  ``finish()`` sends what is left and waits for
     every reply; ``abort()`` closes the connections mid-message, so the ps applies nothing.
     """
+
+    @classmethod
+    def open(cls, client: PsClient, layout: Mapping[str, torch.Tensor], *, sync_steps: Sequence[int] | None = None,
+             replica: int = 0, timeout_s: float | None = None, values: bool = True,
+             row_ids: Mapping[str, torch.Tensor] | None = None) -> "PushStreams":
+        """Open one push per shard of ``client`` whose gradients will follow one by one (``send``).
+
+        ``layout`` names every gradient of the push, with a tensor of its shape and dtype, in the
+        order they will be sent (backward's order, for overlap with the backward pass). ``row_ids``:
+        each table's unique ids whose row gradients will follow last (``send_rows``).
+        """
+        return cls(client, layout, sync_steps, replica, timeout_s, values, row_ids or {})
 
     def __init__(self, client: PsClient, layout: Mapping[str, torch.Tensor], sync_steps: Sequence[int] | None,
                  replica: int, timeout_s: float | None, values: bool, row_ids: Mapping[str, torch.Tensor]) -> None:
