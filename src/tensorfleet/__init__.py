@@ -16,8 +16,8 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("DeviceSpec", "device", "device_name"), "tensorfleet.cluster.device"),
     **dict.fromkeys(("GreedyByBytes", "RoundRobin", "RowPartitioner"), "tensorfleet.cluster.placement"),
-    **dict.fromkeys(("ClusterSpec", "TaskSpec", "add_cluster_flags", "cluster_from_flags", "from_tf_config"),
-                    "tensorfleet.cluster.spec"),
+    **dict.fromkeys(("ClusterSpec", "TaskSpec", "from_tf_config"), "tensorfleet.cluster.spec"),
+    **dict.fromkeys(("add_cluster_flags", "cluster_from_flags"), "tensorfleet.cluster.flags"),
     **dict.fromkeys(("Coordinator", "RemoteError", "RemoteValue", "RemoteValues"),
                     "tensorfleet.coordinator.coordinator"),
     **dict.fromkeys(("remote", "worker_context"), "tensorfleet.coordinator.remote"),
@@ -63,8 +63,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from tensorfleet.cluster.device import DeviceSpec, device, device_name
     from tensorfleet.cluster.placement import GreedyByBytes, RoundRobin, RowPartitioner
-    from tensorfleet.cluster.spec import (ClusterSpec, TaskSpec, add_cluster_flags, cluster_from_flags,
-                                          from_tf_config)
+    from tensorfleet.cluster.flags import add_cluster_flags, cluster_from_flags
+    from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, from_tf_config
     from tensorfleet.coordinator.coordinator import Coordinator, RemoteError, RemoteValue, RemoteValues
     from tensorfleet.coordinator.outside import join_fleet
     from tensorfleet.coordinator.placement import (PlacedModule, RpcGroup, distributed_optimizer, place_module,

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorfleet.cluster.spec import ClusterSpec, add_cluster_flags, insecure_from_flags, is_loopback_host
+from tensorfleet.cluster.flags import add_cluster_flags, insecure_from_flags
+from tensorfleet.cluster.spec import ClusterSpec, is_loopback_host
 from tensorfleet.errors import ConfigError, UnavailableError
 from tensorfleet.launch.local import free_ports
 from tensorfleet.launch.task import run_task

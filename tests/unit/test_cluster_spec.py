@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from tensorfleet.cluster.spec import (ClusterSpec, TaskSpec, add_cluster_flags, cluster_from_flags, from_tf_config,
-                                      parse_address)
+from tensorfleet.cluster.flags import add_cluster_flags, cluster_from_flags
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, from_tf_config, parse_address
 from tensorfleet.errors import ClusterSpecError
 
 PS = ["127.0.0.1:2222"]

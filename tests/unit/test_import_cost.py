@@ -33,7 +33,7 @@ TORCH_FREE_PACKAGES = ("cli", "service", "dashboard", "web", "launch")
 TORCH_FREE_MODULES = ("tensorfleet.protocol.status", "tensorfleet.protocol.messages", "tensorfleet.protocol.specs",
                       "tensorfleet.protocol.meta", "tensorfleet.wire.rpc", "tensorfleet.wire.codec",
                       "tensorfleet.wire.auth", "tensorfleet.worker.status", "tensorfleet.worker.leave",
-                      "tensorfleet.cluster.spec")
+                      "tensorfleet.cluster.spec", "tensorfleet.cluster.flags")
 # launch.task is what a task runs before the training script (it sets torch's threads): it needs torch.
 NEEDS_TORCH = {"tensorfleet.launch.task"}
 

@@ -251,7 +251,8 @@ def test_a_resent_push_neither_counts_towards_admission_twice_nor_applies_twice(
 def test_the_memory_budget_flag_takes_sizes_and_names_a_bad_one():
     import argparse
 
-    from tensorfleet.cluster.spec import ClusterSpecError, add_cluster_flags, memory_budget_from_flags
+    from tensorfleet.cluster.flags import add_cluster_flags, memory_budget_from_flags
+    from tensorfleet.cluster.spec import ClusterSpecError
     parser = argparse.ArgumentParser()
     add_cluster_flags(parser)
     assert memory_budget_from_flags(parser.parse_args(["--ps_memory_budget", "1.5GiB"]), {}) == 3 * 2 ** 29

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from tensorfleet.cluster.slurm import expand_nodelist, expand_task_counts, slurm_cluster
-from tensorfleet.cluster.spec import add_cluster_flags, cluster_from_flags
+from tensorfleet.cluster.flags import add_cluster_flags, cluster_from_flags
 from tensorfleet.errors import ClusterSpecError
 
 

@@ -77,7 +77,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from tensorfleet.cluster.device import DeviceSpec
-from tensorfleet.cluster.spec import cluster_from_flags, insecure_from_flags
+from tensorfleet.cluster.flags import cluster_from_flags, insecure_from_flags
 from tensorfleet.coordinator.bridge import PlacedModule, PlacedOptimizer
 from tensorfleet.coordinator.placeable import placeable
 from tensorfleet.coordinator.placegroup import (ALIVE_EVERY_S, LEASE_S, START_TIMEOUT_S, ChiefLeftError,

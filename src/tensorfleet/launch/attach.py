@@ -15,7 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-from tensorfleet.cluster.spec import ClusterSpec, split_hosts, from_tf_config
+from tensorfleet.cluster.flags import split_hosts
+from tensorfleet.cluster.spec import ClusterSpec, from_tf_config
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch.monitor import FleetMonitor
 

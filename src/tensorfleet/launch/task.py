@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from tensorfleet.cluster.environment import IN_GRAPH_ENV, env_switch, finished_linger_s
-from tensorfleet.cluster.spec import (ClusterSpec, TaskSpec, bind_address, cluster_from_flags, insecure_from_flags,
-                                      is_loopback_host, memory_budget_from_flags, parse_address)
+from tensorfleet.cluster.flags import cluster_from_flags, insecure_from_flags, memory_budget_from_flags
+from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, bind_address, is_loopback_host, parse_address
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.ps.server import Server
 from tensorfleet.wire import auth

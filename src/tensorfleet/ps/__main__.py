@@ -11,7 +11,7 @@ import logging
 import sys
 
 from tensorfleet.cluster.environment import finished_linger_s
-from tensorfleet.cluster.spec import (add_cluster_flags, cluster_from_flags, insecure_from_flags,
+from tensorfleet.cluster.flags import (add_cluster_flags, cluster_from_flags, insecure_from_flags,
                                        memory_budget_from_flags)
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.ps.server import Server
