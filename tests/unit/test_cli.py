@@ -193,9 +193,9 @@ def test_more_tasks_than_cores_is_a_warning_once_and_the_job_still_starts(cores,
 
 
 def test_more_tasks_than_cores_says_a_real_run_starts_anyway(monkeypatch, capsys):
-    from tensorfleet.launch import local
+    from tensorfleet.launch import engines, local
     monkeypatch.setattr(local, "usable_cores", lambda: 2)
-    monkeypatch.setattr(local, "launch", lambda config, **options: 0)  # what would start: nothing here
+    monkeypatch.setattr(engines, "launch", lambda config, **options: 0)  # what would start: nothing here
     assert main(["launch", "--workers", "50", "examples/hello_cluster.py"]) == 0
     assert capsys.readouterr().err == ("tensorfleet launch: warning: 51 tasks (1 ps + 50 workers) on 2 core(s): they "
                                        "will share the cores and the job will be slow; starting it anyway\n")

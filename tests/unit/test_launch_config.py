@@ -247,3 +247,11 @@ def test_launch_and_slurm_render_take_dense_on_the_command_line(script, capsys):
     assert "TENSORFLEET_DENSE=allreduce" in capsys.readouterr().out
     assert main(["slurm", "render", "--dense", "allreduce", "train.py"]) == 0
     assert "export TENSORFLEET_DENSE=allreduce" in capsys.readouterr().out
+
+
+def test_every_backend_a_job_may_name_has_an_engine_and_only_those():
+    """``launch --backend`` and a job file's ``backend:`` name an engine of launch/engines.py, the one registry."""
+    from tensorfleet.launch.config import BACKENDS
+    from tensorfleet.launch.engines import ENGINES
+
+    assert set(ENGINES) == set(BACKENDS)

@@ -1,9 +1,10 @@
 """The package's architecture, checked: no import cycles, no import-time environment reads, layers point down.
 
-Three promises of docs/architecture.md ("Layers (dependencies point down only)"):
+Four promises of docs/architecture.md ("Layers (dependencies point down only)"):
 
 * every module imports on its own, whatever tensorfleet module is imported first: no cycle
   between tensorfleet modules, whichever end of it a user (or a test) happens to touch first;
+* no cycle in the import graph at all, lazy imports and ``TYPE_CHECKING`` ones counted;
 * importing reads no ``TENSORFLEET_*`` variable: options are read when objects are built, so
   a module imports with none set and with wrong ones set (the error belongs to whoever builds
   the object, with the variable's name in it);
@@ -152,6 +153,57 @@ def check_source(source: str, module: str, path: str, *, is_package: bool = Fals
     return violations
 
 
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """module -> the tree's modules its source imports anywhere (top level, in functions, under TYPE_CHECKING);
+    ``sources``: module -> (source, is_package). A name imported from a package counts as the package."""
+    known = set(sources)
+    graph: dict[str, set[str]] = {}
+    for module, (source, is_package) in sources.items():
+        targets = set()
+        for _, target in imported_modules(source, module, is_package, known):
+            while target not in known and "." in target:  # a name of a module: the module
+                target = target.rpartition(".")[0]
+            if target in known and target != module:
+                targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm): each is a cycle of imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == module:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
 def tree_violations() -> list[str]:
     known = known_modules()
     violations = []
@@ -288,6 +340,27 @@ def test_importing_never_reads_the_environment(import_failures):
 def test_imports_follow_the_layer_map():
     violations = tree_violations()
     assert not violations, f"{len(violations)} imports against the layer map:\n" + "\n".join(violations)
+
+
+def test_no_import_cycle_even_through_lazy_or_type_checking_imports():
+    """Within a layer too: no two modules import each other, whichever way (a lazy import in a function, one
+    under ``if TYPE_CHECKING:``): a cycle means one of them has two jobs, or the shared part belongs below both."""
+    graph = import_graph({module_name(p): (p.read_text(encoding="utf-8"), p.name == "__init__.py")
+                          for p in source_files()})
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles (each: its modules, then who imports whom):\n" + "\n".join(
+        f"{group}: " + "; ".join(f"{m} -> {sorted(graph[m] & set(group))}" for m in group) for group in cycles)
+
+
+def test_the_cycle_finder_sees_a_lazy_and_a_type_checking_edge():
+    sources = {"tensorfleet.a": ("def f():\n    from tensorfleet import b\n", False),
+               "tensorfleet.b": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tensorfleet.c import C\n",
+                                 False),
+               "tensorfleet.c": ("from tensorfleet.a import f\n", False),
+               "tensorfleet.d": ("from tensorfleet.a import f\n", False)}
+    assert import_cycles(import_graph(sources)) == [["tensorfleet.a", "tensorfleet.b", "tensorfleet.c"]]
+    sources["tensorfleet.c"] = ("x = 1\n", False)
+    assert import_cycles(import_graph(sources)) == []
 
 
 def test_every_layer_has_a_module():

@@ -29,7 +29,7 @@ from pathlib import Path
 from tensorfleet.cli.parsing import Command, CommandLine, non_negative_int, port_number, positive_int
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch import k8s
-from tensorfleet.launch.config import JobConfig, is_job_file, job_config
+from tensorfleet.launch.config import BACKENDS, JobConfig, is_job_file, job_config
 from tensorfleet.launch.supervisor import RESTART_MODES
 
 GRPC_VERBOSITY = "GRPC_VERBOSITY"
@@ -84,7 +84,7 @@ def _add_job_flags(run: argparse.ArgumentParser) -> None:
                      default=float(os.environ.get("TENSORFLEET_PROGRESS_EVERY", 10.0)),
                      metavar="S", help="when the output is not a terminal, print the progress line every S "
                      "seconds (default 10; on a terminal it stays at the bottom)")
-    run.add_argument("--backend", choices=("local", "ray", "slurm"),
+    run.add_argument("--backend", choices=BACKENDS,
                      help="where the tasks run: processes of this machine (local, the default), a Ray cluster "
                      "(ray: one actor per task; pip install 'tensorfleet[ray]') or a Slurm cluster (slurm: one "
                      "batch job, a rank per task)")
@@ -125,17 +125,11 @@ def run_launch(args: argparse.Namespace, line: CommandLine) -> int:
     config = _job_config(args, line)
     # The tasks' gRPC errors are worth keeping: the launcher routes them to the task's log file.
     config.env.setdefault(GRPC_VERBOSITY, line.task_grpc_verbosity)
-    if config.backend == "slurm":
-        from tensorfleet.launch.slurm import SlurmLauncher, check_slurm_config
+    from tensorfleet.launch.engines import launch, runs_on_this_machine  # paid by this command only
 
-        check_slurm_config(config)
-        launcher = SlurmLauncher(config)
-        if args.dry_run:
-            print(launcher.script_text(), end="")
-            return 0
-        return launcher.run()
-    from tensorfleet.launch.local import launch, usable_cores  # the launcher's imports: paid by this command only
-    if config.backend == "local" or config.ray_address is None:  # a Ray cluster's tasks run on its nodes
+    if runs_on_this_machine(config):
+        from tensorfleet.launch.local import usable_cores
+
         _warn_if_oversubscribed(config.ps, config.workers, usable_cores(), dry_run=args.dry_run)
     return launch(config, dry_run=args.dry_run, progress_every_s=args.progress_every)
 

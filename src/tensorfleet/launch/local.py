@@ -681,26 +681,3 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         os.killpg(process.pid, sig)
     except ProcessLookupError:
         pass
-
-
-def launch(config: JobConfig, *, out: TextIO | None = None, dry_run: bool = False,
-           progress_every_s: float = 10.0) -> int:
-    """Run the job of ``config`` as a local cluster (or print what would start); return the exit code."""
-    out = out or sys.stdout  # looked up now: a default bound at import would miss a replaced sys.stdout
-    if dry_run:
-        # A job on a Ray cluster takes its GPUs there: this machine's are not the ones to count.
-        remote = config.backend == "ray" and config.ray_address is not None
-        gpus = config.gpus_per_worker * config.workers if remote else None
-        text = LocalLauncher(config, out=out, gpus_available=gpus).dry_run_text()
-        if config.backend == "ray":
-            text = (f"backend ray: {config.ray_address or 'a local Ray started for the job'}, placement "
-                    f"{config.ray_placement}, one actor per task (1 CPU each; a worker also its GPUs); the "
-                    "addresses below are placeholders: each task's port is picked on its node\n" + text)
-        out.write(text + "\n")
-        return 0
-    if config.backend == "ray":
-        from tensorfleet.launch.onray import RayLauncher  # Ray loads only for this backend
-
-        return RayLauncher(config, out=out, progress_every_s=progress_every_s).run()
-    return LocalLauncher(config, out=out, progress_every_s=progress_every_s).run()
-

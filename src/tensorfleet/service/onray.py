@@ -15,10 +15,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tensorfleet.service.local import LocalBackend
-from tensorfleet.service.runner import TASKS_FILE
+from tensorfleet.service.runner import RAY_ADDRESS_ENV, TASKS_FILE
 from tensorfleet.service.store import JobRecord, JobStore
-
-RAY_ADDRESS_ENV = "TENSORFLEET_SERVICE_RAY_ADDRESS"  # the cluster, for a Ray job's runner
 
 
 def ray_job_cost(config: dict[str, Any]) -> dict[str, float]:

@@ -42,6 +42,7 @@ MODULE = "tensorfleet.service.runner"
 PICTURE_FILE = "picture.json"
 READY_FILE = "runner.ready"  # written once SIGTERM is the runner's to handle: before it, a signal would kill it
 TASKS_FILE = "tasks.json"
+RAY_ADDRESS_ENV = "TENSORFLEET_SERVICE_RAY_ADDRESS"  # the cluster, for a Ray job's runner (service/onray.py sets it)
 LAUNCHER_LOG = "launcher.log"
 TICK_S = 1.0
 CLAIM_WAIT_S = 30.0  # how long a new runner waits for the service to record it running
@@ -132,7 +133,6 @@ class JobRunner:
         launcher_class = LocalLauncher
         if self.job.backend == "ray":  # the service's Ray backend: the cluster its runners were given
             from tensorfleet.launch.onray import RayLauncher
-            from tensorfleet.service.onray import RAY_ADDRESS_ENV
 
             config.backend, config.ray_address, launcher_class = "ray", os.environ.get(RAY_ADDRESS_ENV), RayLauncher
             if not config.ray_address:  # never a local Ray in the runner's place: the job belongs on the cluster
