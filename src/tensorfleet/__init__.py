@@ -41,7 +41,7 @@ _EXPORTS: dict[str, str] = {
     "report_metrics": "tensorfleet.worker.status",
     "EmbeddingTable": "tensorfleet.worker.embedding",
     "ReplicaOptions": "tensorfleet.worker.options",
-    "TrainingReplica": "tensorfleet.worker.protocol",
+    "TrainingReplica": "tensorfleet.worker.training_replica",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -83,6 +83,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from tensorfleet.wire.rpc import WireOptions
     from tensorfleet.worker.flags import add_training_flags, training_options
     from tensorfleet.worker.options import ReplicaOptions
-    from tensorfleet.worker.protocol import TrainingReplica
+    from tensorfleet.worker.training_replica import TrainingReplica
     from tensorfleet.worker.embedding import EmbeddingTable
     from tensorfleet.worker.replica import Replica

@@ -19,7 +19,7 @@ from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.parallel.towers import Towers
 from tensorfleet.protocol.specs import Mode
 from tensorfleet.worker.options import ReplicaOptions
-from tensorfleet.worker.protocol import TrainingReplica
+from tensorfleet.worker.training_replica import TrainingReplica
 
 CPU = torch.device("cpu")
 CLUSTER = ClusterSpec.from_dict({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]})

@@ -52,7 +52,7 @@ from tensorfleet.wire.rpc import WireOptions
 from tensorfleet.worker.client import PsClient
 from tensorfleet.worker.embedding import tables_of
 from tensorfleet.worker.options import DEFAULT_PLACEMENT, ReplicaOptions
-from tensorfleet.worker.protocol import ended_cleanly
+from tensorfleet.worker.training_replica import ended_cleanly
 from tensorfleet.worker.replica import Replica
 
 # What tower 0's failure becomes on the other towers: the recoverable ones keep their class, so

@@ -64,7 +64,7 @@ from tensorfleet.train.manifest import list_checkpoints  # noqa: F401 (re-export
 from tensorfleet.worker.dense import DenseState
 from tensorfleet.worker.snapshots import SnapshotInFlight
 from tensorfleet.worker.embedding import tables_of
-from tensorfleet.worker.protocol import TrainingReplica
+from tensorfleet.worker.training_replica import TrainingReplica
 
 log = logging.getLogger(__name__)
 

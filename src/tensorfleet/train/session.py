@@ -52,7 +52,7 @@ from tensorfleet.protocol.status import PsStatus
 from tensorfleet.train.checkpoint import Checkpointer, latest_checkpoint, load, split_for
 from tensorfleet.train.hooks import CheckpointSaverHook, Hook, LoggingHook, NanLossHook, StepResult
 from tensorfleet.worker.leave import install_leave_handler, leave_requested
-from tensorfleet.worker.protocol import TrainingReplica, ended_cleanly
+from tensorfleet.worker.training_replica import TrainingReplica, ended_cleanly
 
 log = logging.getLogger(__name__)
 

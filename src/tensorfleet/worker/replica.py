@@ -69,7 +69,7 @@ from tensorfleet.worker.streams import PushStreams
 from tensorfleet.worker.embedding import tables_of
 from tensorfleet.worker.staging import HostStaging
 from tensorfleet.worker.options import DEFAULT_PLACEMENT, ReplicaOptions
-from tensorfleet.worker.protocol import ended_cleanly
+from tensorfleet.worker.training_replica import ended_cleanly
 from tensorfleet.worker.status import PROCESS_STATUS, TaskStatus
 
 log = logging.getLogger(__name__)
