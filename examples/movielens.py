@@ -10,7 +10,7 @@ Every row lives on the ps in an ``EmbeddingTable`` (Adagrad per row, the classic
 embeddings); the tower is dense (Adam).  Training is synchronous by default: every step
 touches the few rows all users share (2 genders, 7 age groups, 21 occupations), and in
 async mode each worker's gradient lands on rows the other one has moved since (measured:
-5-fold RMSE 0.9175 async, 0.9131 sync; see the README); ``--async`` still works.  One fold
+5-fold RMSE 0.9175 async, 0.9131 sync; see docs/tables.md); ``--async`` still works.  One fold
 of a 5-fold cross-validation (Surprise's KFold, seed 0) is trained per run;
 ``benchmarks/movielens_cv.py`` runs the five and averages the RMSE.
 

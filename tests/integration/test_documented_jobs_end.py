@@ -1,5 +1,5 @@
 """Documented jobs run to their end as a user types them: the click-through example under the launcher (its
-chief's final printout once crashed on a typed Status), and the README's notebook block against a fleet started
+chief's final printout once crashed on a typed Status), and the coordinator page's notebook block against a fleet started
 with ``--coordinator-outside`` (it once failed on a missing ``ARGS`` and never ended its job). Each ends with
 the final metric its script reported in the launcher's summary."""
 
@@ -20,7 +20,7 @@ import pytest
 from tensorfleet.testing.local_cluster import REPO, LauncherProcess, run_launcher
 
 pytestmark = pytest.mark.cluster
-README = (REPO / "README.md").read_text(encoding="utf-8")
+COORDINATOR_PAGE = (REPO / "docs" / "coordinator.md").read_text(encoding="utf-8")  # what the README links to
 
 
 def test_the_click_through_example_runs_to_its_end_and_reports_its_auc():
@@ -36,8 +36,8 @@ def test_the_click_through_example_runs_to_its_end_and_reports_its_auc():
 
 
 def _notebook_block() -> tuple[str, str]:
-    """The README's "From a notebook" launch command and the Python block after it."""
-    part = README[README.index("**From a notebook.**"):]
+    """The coordinator page's "From a notebook" launch command and the Python block after it."""
+    part = COORDINATOR_PAGE[COORDINATOR_PAGE.index("**From a notebook.**"):]
     command = re.search(r"```\n(tensorfleet launch [^\n]*)\n```", part).group(1)
     code = re.search(r"```python\n(.*?)```", part, re.S).group(1)
     return command, code

@@ -1,4 +1,5 @@
-"""The README's "In your own script" block runs as written, under ``tensorfleet launch``."""
+"""The README's "In your own script" block runs as written, under ``tensorfleet launch``; the embedding tables
+page's first block builds its model."""
 
 from __future__ import annotations
 
@@ -11,11 +12,18 @@ from tensorfleet.testing.local_cluster import REPO, run_launcher
 pytestmark = pytest.mark.cluster
 
 
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
 def readme_block(heading: str) -> str:
-    """The first fenced code block after ``heading`` in the README."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    after = text[text.index(heading) + len(heading):]
-    return re.search(r"```[a-z]*\n(.*?)```", after, re.S).group(1)
+    """The first fenced code block after ``heading`` (its title, at any level) in the README or a page of docs/."""
+    title = heading.lstrip("#").strip()
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        found = re.search(rf"^#+ {re.escape(title)}$", text, re.M)
+        if found:
+            return re.search(r"```[a-z]*\n(.*?)```", text[found.end():], re.S).group(1)
+    raise AssertionError(f"no page has the heading {title!r}")
 
 
 def test_the_own_script_snippet_trains_on_a_local_cluster(tmp_path):

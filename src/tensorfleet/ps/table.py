@@ -77,7 +77,7 @@ class EmbeddingShard:
         self._compiled_rules = self._map.path == "numba" and spec.dtype in (torch.float32, torch.float64)
         self._initial = _initializer_args(spec) if self._compiled_rules else None  # initial_rows' arguments
         # The counts are this shard object's (a process's, since its start or the restore that made it): a
-        # checkpoint holds rows, not counts, so they restart at 0 (README, "Visible").
+        # checkpoint holds rows, not counts, so they restart at 0 (docs/tables.md, "Visible").
         self.rows_created = 0  # since start (a restore's rows are loaded, not created)
         self.evicted = 0  # rows evicted since start
         self.row_updates = 0  # row gradients applied since start: with lookups, the shard's traffic
