@@ -12,7 +12,7 @@ import pytest
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch.config import JobConfig
 from tensorfleet.service.accounts import Accounts, TooBusyError, User
-from tensorfleet.service.backend import LogChunk, Observed, TaskNotFoundError, TaskView
+from tensorfleet.service.backend import Backend, LogChunk, Observed, TaskNotFoundError, TaskView
 from tensorfleet.service.forms import (check_choices, clone_name, form_from_settings, settings_from_form,
                                        unshown_settings, unshown_text)
 from tensorfleet.service.jobs import Capacity, JobService, PermissionDeniedError, split_settings
@@ -192,8 +192,9 @@ def test_a_job_its_argument_parser_refused_shows_the_parsers_error_line(tmp_path
 # ----- the service's rules, over a backend that records what it is asked
 
 
-class RecordingBackend:
+class RecordingBackend(Backend):
     name = "local"
+    on_this_machine = records_its_stop = True  # as the local backend: admitted by cores, its runner records stops
 
     def __init__(self, store: JobStore) -> None:
         self.store, self.started, self.stopped = store, [], []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Sequence
 
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.service.store import JobRecord, JobState
@@ -51,29 +51,59 @@ class LogChunk:
     next_offset: int
 
 
-class Backend(Protocol):
-    name: str  # "local", "kubernetes": the value of a job's ``backend`` setting
+class Backend:
+    """Base of every backend: what the service asks of one. Each backend overrides what it does; the optional
+    parts (``fits``, ``kill``, ``close``) and the two facts the service's rules read have defaults here, so the
+    service asks every backend alike, by no name.
+
+    ``on_this_machine``: its jobs' tasks share this machine's cores and GPUs, so the service admits a job when
+    those hold it (else ``fits`` says). ``records_its_stop``: a stopped job is recorded by the job's own runner as
+    it ends; else the service records it when ``stop`` returns.
+    """
+
+    name: str = ""  # "local", "kubernetes": the value of a job's ``backend`` setting
+    on_this_machine: bool = False
+    records_its_stop: bool = False
 
     def start(self, job: JobRecord, jobdir: Path) -> None:
         """Start ``job`` (state starting, claimed by this service); ``jobdir`` is its own folder. Returns once
         started; the job moves to running (pid recorded) by the backend or by ``observe``. Raises
         TensorfleetError when it cannot be started (the service records the job failed with that text)."""
+        raise NotImplementedError
 
     def observe(self, job: JobRecord) -> Observed | None:
         """An active job's state now; None when the backend has nothing new to say (its runner writes the
         store itself)."""
+        raise NotImplementedError
 
     def stop(self, job: JobRecord) -> None:
         """Ask an active job to stop (every process or pod gone when it is recorded stopped)."""
+        raise NotImplementedError
 
     def scale(self, job: JobRecord, workers: int) -> None:
         """Ask a running async job to run ``workers`` workers. Raises ConfigError where not supported."""
+        raise NotImplementedError
 
     def tasks(self, job: JobRecord) -> list[TaskView]:
         """The tasks of ``job`` with their command and environment, for the job page."""
+        raise NotImplementedError
 
     def log(self, job: JobRecord, task: str, offset: int = 0, limit: int = 1 << 20) -> LogChunk:
         """At most ``limit`` bytes of ``task``'s output from ``offset``. Raises TaskNotFoundError."""
+        raise NotImplementedError
 
     def picture(self, job: JobRecord) -> dict[str, Any] | None:
         """The job's latest dashboard picture (see ``tensorfleet.dashboard``), or None if there is none."""
+        return None
+
+    def fits(self, job: JobRecord, active: Sequence[JobRecord]) -> bool:
+        """Whether ``job`` may start now beside this backend's ``active`` jobs (not asked where
+        ``on_this_machine``: the service counts this machine's cores). By default always: the scheduler queues."""
+        return True
+
+    def kill(self, job: JobRecord) -> bool:
+        """Force a stop that did not happen in time; whether there was anything more to do than ``stop``."""
+        return False
+
+    def close(self) -> None:
+        """The service is closing: let go of what the backend holds (a cluster connection); jobs run on."""

@@ -159,9 +159,7 @@ class JobService:
         if self._thread is not None:
             self._thread.join(timeout=10)
         for backend in self.backends.values():
-            close = getattr(backend, "close", None)
-            if close is not None:  # a backend holding a connection (Ray)
-                close()
+            backend.close()  # a backend holding a connection (Ray) lets go of it
 
     def recover(self) -> list[JobRecord]:
         """Active jobs left by a previous service: those still running are re-attached (returned), the
@@ -213,12 +211,12 @@ class JobService:
         if job.stop_requested and job.state is JobState.RUNNING:
             asked = self._stop_asked.setdefault(job.id, time.monotonic())
             waited = time.monotonic() - asked
-            if waited > STOP_GRACE_S and hasattr(backend, "stop"):
+            if waited > STOP_GRACE_S:
                 backend.stop(job)  # again: a runner that was not ready for signals when it was asked may be now
-            if waited > STOP_KILL_S and hasattr(backend, "kill") and job.id not in self._killed:
+            if waited > STOP_KILL_S and job.id not in self._killed:
                 self._killed.add(job.id)
-                backend.kill(job)
-                self.store.add_event(job.id, "killed", f"it did not stop within {STOP_KILL_S:.0f} s")
+                if backend.kill(job):
+                    self.store.add_event(job.id, "killed", f"it did not stop within {STOP_KILL_S:.0f} s")
 
     def _record(self, job: JobRecord, state: JobState, reason: str | None) -> None:
         try:
@@ -237,12 +235,14 @@ class JobService:
             self._start(job)
 
     def _fits(self, job: JobRecord) -> bool:
-        fits = getattr(self.backends.get(job.backend), "fits", None)
-        if fits is not None:  # a backend that knows its own room (Ray: the cluster's free resources)
-            return fits(job, [j for state in ACTIVE for j in self.store.list(state=state) if j.backend == job.backend])
-        if job.backend != "local":
+        backend = self.backends.get(job.backend)
+        if backend is None:  # a backend this service lacks: _start says so
             return True
-        running = [j for state in ACTIVE for j in self.store.list(state=state) if j.backend == "local"]
+        active = [j for state in ACTIVE for j in self.store.list(state=state) if j.backend == job.backend]
+        if not backend.on_this_machine:  # a backend that knows its own room (Ray: the cluster's free resources)
+            return backend.fits(job, active)
+        running = [j for state in ACTIVE for j in self.store.list(state=state)
+                   if (other := self.backends.get(j.backend)) is not None and other.on_this_machine]
         if not running:
             return True
         cores = sum(job_cost(j.config)[0] for j in running) + job_cost(job.config)[0]
@@ -370,7 +370,7 @@ class JobService:
         job = self.store.request_stop(job_id, user.name)
         if job.state in ACTIVE:
             self._backend(job.backend).stop(job)  # a local runner records "stopped" itself as it ends
-            if job.backend != "local":  # nothing else records it: the backend's stop is the whole stop
+            if not self._backend(job.backend).records_its_stop:  # nothing else records it: the stop is the whole stop
                 self._record(job, JobState.STOPPED, f"stopped by {user.name}")
         return self.store.get(job_id)
 
@@ -400,7 +400,7 @@ class JobService:
 
     def tasks(self, job_id: int) -> list[TaskView]:
         job = self.store.get(job_id)
-        return self._backend(job.backend).tasks(job) if job.logdir or job.backend != "local" else []
+        return self._backend(job.backend).tasks(job)  # a local job's are none until its folder exists
 
     def log(self, job_id: int, task: str, offset: int = 0) -> LogChunk:
         job = self.store.get(job_id)

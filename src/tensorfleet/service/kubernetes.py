@@ -35,7 +35,7 @@ from typing import Any, Iterable
 from tensorfleet.cluster.spec import TASK_INDEX_ENV, TaskSpec
 from tensorfleet.errors import ConfigError, LaunchError, TensorfleetError, UnavailableError
 from tensorfleet.launch import k8s
-from tensorfleet.service.backend import LogChunk, Observed, TaskNotFoundError, TaskView
+from tensorfleet.service.backend import Backend, LogChunk, Observed, TaskNotFoundError, TaskView
 from tensorfleet.service.store import JobRecord, JobState
 
 REQUEST_TIMEOUT_S = 30.0  # every call to the API server has a deadline: the service's threads never hang
@@ -47,7 +47,7 @@ JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"  # JobSet's label (and annotati
 _NOT_DNS = re.compile(r"[^a-z0-9-]+")
 
 
-class KubernetesBackend:
+class KubernetesBackend(Backend):
     """Runs jobs as Kubernetes objects in ``namespace``, every pod running ``image``.
 
     Args:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tensorfleet.errors import ConfigError, TensorfleetError
-from tensorfleet.service.backend import LogChunk, Observed, TaskNotFoundError, TaskView
+from tensorfleet.service.backend import Backend, LogChunk, Observed, TaskNotFoundError, TaskView
 from tensorfleet.service.runner import LAUNCHER_LOG, MODULE, PICTURE_FILE, READY_FILE, TASKS_FILE
 from tensorfleet.service.store import ACTIVE, JobRecord, JobState, JobStore
 
@@ -57,10 +57,12 @@ def is_runner(pid: int, store_path: Path, job_id: int) -> bool:
     return MODULE in argv and str(store_path) in argv and str(job_id) in argv
 
 
-class LocalBackend:
+class LocalBackend(Backend):
     """Runs jobs as runner processes; ``store`` is the service's, ``store_path`` what runners open."""
 
     name = "local"
+    on_this_machine = True  # its tasks share this machine's cores: the service admits by them
+    records_its_stop = True  # the runner records "stopped" as it ends
 
     def __init__(self, store: JobStore) -> None:
         self.store = store
@@ -111,10 +113,11 @@ class LocalBackend:
         if job.pid is not None and job.logdir and (Path(job.logdir) / READY_FILE).exists() and self.alive(job):
             _signal(job.pid, signal.SIGTERM)
 
-    def kill(self, job: JobRecord) -> None:
+    def kill(self, job: JobRecord) -> bool:
         """The runner did not stop in time: SIGKILL it (its tasks die with it)."""
         if job.pid is not None and self.alive(job):
             _signal(job.pid, signal.SIGKILL)
+        return True
 
     def scale(self, job: JobRecord, workers: int) -> None:
         if job.config.get("mode") != "async":

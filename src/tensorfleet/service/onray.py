@@ -35,6 +35,8 @@ class RayBackend(LocalBackend):
     """Runs jobs on the Ray cluster at ``address`` (through runners on this machine)."""
 
     name = "ray"
+    on_this_machine = False  # the tasks run on the cluster's nodes: fits() reads its free resources
+    records_its_stop = False  # a stop is recorded when asked
 
     def __init__(self, store: JobStore, address: str) -> None:
         from tensorfleet.launch.onray import RayConnection

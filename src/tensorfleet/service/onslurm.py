@@ -24,6 +24,8 @@ class SlurmBackend(LocalBackend):
     """Runs jobs on the Slurm cluster this machine submits to (through runners on this machine)."""
 
     name = "slurm"
+    on_this_machine = False  # the ranks run on the allocation's nodes: Slurm's queue admits them
+    records_its_stop = False  # a stop is recorded when asked (the runner follows scancel)
 
     def __init__(self, store: JobStore) -> None:
         missing = [command for command in ("sbatch", "squeue", "scancel", "scontrol") if shutil.which(command) is None]
@@ -40,10 +42,11 @@ class SlurmBackend(LocalBackend):
         raise ConfigError(f"job {job.id} runs on Slurm, whose job step has a fixed number of ranks: restart it with "
                           "the workers it needs")
 
-    def kill(self, job: JobRecord) -> None:
+    def kill(self, job: JobRecord) -> bool:
         """The runner did not stop in time: kill it, and cancel its Slurm job here."""
         super().kill(job)
         job_id = (Path(job.logdir) / JOB_ID_FILE).read_text().strip() if job.logdir and \
             (Path(job.logdir) / JOB_ID_FILE).exists() else ""
         if job_id.isdigit():
             subprocess.run(["scancel", job_id], capture_output=True, timeout=COMMAND_TIMEOUT_S)
+        return True
