@@ -420,3 +420,17 @@ def test_the_local_backend_lists_removed_tasks_and_reads_every_task_log(store, w
         backend.log(job, "worker:9")
     (jobdir / "tasks.json").write_text("[{\"name\": \"ps:0\"}, 3]")  # unreadable entries: skipped, not a 500
     assert [t.name for t in backend.tasks(job)] == ["worker:2", "worker:7"]
+
+
+def test_a_task_entry_round_trips_through_tasks_json_and_a_bad_one_says_what_is_wrong(tmp_path):
+    from tensorfleet.service.runner import TaskEntry, read_tasks, write_tasks
+
+    entries = [TaskEntry("ps:0", "ps", ["python", "train.py"], {"TF_CONFIG": "{}"}),
+               TaskEntry("worker:1", "worker", ["python", "train.py"], {}, removed=True)]
+    write_tasks(tmp_path / "tasks.json", entries)
+    assert read_tasks(tmp_path / "tasks.json") == entries
+    with pytest.raises(ValueError, match="task entry 'ps:0'"):
+        TaskEntry.from_json({"name": "ps:0", "role": "ps", "command": "python train.py", "env": {}})
+    (tmp_path / "tasks.json").write_text('[{"name": "ps:0"}, 3, ' + json.dumps(entries[1].to_json()) + "]")
+    assert read_tasks(tmp_path / "tasks.json") == [entries[1]]  # what this version cannot read is left out
+    assert read_tasks(tmp_path / "missing.json") == []

@@ -24,7 +24,7 @@ from typing import Any
 
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.service.backend import Backend, LogChunk, Observed, TaskNotFoundError, TaskView
-from tensorfleet.service.runner import LAUNCHER_LOG, MODULE, PICTURE_FILE, READY_FILE, TASKS_FILE
+from tensorfleet.service.runner import LAUNCHER_LOG, MODULE, PICTURE_FILE, READY_FILE, TASKS_FILE, read_tasks
 from tensorfleet.service.store import ACTIVE, JobRecord, JobState, JobStore
 
 LAUNCHER_TASK = "launcher"  # the pseudo-task whose log is the runner's own output
@@ -135,13 +135,8 @@ class LocalBackend(Backend):
         states = {t.get("name"): t.get("state") or "" for t in _dicts(picture.get("tasks") if isinstance(picture, dict)
                                                                       else None)}
         views: dict[str, TaskView] = {}
-        for t in _dicts(_read_json(jobdir / TASKS_FILE)):
-            try:
-                views[t["name"]] = TaskView(str(t["name"]), str(t["role"]), [str(a) for a in t["command"]],
-                                            {str(k): str(v) for k, v in t["env"].items()},
-                                            REMOVED if t.get("removed") else states.get(t["name"], ""))
-            except (KeyError, TypeError, AttributeError):
-                continue  # an entry this version cannot read: the others still show
+        for t in read_tasks(jobdir / TASKS_FILE):  # entries this version cannot read are left out
+            views[t.name] = TaskView(t.name, t.role, t.command, t.env, REMOVED if t.removed else states.get(t.name, ""))
         try:
             logs = [TASK_LOG.match(path.name) for path in jobdir.iterdir()]
         except OSError:

@@ -26,10 +26,9 @@ import re
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.service.store import JobState, JobStore
@@ -48,6 +47,55 @@ TICK_S = 1.0
 CLAIM_WAIT_S = 30.0  # how long a new runner waits for the service to record it running
 TRACEBACK_LINES = 40
 PARSER_ERROR = re.compile(r"^[^\s:]+: error: \S")  # argparse's last line: "PROG: error: MESSAGE"
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    """One task of a job as ``tasks.json`` keeps it: what its process was started with (the token never), and
+    whether it was scaled away. The runner writes the list; the service reads it for the job page."""
+
+    name: str  # "ps:0", "worker:1"
+    role: str  # "ps", "chief", "worker"
+    command: list[str]
+    env: dict[str, str]
+    removed: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "role": self.role, "command": list(self.command), "env": dict(self.env),
+                "removed": self.removed}
+
+    @classmethod
+    def from_json(cls, value: Any) -> "TaskEntry":
+        """An entry read back; ValueError naming what is wrong for one this version cannot read."""
+        if not isinstance(value, dict):
+            raise ValueError(f"a task entry is an object, not {type(value).__name__}")
+        try:
+            command, env = value["command"], value["env"]
+            if not isinstance(command, list) or not isinstance(env, dict):
+                raise TypeError("command is a list and env an object")
+            return cls(str(value["name"]), str(value["role"]), [str(a) for a in command],
+                       {str(k): str(v) for k, v in env.items()}, bool(value.get("removed", False)))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"task entry {value.get('name')!r}: {exc!s}") from None
+
+
+def write_tasks(path: Path, tasks: list[TaskEntry]) -> None:
+    write_json(path, [task.to_json() for task in tasks])
+
+
+def read_tasks(path: Path) -> list[TaskEntry]:
+    """The entries of a ``tasks.json`` this version can read (none if the file is missing or not a list)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    entries = []
+    for item in value if isinstance(value, list) else []:
+        try:
+            entries.append(TaskEntry.from_json(item))
+        except ValueError:
+            continue  # an entry another version wrote: the others still show
+    return entries
 
 
 def write_json(path: Path, value: Any) -> None:
@@ -166,10 +214,9 @@ class JobRunner:
                                          on_poll=lambda followed: write_json(self.jobdir / PICTURE_FILE,
                                                                              followed.picture()))
                 command = [sys.executable, str(Path(config.script).resolve()), *config.args]
-                write_json(self.jobdir / TASKS_FILE, [
-                    {"name": task, "role": "chief" if task == "worker:0" else task.split(":")[0], "command": command,
-                     "env": {"TENSORFLEET_SLURM_PS": str(config.ps), "SLURM_PROCID": str(rank), **config.env},
-                     "removed": False}
+                write_tasks(self.jobdir / TASKS_FILE, [
+                    TaskEntry(task, "chief" if task == "worker:0" else task.split(":")[0], command,
+                              {"TENSORFLEET_SLURM_PS": str(config.ps), "SLURM_PROCID": str(rank), **config.env})
                     for rank, task in enumerate(task_of_rank(r, config.ps) for r in range(config.ps + config.workers))])
                 code = launcher.run()
             except TensorfleetError as exc:
@@ -223,10 +270,10 @@ class JobRunner:
         tasks = []
         for record in launcher.supervisor.records:
             env = launcher.started_with.get(record.name) or launcher.task_env(record.task)  # not started yet
-            tasks.append({"name": record.name, "role": record.role, "command": launcher.command,
-                          "env": {k: v for k, v in env.items() if k != auth.TOKEN_ENV},
-                          "removed": record.name not in current})
-        write_json(self.jobdir / TASKS_FILE, tasks)
+            tasks.append(TaskEntry(record.name, record.role, list(launcher.command),
+                                   {k: v for k, v in env.items() if k != auth.TOKEN_ENV},
+                                   removed=record.name not in current))
+        write_tasks(self.jobdir / TASKS_FILE, tasks)
         self._tasks_written = self._tasks_key(launcher)
 
     @staticmethod
