@@ -302,3 +302,34 @@ def test_a_token_file_of_the_users_is_used_as_it_is_and_a_planted_link_is_not_wr
                          timeout=60)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert victim.read_text() == "theirs" and not (tmp_path / "job" / "job.token").is_symlink()
+
+
+def test_a_requeue_whose_killed_run_shows_failed_for_several_polls_is_not_taken_for_the_end(tmp_path, monkeypatch):
+    """``scontrol requeue``: Slurm counts the requeue (Restarts) at once and lists the job FAILED while its killed
+    step ends (up to KillWait, 30 s), then pending and running again. An ended state is believed only against the
+    count seen when the job last turned live: not during the requeue, at once when the rerun ends."""
+    from tensorfleet.launch import slurm
+
+    launcher, _ = following(tmp_path)
+    slurm_says = {"state": "RUNNING", "restarts": 0}
+    monkeypatch.setattr(slurm, "job_restarts", lambda job: slurm_says["restarts"])
+    monkeypatch.setattr(slurm, "job_state", lambda job: (slurm_says["state"], "1:0"))
+    monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
+
+    def look(state: str, restarts: int) -> bool:  # one poll of the launcher's loop: ended for good?
+        slurm_says.update(state=state, restarts=restarts)
+        launcher._saw(state)
+        return state in slurm.ENDED and launcher._still_ended(state)
+
+    assert not look("RUNNING", 0)
+    assert not any(look("FAILED", 1) for _ in range(5))  # the requeue's killed run, over several polls
+    assert not look("PENDING", 1) and not look("RUNNING", 1)
+    assert look("COMPLETED", 1)  # the rerun's end: no new requeue since it turned live
+    assert not look("RUNNING", 1)  # (a later rerun) requeued from running to pending, its end never seen failed
+    assert not look("PENDING", 2) and not look("RUNNING", 2) and look("FAILED", 2)  # a real failure, at once
+    assert not look("RUNNING", 2)  # a requeue whose pending and killed run no look caught: the rerun's first
+    launcher._note("[slurm] job 7, requeued 3 time(s): the tasks' files in /x")  # line says it
+    assert look("COMPLETED", 3)
+    assert not look("FAILED", 4)  # a requeue whose job Slurm never lists again: believed after the bound
+    launcher._requeued_at -= slurm.REQUEUE_WAIT_S
+    assert launcher._still_ended("FAILED")

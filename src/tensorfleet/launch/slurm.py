@@ -71,6 +71,8 @@ OUTPUT_FILE = "slurm-%j.out"
 HEAD_BYTES = 256  # the start of the output file the launcher remembers, to tell a new one (a requeue's) apart
 POLL_S = 1.0  # how often squeue is asked, and the output file read
 ENDED_CONFIRM_S = 2.0  # an ended state is asked again after this, before it is believed (a requeue passes one)
+RUN_HEADER = re.compile(r"^\[slurm\] job \d+, requeued (\d+) time\(s\)")  # the batch script's first line
+REQUEUE_WAIT_S = 120.0  # a requeued job's killed run may show ended this long (KillWait, 30 s, and a loaded node)
 CANCEL_WAIT_S = 60.0  # after scancel, how long Slurm may take to end the job
 COMMAND_TIMEOUT_S = 30.0  # sbatch, squeue, scancel, scontrol
 MAX_BACKOFF_S = 30.0
@@ -247,7 +249,9 @@ class SlurmLauncher:
         self.on_restart = on_restart
         self.on_poll = on_poll
         self.job_id: str | None = None
-        self._restarts_seen = 0  # Slurm's requeue count of the job as last seen (see _still_ended)
+        self._restarts_seen = 0  # Slurm's requeue count of the job when it was last seen becoming live
+        self._last_seen: str | None = None  # the job's state at the last look
+        self._requeued_at: float | None = None  # when a requeue was seen while the job still shows its killed run
         self.state: str | None = None  # Slurm's word for the job, as last seen
         self.exit_code: str | None = None  # "N:S", once Slurm says
         self.restarts = 0  # the step run again by the batch script
@@ -342,6 +346,7 @@ class SlurmLauncher:
             if state != last_state and state is not None:
                 self.say(f"job {self.job_id} is {state}")
                 last_state = state
+            self._saw(state)
             if (state is None or state in ENDED) and self._still_ended(state):
                 time.sleep(POLL_S / 2)  # the last lines Slurm wrote
                 self._pump(final=True)
@@ -353,15 +358,28 @@ class SlurmLauncher:
                                   f"{CANCEL_WAIT_S:g} s: see squeue -j {self.job_id}")
             time.sleep(POLL_S)
 
+    def _saw(self, state: str | None) -> None:
+        """Each look at the job: when it turns pending or running (at its start, and again after a requeue: from
+        running to pending too), Slurm's requeue count then is the one an ended state is compared with, and a
+        requeue seen is over."""
+        if state is not None and state not in ENDED and state != self._last_seen:
+            restarts = job_restarts(self.job_id)
+            self._restarts_seen = self._restarts_seen if restarts is None else restarts
+            self._requeued_at = None
+        self._last_seen = state
+
     def _still_ended(self, state: str | None) -> bool:
         """Whether the job ended for good. A job being requeued shows an ended state (FAILED, its batch script's
         run killed) until its step has ended, up to Slurm's KillWait (30 s), before it is listed pending again:
-        its restart count has grown meanwhile, so an ended state is not believed then; otherwise it is asked
-        again after ``ENDED_CONFIRM_S``."""
+        its restart count has grown past the count of the run followed (the batch script's first line says it;
+        also read when the job turns live), so an ended state is not believed until the rerun is seen
+        (``REQUEUE_WAIT_S`` at most); otherwise it is asked again after ``ENDED_CONFIRM_S``."""
         restarts = job_restarts(self.job_id)
         if restarts is not None and restarts > self._restarts_seen:
-            self._restarts_seen = restarts
-            return False
+            if self._requeued_at is None:
+                self._requeued_at = time.monotonic()
+            if time.monotonic() - self._requeued_at < REQUEUE_WAIT_S:
+                return False  # the requeue's killed run, still listed while its step ends
         time.sleep(ENDED_CONFIRM_S)
         again, _ = job_state(self.job_id)
         return again is None or again in ENDED or again == state
@@ -417,7 +435,11 @@ class SlurmLauncher:
         log.flush()
 
     def _note(self, line: str) -> None:
-        """What a line of Slurm's or of the batch script's says of the tasks: a step run again, ranks ended."""
+        """What a line of Slurm's or of the batch script's says of the tasks: a step run again, ranks ended, and
+        (its first line) how many times Slurm had requeued the job when this run of the script began."""
+        run = RUN_HEADER.match(line)
+        if run is not None:  # this run's own count: a requeue it follows is no longer one in progress
+            self._restarts_seen = max(self._restarts_seen, int(run.group(1)))
         if RESTART_WORDS in line:
             self.restarts += 1
             self._rank_ends.clear()
