@@ -55,7 +55,7 @@ def _slurm(config: JobConfig, out: TextIO, dry_run: bool, progress_every_s: floa
     from tensorfleet.launch.slurm import SlurmLauncher, check_slurm_config
 
     check_slurm_config(config)
-    launcher = SlurmLauncher(config)
+    launcher = SlurmLauncher(config, out=out)
     if dry_run:
         out.write(launcher.script_text())
         return 0

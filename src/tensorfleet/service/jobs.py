@@ -238,11 +238,10 @@ class JobService:
         backend = self.backends.get(job.backend)
         if backend is None:  # a backend this service lacks: _start says so
             return True
-        active = [j for state in ACTIVE for j in self.store.list(state=state) if j.backend == job.backend]
+        active = [j for state in ACTIVE for j in self.store.list(state=state)]  # read once, for either rule
         if not backend.on_this_machine:  # a backend that knows its own room (Ray: the cluster's free resources)
-            return backend.fits(job, active)
-        running = [j for state in ACTIVE for j in self.store.list(state=state)
-                   if (other := self.backends.get(j.backend)) is not None and other.on_this_machine]
+            return backend.fits(job, [j for j in active if j.backend == job.backend])
+        running = [j for j in active if (other := self.backends.get(j.backend)) is not None and other.on_this_machine]
         if not running:
             return True
         cores = sum(job_cost(j.config)[0] for j in running) + job_cost(job.config)[0]
