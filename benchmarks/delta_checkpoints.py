@@ -39,7 +39,7 @@ import torch
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.protocol.specs import OptimizerSpec
 from tensorfleet.protocol.messages import grads_key, ids_key
-from tensorfleet.launch.local import local_cluster
+from tensorfleet.cluster.ports import local_cluster
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.train.checkpoint import Checkpointer, load
 from tensorfleet.worker.embedding import EmbeddingTable

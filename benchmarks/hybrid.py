@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tensorfleet as tfl  # noqa: E402
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec  # noqa: E402
-from tensorfleet.launch.local import free_ports, local_cluster  # noqa: E402
+from tensorfleet.cluster.ports import free_ports, local_cluster  # noqa: E402
 from tensorfleet.wire.rpc import SHARED_MEMORY_ENV  # noqa: E402
 from vs_ddp import LR, MOMENTUM, ps_processes  # noqa: E402
 from vs_ddp import batch as dense_batch  # noqa: E402

@@ -30,7 +30,7 @@ import torch
 
 import tensorfleet as tfl
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
-from tensorfleet.launch.local import local_cluster
+from tensorfleet.cluster.ports import local_cluster
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vs_ddp import LR, MOMENTUM, build_model, ps_processes, timed_steps  # noqa: E402  (the same model, data)

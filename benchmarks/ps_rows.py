@@ -31,7 +31,7 @@ import torch
 
 from tensorfleet.cluster.spec import ClusterSpec
 from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer, TableSpec
-from tensorfleet.launch.local import local_cluster
+from tensorfleet.cluster.ports import local_cluster
 from tensorfleet.worker.client import PsClient
 
 TABLE = "t"

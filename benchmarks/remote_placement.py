@@ -46,7 +46,8 @@ import tensorfleet as tfl  # noqa: E402
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec  # noqa: E402
 from tensorfleet.coordinator import placement  # noqa: E402
 from tensorfleet.data.mnist import batches, load_mnist  # noqa: E402
-from tensorfleet.launch.local import busy_poll_for, free_ports  # noqa: E402
+from tensorfleet.cluster.machine import busy_poll_for  # noqa: E402
+from tensorfleet.cluster.ports import free_ports  # noqa: E402
 from tensorfleet.wire.auth import TOKEN_ENV, new_token  # noqa: E402
 from tensorfleet.wire.rpc import BUSY_POLL_ENV, SHARED_MEMORY_ENV, WireOptions  # noqa: E402
 

@@ -78,7 +78,7 @@ from torch import nn  # noqa: E402
 
 import sparse_job as job  # noqa: E402
 from tensorfleet.data.synthetic_ctr import CtrSpec  # noqa: E402
-from tensorfleet.launch.local import free_ports  # noqa: E402
+from tensorfleet.cluster.ports import free_ports  # noqa: E402
 
 GB = 1e9
 

@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import tensorfleet as tfl  # noqa: E402
 from tensorfleet.cluster.spec import TaskSpec  # noqa: E402
-from tensorfleet.launch.local import busy_poll_for, local_cluster  # noqa: E402
+from tensorfleet.cluster.machine import busy_poll_for  # noqa: E402
+from tensorfleet.cluster.ports import local_cluster  # noqa: E402
 from tensorfleet.wire import auth  # noqa: E402
 from tensorfleet.wire.rpc import BUSY_POLL_ENV, WireOptions  # noqa: E402
 from mnist_mlp import build_model  # noqa: E402

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import tensorfleet as tfl  # noqa: E402
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec  # noqa: E402
-from tensorfleet.launch.local import free_ports, local_cluster  # noqa: E402
+from tensorfleet.cluster.ports import free_ports, local_cluster  # noqa: E402
 from mnist_cnn import ConvNet  # noqa: E402
 
 BATCH, WARMUP, LR, MOMENTUM = 64, 5, 0.01, 0.9

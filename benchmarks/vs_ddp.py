@@ -40,7 +40,7 @@ from torch import nn
 
 import tensorfleet as tfl
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
-from tensorfleet.launch.local import free_ports, local_cluster
+from tensorfleet.cluster.ports import free_ports, local_cluster
 from tensorfleet.wire.rpc import SHARED_MEMORY_ENV
 
 BATCH, WARMUP, LR, MOMENTUM = 64, 5, 0.01, 0.9

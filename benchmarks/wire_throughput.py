@@ -50,7 +50,7 @@ import grpc
 import torch
 
 from tensorfleet.cluster.spec import TaskSpec
-from tensorfleet.launch.local import local_cluster
+from tensorfleet.cluster.ports import local_cluster
 from tensorfleet.protocol.specs import OptimizerSpec
 from tensorfleet.wire.datachannel import DataChannel
 from tensorfleet.wire.dataplane import Reply

@@ -17,7 +17,7 @@ from tensorfleet.coordinator.coordinator import Coordinator, RemoteError
 from tensorfleet.coordinator.remote import WorkerContext, worker_context
 from tensorfleet.coordinator.worker import ClosureServer
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.launch.local import free_ports
+from tensorfleet.cluster.ports import free_ports
 from tensorfleet.protocol.specs import OptimizerSpec
 from tensorfleet.ps.server import Server
 from tensorfleet.testing.models import seeded_mlp

@@ -20,7 +20,7 @@ from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.coordinator.coordinator import Coordinator
 from tensorfleet.coordinator.remote import WorkerContext, worker_context
 from tensorfleet.coordinator.worker import ClosureServer
-from tensorfleet.launch.local import free_ports
+from tensorfleet.cluster.ports import free_ports
 from tensorfleet.protocol.specs import OptimizerSpec
 from tensorfleet.ps.server import Server
 from tensorfleet.testing.fleet import poll

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from tensorfleet.backends.launcher import Launcher
+from tensorfleet.backends.local import local_launcher
 from tensorfleet.cluster.environment import COORDINATOR_FILE, COORDINATOR_TOKEN_FILE
 from tensorfleet.coordinator.outside import join_fleet
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch.config import JobConfig
-from tensorfleet.launch.local import LocalLauncher
 from tensorfleet.testing.local_cluster import REPO
 from tensorfleet.testing.acl import set_access_acl
 from tensorfleet.wire import auth
@@ -65,12 +66,12 @@ def launch(logdir: Path, timeout_s: float = 60) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
 
 
-def launcher_of(logdir: Path) -> LocalLauncher:
+def launcher_of(logdir: Path) -> Launcher:
     config = JobConfig(script=str(SCRIPT), ps=1, workers=1, coordinator="outside", logdir=str(logdir)).validate()
-    return LocalLauncher(config, out=open(os.devnull, "w"))
+    return local_launcher(config, out=open(os.devnull, "w"))
 
 
-def outside_record(launcher: LocalLauncher):
+def outside_record(launcher: Launcher):
     return next(record for record in launcher.supervisor.records if record.outside)
 
 

@@ -16,7 +16,7 @@ import pytest
 from tensorfleet.cluster.environment import STATUS_DIR_ENV
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import UnauthenticatedError
-from tensorfleet.launch.local import local_cluster
+from tensorfleet.cluster.ports import local_cluster
 from tensorfleet.launch.monitor import FleetMonitor, fleet_tasks
 from tensorfleet.testing.fleet import poll
 from tensorfleet.testing.local_cluster import REPO, LauncherProcess

@@ -258,7 +258,7 @@ def check_tensorfleet(command: docs.Command, cwd: Path, request) -> None:
 
 
 def visible_gpus() -> int:
-    from tensorfleet.launch.local import visible_gpus
+    from tensorfleet.cluster.machine import visible_gpus
     return visible_gpus()
 
 
@@ -361,7 +361,7 @@ print("[tf1-page] every line ran", flush=True)
 @pytest.fixture(scope="module")
 def tf1_session(folder) -> subprocess.CompletedProcess:
     """The TF1 page's Python lines run in order in one process, in the reader's folder (so runs/tf1 is there)."""
-    from tensorfleet.launch.local import free_ports
+    from tensorfleet.cluster.ports import free_ports
 
     ports = dict(zip(SESSION_PORTS, (f"127.0.0.1:{port}" for port in free_ports(len(SESSION_PORTS)))))
     snippets = [{"page": s.page, "line": s.line,

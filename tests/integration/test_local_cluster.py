@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from tensorfleet.launch.local import local_cluster
+from tensorfleet.cluster.ports import local_cluster
 from tensorfleet.testing.local_cluster import REPO, run_launcher
 
 pytestmark = pytest.mark.cluster
@@ -126,7 +126,7 @@ def test_cnn_example_runs_sync_with_greedy_placement_and_partitions():
 
 def test_ps_servers_pick_other_ports_when_one_was_taken_meanwhile(monkeypatch):
     """A free port taken by another process before the ps binds it: the helper picks a new cluster."""
-    from tensorfleet.launch.local import local_cluster as pick_cluster
+    from tensorfleet.cluster.ports import local_cluster as pick_cluster
     from tensorfleet.testing import local_cluster as helper
     taken = socket.create_server(("127.0.0.1", 0))
     picks = []

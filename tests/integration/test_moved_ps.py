@@ -9,7 +9,7 @@ import torch
 from tensorfleet.cluster.registry import CLUSTER_FILE_ENV, current_address, read_cluster, write_cluster
 from tensorfleet.cluster.spec import ClusterSpec
 from tensorfleet.errors import ClusterSpecError, DeadlineExceededError
-from tensorfleet.launch.local import free_ports
+from tensorfleet.cluster.ports import free_ports
 from tensorfleet.protocol.specs import OptimizerSpec
 from tensorfleet.testing.local_cluster import ps_servers
 from tensorfleet.worker.client import PsClient

@@ -25,7 +25,7 @@ import torch
 from tensorfleet.cluster.flags import add_cluster_flags, insecure_from_flags
 from tensorfleet.cluster.spec import ClusterSpec, is_loopback_host
 from tensorfleet.errors import ConfigError, UnavailableError
-from tensorfleet.launch.local import free_ports
+from tensorfleet.cluster.ports import free_ports
 from tensorfleet.launch.task import run_task
 from tensorfleet.ps.server import Server
 from tensorfleet.testing.local_cluster import ps_servers

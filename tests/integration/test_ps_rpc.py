@@ -169,7 +169,7 @@ def test_non_chief_wait_times_out_naming_the_shards(cluster_two_ps):
 
 
 def test_missing_ps_times_out_with_its_address():
-    from tensorfleet.launch.local import local_cluster
+    from tensorfleet.cluster.ports import local_cluster
     cluster = local_cluster(1, 1)  # nothing listens there
     client = PsClient(cluster, {"w": 0})
     with pytest.raises(DeadlineExceededError, match=f"ps /job:ps/task:0 at {cluster.ps_addresses[0]}"):

@@ -28,7 +28,7 @@ from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.coordinator import placement
 from tensorfleet.coordinator.placement import PlacedModule, RpcGroup, place_module, placeable
 from tensorfleet.errors import ConfigError, InvalidArgumentError
-from tensorfleet.launch.local import free_ports
+from tensorfleet.cluster.ports import free_ports
 from tensorfleet.testing.fleet import poll
 from tensorfleet.wire.rpc import Channel, WireOptions
 

@@ -1,4 +1,4 @@
-"""Scaling a running asynchronous job: ``LocalLauncher.scale_workers`` called from ``on_tick``, as the job service
+"""Scaling a running asynchronous job: ``Launcher.scale_workers`` called from ``on_tick``, as the job service
 calls it, with real processes on 127.0.0.1.
 
 2 -> 3: the new worker joins mid-run and pushes; 3 -> 1: the two highest workers finish their step,
@@ -17,8 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tensorfleet.backends.launcher import Launcher
+from tensorfleet.backends.local import local_launcher
 from tensorfleet.launch.config import JobConfig
-from tensorfleet.launch.local import LocalLauncher
 
 pytestmark = pytest.mark.cluster
 JOB = Path(__file__).resolve().parent / "scale_job.py"
@@ -34,7 +35,7 @@ class Scaler:
         self.deadline = time.monotonic() + DEADLINE_S
         self.seen: dict[str, int] = {}
 
-    def __call__(self, launcher: LocalLauncher) -> None:
+    def __call__(self, launcher: Launcher) -> None:
         if time.monotonic() > self.deadline:
             raise TimeoutError(f"the scaled job did not get past {self.phase!r} in {DEADLINE_S:g} s")
         picture = launcher.monitor.picture()
@@ -65,7 +66,7 @@ def test_an_async_job_scales_up_then_down_while_it_trains(tmp_path):
                        mode="async", max_restarts=1, logdir=str(logdir)).validate()
     scaler = Scaler(tmp_path / "last_step")
     out = io.StringIO()
-    launcher = LocalLauncher(config, out=out, interactive=False, progress_every_s=1.0, on_tick=scaler)
+    launcher = local_launcher(config, out=out, interactive=False, progress_every_s=1.0, on_tick=scaler)
     code = launcher.run()
     output = out.getvalue()
     assert code == 0, output

@@ -22,7 +22,7 @@ from tensorfleet.coordinator.coordinator import Coordinator
 from tensorfleet.coordinator.remote import WorkerContext, name_of
 from tensorfleet.coordinator.worker import ClosureServer
 from tensorfleet.errors import InvalidArgumentError, UnprovenServerError
-from tensorfleet.launch.local import free_ports, local_cluster
+from tensorfleet.cluster.ports import free_ports, local_cluster
 from tensorfleet.protocol.closures import RunReply, Trained
 from tensorfleet.protocol.specs import OptimizerSpec
 from tensorfleet.protocol.status import WorkerStatus

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from tensorfleet.errors import DeadlineExceededError
-from tensorfleet.launch.local import local_cluster
+from tensorfleet.cluster.ports import local_cluster
 from tensorfleet.worker import client as client_module
 from tensorfleet.worker.client import PsClient
 

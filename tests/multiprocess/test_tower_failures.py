@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from tensorfleet.cluster.spec import TaskSpec
-from tensorfleet.launch.local import local_cluster
+from tensorfleet.cluster.ports import local_cluster
 from tensorfleet.testing.local_cluster import REPO
 
 pytestmark = pytest.mark.cluster

@@ -180,8 +180,8 @@ def test_a_job_file_turns_the_dashboard_on_with_true(tmp_path, monkeypatch, caps
     (64, ["--workers", "50"], None),
 ])
 def test_more_tasks_than_cores_is_a_warning_once_and_the_job_still_starts(cores, argv, warned, monkeypatch, capsys):
-    from tensorfleet.launch import local
-    monkeypatch.setattr(local, "usable_cores", lambda: cores)
+    from tensorfleet.cluster import machine
+    monkeypatch.setattr(machine, "usable_cores", lambda: cores)
     assert main(["launch", "--dry-run", *argv, "examples/hello_cluster.py"]) == 0
     out, err = capsys.readouterr()
     assert "command of every task" in out  # what would start: it is not refused
@@ -193,9 +193,10 @@ def test_more_tasks_than_cores_is_a_warning_once_and_the_job_still_starts(cores,
 
 
 def test_more_tasks_than_cores_says_a_real_run_starts_anyway(monkeypatch, capsys):
-    from tensorfleet.launch import engines, local
-    monkeypatch.setattr(local, "usable_cores", lambda: 2)
-    monkeypatch.setattr(engines, "launch", lambda config, **options: 0)  # what would start: nothing here
+    from tensorfleet.backends import launcher
+    from tensorfleet.cluster import machine
+    monkeypatch.setattr(machine, "usable_cores", lambda: 2)
+    monkeypatch.setattr(launcher, "launch", lambda config, **options: 0)  # what would start: nothing here
     assert main(["launch", "--workers", "50", "examples/hello_cluster.py"]) == 0
     assert capsys.readouterr().err == ("tensorfleet launch: warning: 51 tasks (1 ps + 50 workers) on 2 core(s): they "
                                        "will share the cores and the job will be slow; starting it anyway\n")

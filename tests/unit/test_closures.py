@@ -100,7 +100,7 @@ def test_a_coordinator_from_outside_is_in_the_cluster_but_not_started_and_not_wa
     assert "not started: the coordinator, a Python session that joins with tfl.join_fleet(LOGDIR)" in shown
     assert shown.count("TF_CONFIG=") == 3  # the ps and the two workers
 
-    from tensorfleet.launch.local import LocalLauncher
-    launcher = LocalLauncher(JobConfig(script=str(REPO / "examples" / "mnist_coordinator.py"), workers=2,
+    from tensorfleet.backends.local import local_launcher
+    launcher = local_launcher(JobConfig(script=str(REPO / "examples" / "mnist_coordinator.py"), workers=2,
                                        coordinator="outside").validate())
     assert [r.name for r in launcher.supervisor.workers] == ["worker:0", "worker:1"]  # the job ends without it

@@ -29,11 +29,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 
 # Whole packages that must stay torch-free, and single modules of the lower layers the launcher builds on.
-TORCH_FREE_PACKAGES = ("cli", "service", "dashboard", "web", "launch")
+TORCH_FREE_PACKAGES = ("cli", "service", "dashboard", "web", "launch", "backends")
 TORCH_FREE_MODULES = ("tensorfleet.protocol.status", "tensorfleet.protocol.messages", "tensorfleet.protocol.specs",
                       "tensorfleet.protocol.meta", "tensorfleet.wire.rpc", "tensorfleet.wire.codec",
                       "tensorfleet.wire.auth", "tensorfleet.worker.status", "tensorfleet.worker.leave",
-                      "tensorfleet.cluster.spec", "tensorfleet.cluster.flags")
+                      "tensorfleet.cluster.spec", "tensorfleet.cluster.flags",
+                      "tensorfleet.cluster.ports", "tensorfleet.cluster.machine")
 # launch.task is what a task runs before the training script (it sets torch's threads): it needs torch.
 NEEDS_TORCH = {"tensorfleet.launch.task"}
 
@@ -72,7 +73,7 @@ _CHECKER = textwrap.dedent(r"""
 
     # What the launcher does on the wire: meta-only messages both ways.
     def launcher_on_the_wire():
-        from tensorfleet.launch import local  # noqa: F401 (the whole launcher, as `tensorfleet launch` loads it)
+        from tensorfleet.backends import local  # noqa: F401 (the launcher loop, as `tensorfleet launch` loads it)
         from tensorfleet.protocol.messages import ResizeReply, ResizeRequest
         from tensorfleet.protocol.specs import SyncOptions
         from tensorfleet.protocol.status import PsStatus, WorkerStatus
@@ -94,7 +95,7 @@ _CHECKER = textwrap.dedent(r"""
 
 def test_launcher_cli_service_and_dashboard_import_no_torch():
     modules = torch_free_modules()
-    assert "tensorfleet.launch.local" in modules and "tensorfleet.service.runner" in modules
+    assert "tensorfleet.backends.launcher" in modules and "tensorfleet.service.runner" in modules
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORFLEET_") and k != "TF_CONFIG"}
     env["PYTHONPATH"] = os.pathsep.join([str(SRC)] + [p for p in [env.get("PYTHONPATH")] if p])
     done = subprocess.run([sys.executable, "-c", _CHECKER, str(SRC) + os.sep, json.dumps(modules)], cwd=ROOT,

@@ -8,7 +8,7 @@ import pytest
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch.config import JobConfig, job_config, load_job_file
 from tensorfleet.launch.console import CLEAR_LINE, Console
-from tensorfleet.launch.local import gpu_assignment
+from tensorfleet.cluster.machine import gpu_assignment
 from tensorfleet.launch.monitor import format_seconds, progress_line
 
 NO_FLAGS = {"ps": None, "workers": None, "mode": None}
@@ -135,11 +135,11 @@ def test_a_coordinator_job_tells_its_tasks_and_a_between_graph_script_refuses_it
     import argparse
 
     from tensorfleet.cluster.environment import IN_GRAPH_ENV
-    from tensorfleet.launch.local import LocalLauncher
+    from tensorfleet.backends.local import local_launcher
     from tensorfleet.launch.task import run_task
-    launcher = LocalLauncher(JobConfig("train.py", ps=1, workers=1, coordinator=coordinator).validate())
+    launcher = local_launcher(JobConfig("train.py", ps=1, workers=1, coordinator=coordinator).validate())
     assert {launcher.task_env(task).get(IN_GRAPH_ENV) for task in launcher.tasks} == {"1"}
-    assert IN_GRAPH_ENV not in LocalLauncher(JobConfig("train.py", ps=1, workers=1).validate()).task_env(
+    assert IN_GRAPH_ENV not in local_launcher(JobConfig("train.py", ps=1, workers=1).validate()).task_env(
         launcher.tasks[0])
     monkeypatch.setenv(IN_GRAPH_ENV, "1")
     trained = []
@@ -158,19 +158,20 @@ def test_gpus_are_split_into_disjoint_blocks_or_refused():
 
 
 def test_dry_run_lists_gpus_per_worker(script, capsys):
-    from tensorfleet.launch.local import LocalLauncher
+    from tensorfleet.backends.local import local_launcher
     config = JobConfig("train.py", ps=1, workers=2, gpus_per_worker=2).validate()
-    text = LocalLauncher(config, gpus_available=4).dry_run_text()
+    text = local_launcher(config, gpus_available=4).dry_run_text()
     assert "CUDA_VISIBLE_DEVICES=0,1" in text and "CUDA_VISIBLE_DEVICES=2,3" in text
     assert "CUDA_VISIBLE_DEVICES=''" in text  # the ps sees no GPU
 
 
 @pytest.mark.parametrize("cores, expected", [(2, "2000"), (3, "2000"), (1, "0")])
 def test_data_connections_poll_only_when_every_task_has_a_core(script, monkeypatch, cores, expected):
-    from tensorfleet.launch import local
+    from tensorfleet.backends.local import local_launcher
+    from tensorfleet.cluster import machine
     monkeypatch.delenv("TENSORFLEET_BUSY_POLL_US", raising=False)
-    monkeypatch.setattr(local, "usable_cores", lambda: cores)
-    launcher = local.LocalLauncher(JobConfig("train.py", ps=1, workers=1).validate())
+    monkeypatch.setattr(machine, "usable_cores", lambda: cores)
+    launcher = local_launcher(JobConfig("train.py", ps=1, workers=1).validate())
     assert {launcher.task_env(task)["TENSORFLEET_BUSY_POLL_US"] for task in launcher.tasks} == {expected}
     monkeypatch.setenv("TENSORFLEET_BUSY_POLL_US", "50")  # the user's own choice is left alone
     assert all("TENSORFLEET_BUSY_POLL_US" not in launcher.task_env(task) for task in launcher.tasks)
@@ -223,14 +224,14 @@ def test_a_jobs_dense_setting_reaches_every_task_and_the_slurm_script_and_a_bad_
     import argparse
 
     from tensorfleet.launch.config import DENSE_HOMES
-    from tensorfleet.launch.local import LocalLauncher
-    from tensorfleet.launch.slurm import rendered_script
+    from tensorfleet.backends.local import local_launcher
+    from tensorfleet.backends.slurm import rendered_script
     from tensorfleet.worker import options
     from tensorfleet.worker.flags import add_training_flags
     assert DENSE_HOMES == options.DENSE_HOMES
     Path("job.yaml").write_text("script: train.py\ndense: allreduce\n")
     config = job_config("job.yaml", None, NO_FLAGS, environ={})
-    launcher = LocalLauncher(config)
+    launcher = local_launcher(config)
     assert {launcher.task_env(task).get("TENSORFLEET_DENSE") for task in launcher.tasks} == {"allreduce"}
     assert "export TENSORFLEET_DENSE=allreduce" in rendered_script(config)
     monkeypatch.setenv("TENSORFLEET_DENSE", "allreduce")  # what the task finds in its environment
@@ -250,8 +251,8 @@ def test_launch_and_slurm_render_take_dense_on_the_command_line(script, capsys):
 
 
 def test_every_backend_a_job_may_name_has_an_engine_and_only_those():
-    """``launch --backend`` and a job file's ``backend:`` name an engine of launch/engines.py, the one registry."""
+    """``launch --backend`` and a job file's ``backend:`` name an engine of backends/__init__.py, the one registry."""
+    from tensorfleet.backends import ENGINES
     from tensorfleet.launch.config import BACKENDS
-    from tensorfleet.launch.engines import ENGINES
 
     assert set(ENGINES) == set(BACKENDS)

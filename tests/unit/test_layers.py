@@ -38,12 +38,13 @@ PACKAGE = SRC / "tensorfleet"
 #   "errors"      tensorfleet.errors
 #   "protocol"    tensorfleet.protocol: the worker <-> ps contract (specs, messages, shard state)
 #   "tensorfleet" tensorfleet/__init__.py, the lazy public API
+#   "registry"    tensorfleet.backends (its __init__): which engines exist, as data; it loads one by name
 #
 #   layer         may import
 #   -----------   -------------------------------------------------------------
 ALL_LAYERS = frozenset({"errors", "cluster", "data", "wire", "protocol", "ps", "worker", "train", "parallel",
-                        "coordinator", "web", "dashboard", "serving", "launch", "service", "cli", "testing",
-                        "tensorfleet"})
+                        "coordinator", "web", "dashboard", "serving", "registry", "launch", "backends", "service",
+                        "cli", "testing", "tensorfleet"})
 ALLOWED: dict[str, frozenset[str]] = {
     "errors":      frozenset(),
     "cluster":     frozenset({"errors", "cluster"}),
@@ -60,8 +61,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "dashboard":   frozenset({"errors", "web", "dashboard"}),
     "serving":     frozenset({"errors", "cluster", "wire", "protocol", "ps", "worker", "train", "web",
                               "serving"}),  # of ps: the IdMap (a serving table's ids)
-    "launch":      ALL_LAYERS - {"testing", "service", "cli"},
-    "service":     frozenset({"errors", "cluster", "wire", "web", "dashboard", "launch", "service"}),  # job service
+    "registry":    frozenset({"errors", "registry"}),  # tensorfleet.backends itself: the engines by name, as data
+    "launch":      ALL_LAYERS - {"testing", "backends", "service", "cli"},
+    "backends":    ALL_LAYERS - {"testing", "service", "cli"},  # the engines and the one launcher loop
+    "service":     frozenset({"errors", "cluster", "wire", "web", "dashboard", "registry", "launch", "backends",
+                              "service"}),  # the job service
     "cli":         ALL_LAYERS - {"testing"},  # the `tensorfleet` program: every command, launch's and service's
     "testing":     ALL_LAYERS,
     "tensorfleet": ALL_LAYERS - {"testing", "cli"},
@@ -75,6 +79,8 @@ def layer_of(module: str) -> str:
     assert parts[0] == "tensorfleet", module
     if len(parts) == 1:
         return "tensorfleet"
+    if parts[1:] == ["backends"]:
+        return "registry"
     return parts[1]
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tensorfleet.errors import ConfigError
-from tensorfleet.launch import onray
+from tensorfleet.backends import ray as onray
 from tensorfleet.launch.config import JobConfig, job_config
 
 SCRIPT = __file__
@@ -17,7 +17,8 @@ SCRIPT = __file__
 
 def test_ray_settings_without_the_ray_backend_are_refused():
     for setting in ({"ray_address": "10.0.0.1:6379"}, {"ray_placement": "pack"}, {"ray_replace_timeout": 30}):
-        with pytest.raises(ConfigError, match="ray_address, ray_placement and ray_replace_timeout are for backend ray"):
+        with pytest.raises(ConfigError,
+                           match=r"for backend ray \(as ray_address, ray_placement, ray_replace_timeout are\)"):
             JobConfig(script=SCRIPT, **setting).validate()
     with pytest.raises(ConfigError, match="backend 'lsf' is not valid: use one of local, ray, slurm"):
         JobConfig(script=SCRIPT, backend="lsf").validate()
@@ -121,9 +122,9 @@ def test_a_dry_run_on_a_ray_cluster_does_not_count_this_machines_gpus(capsys, mo
     """A job on a Ray cluster takes its GPUs on the cluster's nodes (issue 44): its dry run on a machine without
     GPUs prints the plan; a local Ray (no address) runs on this machine, whose GPUs do count."""
     from tensorfleet.cli import main
-    from tensorfleet.launch import local
+    from tensorfleet.cluster import machine
 
-    monkeypatch.setattr(local, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(machine, "visible_gpus", lambda: 0)
     assert main(["launch", "--dry-run", "--backend", "ray", "--ray-address", "10.0.0.5:6379", "--workers", "4",
                  "--gpus-per-worker", "1", SCRIPT]) == 0
     out, err = capsys.readouterr()

@@ -14,8 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from tensorfleet.backends import ray as onray
+from tensorfleet.backends.launcher import Launcher
 from tensorfleet.cluster.spec import ClusterSpec
-from tensorfleet.launch import onray
 from tensorfleet.launch.config import JobConfig
 from tensorfleet.launch.sealed import Opener, seal
 
@@ -76,24 +77,24 @@ def test_the_launcher_sends_no_token_to_a_tasks_actor_and_the_task_gets_it(tmp_p
     wire: list[bytes] = []
     actors = {}
 
-    def initial_cluster(launcher: onray.RayLauncher) -> ClusterSpec:
+    def place(starter: onray.RayActors, num_ps: int, num_workers: int, first_port: int | None) -> ClusterSpec:
         for name in ("ps:0", "worker:0"):
-            actors[name] = launcher._actors[name] = Recorded(onray.TaskActor(), wire)
+            actors[name] = starter._actors[name] = Recorded(onray.TaskActor(), wire)
         return ClusterSpec({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]})
 
-    monkeypatch.setattr(onray.RayLauncher, "_initial_cluster", initial_cluster)
-    launcher = onray.RayLauncher(JobConfig(script=str(script), backend="ray", ps=1, workers=1).validate(),
-                                 out=io.StringIO())
+    monkeypatch.setattr(onray.RayActors, "place", place)
+    config = JobConfig(script=str(script), backend="ray", ps=1, workers=1).validate()
+    launcher = Launcher(config, onray.RayActors(config), out=io.StringIO())
     try:
         assert launcher.token == TOKEN
         record = launcher.supervisor.by_name["worker:0"]
-        process = launcher._start_process(record)
+        process = launcher.starter.start(record, launcher.command)
         lines = []
         deadline = time.monotonic() + 60
         while process.returncode is None and time.monotonic() < deadline:
             lines.append(process.readline().decode())
     finally:
-        launcher.connection.close()
+        launcher.starter.connection.close()
     assert process.returncode == 0, lines
     assert f"token {hashlib.sha256(TOKEN.encode()).hexdigest()}\n" in lines
     calls = [pickle.loads(sent)[0] for sent in wire]
@@ -130,4 +131,4 @@ def test_without_cryptography_the_ray_backend_says_how_to_install_it(monkeypatch
 
     monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
     with pytest.raises(ConfigError, match=r"needs the 'cryptography' package .*pip install 'tensorfleet\[ray\]'"):
-        onray.RayLauncher(JobConfig(script=__file__, backend="ray").validate())
+        onray.RayActors(JobConfig(script=__file__, backend="ray").validate())

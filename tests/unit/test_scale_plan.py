@@ -13,10 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from tensorfleet.backends.launcher import Launcher
+from tensorfleet.backends.local import local_launcher
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch.config import JobConfig
-from tensorfleet.launch.local import LocalLauncher
 from tensorfleet.launch.monitor import fleet_tasks, task_role
 from tensorfleet.launch.scaling import LEAVE_TIMEOUT_S, RESIZE_RETRY_S, Scaler, ScaleState
 from tensorfleet.launch.supervisor import Decision, RestartPolicy, Supervisor, TaskRecord
@@ -26,9 +27,9 @@ KILL_GRACE_S = 5.0
 IDLE, TELLING_PS, WAITING_FOR_LEAVERS = ScaleState.IDLE, ScaleState.TELLING_PS, ScaleState.WAITING_FOR_LEAVERS
 
 
-def make_launcher(**fields) -> LocalLauncher:
+def make_launcher(**fields) -> Launcher:
     config = JobConfig(script="job.py", ps=1, workers=2, port=PORT, **fields)
-    return LocalLauncher(config, out=io.StringIO(), interactive=False)
+    return local_launcher(config, out=io.StringIO(), interactive=False)
 
 
 @pytest.mark.parametrize("mode", ["sync", None])

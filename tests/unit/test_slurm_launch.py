@@ -13,7 +13,7 @@ import pytest
 
 from tensorfleet.errors import ConfigError, LaunchError
 from tensorfleet.launch.config import job_config
-from tensorfleet.launch.slurm import OUTPUT_FILE, SlurmLauncher, check_slurm_config, render_sbatch, task_of_rank
+from tensorfleet.backends.slurm import OUTPUT_FILE, SlurmLauncher, check_slurm_config, render_sbatch, task_of_rank
 from tensorfleet.testing.local_cluster import REPO
 
 MNIST = str(REPO / "examples" / "mnist_mlp.py")
@@ -308,7 +308,7 @@ def test_a_requeue_whose_killed_run_shows_failed_for_several_polls_is_not_taken_
     """``scontrol requeue``: Slurm counts the requeue (Restarts) at once and lists the job FAILED while its killed
     step ends (up to KillWait, 30 s), then pending and running again. An ended state is believed only against the
     count seen when the job last turned live: not during the requeue, at once when the rerun ends."""
-    from tensorfleet.launch import slurm
+    from tensorfleet.backends import slurm
 
     launcher, _ = following(tmp_path)
     slurm_says = {"state": "RUNNING", "restarts": 0}

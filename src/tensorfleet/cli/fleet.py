@@ -125,13 +125,13 @@ def run_launch(args: argparse.Namespace, line: CommandLine) -> int:
     config = _job_config(args, line)
     # The tasks' gRPC errors are worth keeping: the launcher routes them to the task's log file.
     config.env.setdefault(GRPC_VERBOSITY, line.task_grpc_verbosity)
-    from tensorfleet.launch.engines import launch, runs_on_this_machine  # paid by this command only
+    from tensorfleet import backends
+    from tensorfleet.backends import launcher  # the launcher loop and the engines load for this command only
+    from tensorfleet.cluster import machine
 
-    if runs_on_this_machine(config):
-        from tensorfleet.launch.local import usable_cores
-
-        _warn_if_oversubscribed(config.ps, config.workers, usable_cores(), dry_run=args.dry_run)
-    return launch(config, dry_run=args.dry_run, progress_every_s=args.progress_every)
+    if backends.load(config.backend).runs_on_this_machine(config):
+        _warn_if_oversubscribed(config.ps, config.workers, machine.usable_cores(), dry_run=args.dry_run)
+    return launcher.launch(config, dry_run=args.dry_run, progress_every_s=args.progress_every)
 
 
 def _job_config(args: argparse.Namespace, line: CommandLine) -> JobConfig:
@@ -272,7 +272,7 @@ def _add_slurm(commands: argparse._SubParsersAction) -> None:
 
 
 def run_slurm(args: argparse.Namespace, line: CommandLine) -> int:
-    from tensorfleet.launch.slurm import check_slurm_config, rendered_script
+    from tensorfleet.backends.slurm import check_slurm_config, rendered_script
 
     if args.target is None:
         line.parser.error(f"a SCRIPT or a job file (job.yaml / job.toml) is needed; usage: {line.parser.usage}")

@@ -1,6 +1,6 @@
 """What a task learns from the environment the launcher gives it.
 
-``tensorfleet launch`` (``launch/local.py``) starts every task with, besides ``TF_CONFIG``:
+``tensorfleet launch`` (``backends/launcher.py``) starts every task with, besides ``TF_CONFIG``:
 
 * ``TENSORFLEET_STATUS_DIR``: the job's log directory, where a task leaves its last Status as it
   exits (``worker/status.py``, ``write_final_status``), so that the launcher's summary and

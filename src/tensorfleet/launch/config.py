@@ -33,6 +33,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from tensorfleet import backends
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch.supervisor import RESTART_MODES, RestartPolicy
 
@@ -65,7 +66,7 @@ class JobConfig:
     port: int | None = None  # first task port (tasks take port, port+1, ...); None: free ports
     name: str | None = None  # None: the script's file name without .py
     env: dict[str, str] = field(default_factory=dict)
-    backend: str = "local"  # where the tasks run: "local" (processes of this machine), "ray" or "slurm" (clusters)
+    backend: str = "local"  # the engine the tasks run on: a name of backends.ENGINES ("local", "ray", "slurm")
     ray_address: str | None = None  # backend ray: the cluster to join (None: a local Ray started for the job)
     ray_placement: str = "spread"  # backend ray: "spread" the tasks over the nodes, or "pack" them on few
     # backend ray: seconds a task whose node died waits for another node before the job stops (None: 300)
@@ -116,8 +117,7 @@ class JobConfig:
                                                      for k, v in self.env.items()):
             raise ConfigError(f"env must map names to strings, e.g. {{OMP_NUM_THREADS: '1'}}, got {self.env!r}")
         check_env_strings(self.env)
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"backend {self.backend!r} is not valid: use one of {', '.join(BACKENDS)}")
+        engine = backends.entry(self.backend)  # ConfigError naming the valid ones
         if self.ray_placement not in RAY_PLACEMENTS:
             raise ConfigError(f"ray_placement {self.ray_placement!r} is not valid: use one of "
                               f"{', '.join(RAY_PLACEMENTS)}")
@@ -128,20 +128,18 @@ class JobConfig:
                 or not 0 < self.ray_replace_timeout <= 86400):
             raise ConfigError(f"ray_replace_timeout must be a number of seconds in (0, 86400], got "
                               f"{self.ray_replace_timeout!r}")
-        if self.backend != "ray" and (self.ray_address is not None or self.ray_placement != "spread"
-                                      or self.ray_replace_timeout is not None):
-            raise ConfigError("ray_address, ray_placement and ray_replace_timeout are for backend ray: add --backend "
-                              "ray (or 'backend: ray' in the job file)")
+        for other in backends.ENGINES.values():  # the settings of another engine than the job's
+            given = [name for name, unset in other.options if getattr(self, name) != unset]
+            if other.name != self.backend and given:
+                raise ConfigError(f"{', '.join(given)}: for backend {other.name} (as "
+                                  f"{', '.join(name for name, _ in other.options)} are): add --backend {other.name} "
+                                  f"(or 'backend: {other.name}' in the job file)")
         if not isinstance(self.coordinator, bool) and self.coordinator != "outside":
             raise ConfigError(f"coordinator must be true, false or 'outside', got {self.coordinator!r}")
-        if self.coordinator and (self.backend != "local" or self.gpus_per_worker):
-            raise ConfigError("coordinator: in-graph replication runs on the local backend, on CPUs, for now: drop "
-                              "the other backend or --gpus-per-worker")
-        slurm = {"slurm_partition": self.slurm_partition, "slurm_nodes": self.slurm_nodes,
-                 "slurm_time": self.slurm_time}
-        if self.backend != "slurm" and any(value is not None for value in slurm.values()):
-            raise ConfigError(f"{', '.join(k for k, v in slurm.items() if v is not None)}: for backend slurm: add "
-                              "--backend slurm (or 'backend: slurm' in the job file)")
+        if self.coordinator and (not engine.in_graph or self.gpus_per_worker):
+            in_graph = [name for name, known in backends.ENGINES.items() if known.in_graph]
+            raise ConfigError(f"coordinator: in-graph replication runs on the {' and '.join(in_graph)} backend, on "
+                              "CPUs, for now: drop the other backend or --gpus-per-worker")
         if self.slurm_nodes is not None:
             _check_int("slurm_nodes", self.slurm_nodes, minimum=1, maximum=self.ps + self.workers)
         for name in ("slurm_partition", "slurm_time"):
@@ -155,7 +153,7 @@ class JobConfig:
 
 
 FIELDS = {f.name for f in dataclasses.fields(JobConfig)}
-BACKENDS = ("local", "ray", "slurm")
+BACKENDS = tuple(backends.ENGINES)  # the engines a job may run on (backends/__init__.py, the registry)
 RAY_PLACEMENTS = ("spread", "pack")
 
 

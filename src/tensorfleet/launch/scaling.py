@@ -48,7 +48,7 @@ class ScaleState(Enum):
 
 
 class Fleet(Protocol):
-    """What the scaler asks of the launcher, which owns the processes (``LocalLauncher``)."""
+    """What the scaler asks of the launcher, which owns the processes (``backends/launcher.py``'s ``Launcher``)."""
 
     def start_worker(self, record: TaskRecord) -> None:
         """Start the process of a worker added to the cluster (its record is the supervisor's already)."""

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch.config import FIELDS, JobConfig, load_job_file
-from tensorfleet.launch.local import usable_cores
+from tensorfleet.cluster.machine import usable_cores
 from tensorfleet.service.accounts import User
 from tensorfleet.service.environment import check_job_env
 from tensorfleet.service.backend import Backend, LogChunk, TaskView

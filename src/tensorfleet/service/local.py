@@ -29,7 +29,7 @@ from tensorfleet.service.store import ACTIVE, JobRecord, JobState, JobStore
 
 LAUNCHER_TASK = "launcher"  # the pseudo-task whose log is the runner's own output
 TASK_NAME = re.compile(r"^(ps|worker):\d{1,4}$")  # what a task may be called before the runner lists them
-TASK_LOG = re.compile(r"^(ps|worker)-(\d{1,4})\.log$")  # a task's log in the job's folder (LocalLauncher.log_path)
+TASK_LOG = re.compile(r"^(ps|worker)-(\d{1,4})\.log$")  # a task's log in the job's folder (Launcher.log_path)
 REMOVED = "removed"  # the state of a task scaled away
 
 

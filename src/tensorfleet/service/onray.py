@@ -1,5 +1,5 @@
 """The job service's Ray backend (``tensorfleet serve --ray-address ADDR``): each job is a runner process on this
-machine, as a local job's is, whose launcher is the Ray launcher (``launch/onray.py``): its tasks run on the
+machine, as a local job's is, whose launcher is the Ray launcher (``backends/ray.py``): its tasks run on the
 cluster's nodes, one actor each.
 
 Everything the service shows and does through a runner stays as for local jobs: the job's folder on this machine
@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tensorfleet.service.local import LocalBackend
-from tensorfleet.service.runner import RAY_ADDRESS_ENV, TASKS_FILE
+from tensorfleet.backends.ray import SERVICE_RAY_ADDRESS_ENV
+from tensorfleet.service.runner import TASKS_FILE
 from tensorfleet.service.store import JobRecord, JobStore
 
 
@@ -39,14 +40,14 @@ class RayBackend(LocalBackend):
     records_its_stop = False  # a stop is recorded when asked
 
     def __init__(self, store: JobStore, address: str) -> None:
-        from tensorfleet.launch.onray import RayConnection
+        from tensorfleet.backends.ray import RayConnection  # needs the 'ray' package
 
         super().__init__(store)
         self.address = address
         self.connection = RayConnection(address, num_cpus=0, num_gpus=0)  # ConfigError: it says why, at once
 
     def runner_env(self) -> dict[str, str]:
-        return {RAY_ADDRESS_ENV: self.address}
+        return {SERVICE_RAY_ADDRESS_ENV: self.address}
 
     def fits(self, job: JobRecord, active: Sequence[JobRecord]) -> bool:
         """Whether the cluster has room for ``job`` now: its free resources, less what this service's Ray jobs

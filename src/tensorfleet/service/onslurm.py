@@ -1,5 +1,5 @@
 """The job service's Slurm backend (``tensorfleet serve --slurm``, on a Slurm login node): each job is a runner
-process on this machine, as a local job's is, whose launcher is the Slurm launcher (``launch/slurm.py``): it
+process on this machine, as a local job's is, whose launcher is the Slurm launcher (``backends/slurm.py``): it
 submits the job's batch script, follows it, and writes each task's log into the job's folder.
 
 Slurm queues the jobs itself, so the service admits a Slurm job at once. Stop reaches the runner, which cancels
@@ -14,8 +14,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from tensorfleet.backends.slurm import COMMAND_TIMEOUT_S, JOB_ID_FILE
 from tensorfleet.errors import ConfigError
-from tensorfleet.launch.slurm import COMMAND_TIMEOUT_S, JOB_ID_FILE
 from tensorfleet.service.local import LocalBackend
 from tensorfleet.service.store import JobRecord, JobStore
 

@@ -1,8 +1,8 @@
 """One local job of the job service, in a process of its own: ``python -m tensorfleet.service.runner STORE JOB``.
 
 The service starts a runner per local job, in a session of its own, and records it running with the
-runner's pid; the runner is the existing launcher (``LocalLauncher``: start the tasks, restart what
-dies, stop them all) plus what the service needs from outside the process:
+runner's pid; the runner is the job's engine (``backends/``: the launcher loop starts the tasks, restarts what
+dies, stops them all) plus what the service needs from outside the process:
 
 * it writes the job's state to the store itself (running -> succeeded | failed | stopped), so the
   outcome is recorded even while the service is down, and a restarted service re-attaches by pid;
@@ -34,14 +34,14 @@ from tensorfleet.errors import TensorfleetError
 from tensorfleet.service.store import JobState, JobStore
 
 if TYPE_CHECKING:
+    from tensorfleet.backends.api import Engine
+    from tensorfleet.backends.launcher import Launcher
     from tensorfleet.launch.config import JobConfig
-    from tensorfleet.launch.local import LocalLauncher
 
 MODULE = "tensorfleet.service.runner"
 PICTURE_FILE = "picture.json"
 READY_FILE = "runner.ready"  # written once SIGTERM is the runner's to handle: before it, a signal would kill it
 TASKS_FILE = "tasks.json"
-RAY_ADDRESS_ENV = "TENSORFLEET_SERVICE_RAY_ADDRESS"  # the cluster, for a Ray job's runner (service/onray.py sets it)
 LAUNCHER_LOG = "launcher.log"
 TICK_S = 1.0
 CLAIM_WAIT_S = 30.0  # how long a new runner waits for the service to record it running
@@ -137,8 +137,8 @@ def last_error(log: Path) -> str | None:
 
 
 class JobRunner:
-    """Runs job ``job_id`` of ``store`` with a LocalLauncher (a RayLauncher for the Ray backend's jobs), keeping
-    the store and the job's folder current."""
+    """Runs job ``job_id`` of ``store`` on its engine (the launcher loop over the engine's starter, or the engine's
+    submitter: a Slurm job), keeping the store and the job's folder current."""
 
     def __init__(self, store: JobStore, job_id: int) -> None:
         self.store = store
@@ -168,7 +168,9 @@ class JobRunner:
         return Path(self.job.logdir)
 
     def run(self) -> int:
-        from tensorfleet.launch.local import LocalLauncher  # after main() took SIGTERM over: see there
+        from tensorfleet import backends  # after main() took SIGTERM over: see there
+        from tensorfleet.backends.launcher import Launcher
+
         if self.store.get(self.job_id).stop_requested:  # asked before the tasks started: start none
             self._finish(JobState.STOPPED, f"stopped by {self.store.get(self.job_id).stop_requested} before it started")
             return 130
@@ -176,19 +178,16 @@ class JobRunner:
         config.logdir = str(self.jobdir)
         config.dashboard = None
         config.env.setdefault("GRPC_VERBOSITY", "ERROR")
-        if self.job.backend == "slurm":
-            return self._run_on_slurm(config)
-        launcher_class = LocalLauncher
-        if self.job.backend == "ray":  # the service's Ray backend: the cluster its runners were given
-            from tensorfleet.launch.onray import RayLauncher
-
-            config.backend, config.ray_address, launcher_class = "ray", os.environ.get(RAY_ADDRESS_ENV), RayLauncher
-            if not config.ray_address:  # never a local Ray in the runner's place: the job belongs on the cluster
-                self._finish(JobState.FAILED, f"cannot start: the runner of a Ray job has no {RAY_ADDRESS_ENV}")
-                return 1
+        config.backend = self.job.backend
         with open(self.jobdir / LAUNCHER_LOG, "a", encoding="utf-8", buffering=1) as out:
             try:
-                launcher = launcher_class(config, out=out, interactive=False, on_tick=self._tick)
+                engine = backends.load(config.backend)
+                engine.for_service(config, dict(os.environ))
+                engine.check(config)
+                starter = engine.starter(config)
+                if starter is None:
+                    return self._run_submitted(engine, config, out)
+                launcher = Launcher(config, starter, out=out, interactive=False, on_tick=self._tick)
             except TensorfleetError as exc:
                 out.write(f"[launch] cannot start: {exc}\n")
                 self._finish(JobState.FAILED, f"cannot start: {exc}")
@@ -199,46 +198,39 @@ class JobRunner:
         self._finish(*self._outcome(launcher, code))
         return code
 
-    def _run_on_slurm(self, config: JobConfig) -> int:
-        """The service's Slurm backend: submit the job's batch script and follow it (``launch/slurm.py``). The
-        tasks' logs land in the job's folder as a local job's do; the picture is what Slurm and those logs say
-        (``SlurmLauncher.picture``: no live figures)."""
-        from tensorfleet.launch.slurm import SlurmLauncher, check_slurm_config, task_of_rank
-
-        config.backend = "slurm"
-        with open(self.jobdir / LAUNCHER_LOG, "a", encoding="utf-8", buffering=1) as out:
-            try:
-                check_slurm_config(config)
-                launcher = SlurmLauncher(config, out=out,
-                                         on_restart=lambda line: self.store.count_restart(self.job_id, line),
-                                         on_poll=lambda followed: write_json(self.jobdir / PICTURE_FILE,
-                                                                             followed.picture()))
-                command = [sys.executable, str(Path(config.script).resolve()), *config.args]
-                write_tasks(self.jobdir / TASKS_FILE, [
-                    TaskEntry(task, "chief" if task == "worker:0" else task.split(":")[0], command,
-                              {"TENSORFLEET_SLURM_PS": str(config.ps), "SLURM_PROCID": str(rank), **config.env})
-                    for rank, task in enumerate(task_of_rank(r, config.ps) for r in range(config.ps + config.workers))])
-                code = launcher.run()
-            except TensorfleetError as exc:
-                out.write(f"[launch] cannot run on Slurm: {exc}\n")
-                self._finish(JobState.FAILED, f"cannot run on Slurm: {exc}")
-                return 1
+    def _run_submitted(self, engine: Engine, config: JobConfig, out: Any) -> int:
+        """A job whose scheduler runs its tasks (the service's Slurm backend): submitted and followed
+        (``backends/slurm.py``). The tasks' logs land in the job's folder as a local job's do; the picture is what
+        the scheduler and those logs say (no live figures)."""
+        submitter = engine.submitter(config, out=out,
+                                     on_restart=lambda line: self.store.count_restart(self.job_id, line),
+                                     on_poll=lambda followed: write_json(self.jobdir / PICTURE_FILE,
+                                                                         followed.picture()))
+        assert submitter is not None, f"engine {engine.name} gives neither a starter nor a submitter"
+        write_tasks(self.jobdir / TASKS_FILE, [TaskEntry(t.name, t.role, t.command, t.env)
+                                               for t in engine.planned_tasks(config)])
+        try:
+            code = submitter.run()
+        except TensorfleetError as exc:
+            out.write(f"[launch] cannot run on {engine.title}: {exc}\n")
+            self._finish(JobState.FAILED, f"cannot run on {engine.title}: {exc}")
+            return 1
         job = self.store.get(self.job_id)
         if job.stop_requested:
             self._finish(JobState.STOPPED, f"stopped by {job.stop_requested}")
         elif code == 0:
             self._finish(JobState.SUCCEEDED, "every worker finished")
         elif code == 130:
-            self._finish(JobState.STOPPED, f"Slurm job {launcher.job_id} was cancelled")
+            self._finish(JobState.STOPPED, f"{engine.title} job {submitter.job_id} was cancelled")
         else:
             tracebacks = [t for t in (last_error(path) for path in sorted(self.jobdir.glob("*-*.log"))) if t]
-            self._finish(JobState.FAILED, f"Slurm job {launcher.job_id} failed (see launcher.log)" +
+            self._finish(JobState.FAILED, f"{engine.title} job {submitter.job_id} failed (see launcher.log)" +
                          (f"\n{tracebacks[0]}" if tracebacks else ""))
         return code
 
     # --- every second while the job runs -----------------------------------------------------
 
-    def _tick(self, launcher: LocalLauncher, force: bool = False) -> None:
+    def _tick(self, launcher: Launcher, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last_tick < TICK_S:
             return
@@ -262,7 +254,7 @@ class JobRunner:
             except TensorfleetError as exc:
                 self.store.add_event(self.job_id, "scale-refused", str(exc))
 
-    def _write_tasks(self, launcher: LocalLauncher) -> None:
+    def _write_tasks(self, launcher: Launcher) -> None:
         """Every task the job has had: its current process's command and environment (as it was started: a
         scale changes the cluster, not what a running task was given), and ``removed`` once scaled away."""
         from tensorfleet.wire import auth
@@ -277,13 +269,13 @@ class JobRunner:
         self._tasks_written = self._tasks_key(launcher)
 
     @staticmethod
-    def _tasks_key(launcher: LocalLauncher) -> tuple[int, int]:
+    def _tasks_key(launcher: Launcher) -> tuple[int, int]:
         """What changes when tasks.json must: a process started (new env), or the fleet grew or shrank."""
         return launcher.spawns, len(launcher.tasks)
 
     # --- the end ------------------------------------------------------------------------------
 
-    def _outcome(self, launcher: LocalLauncher, code: int) -> tuple[JobState, str]:
+    def _outcome(self, launcher: Launcher, code: int) -> tuple[JobState, str]:
         job = self.store.get(self.job_id)
         if job.stop_requested:
             return JobState.STOPPED, f"stopped by {job.stop_requested}"

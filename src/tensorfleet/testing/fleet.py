@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
-from tensorfleet.launch.local import local_cluster
+from tensorfleet.cluster.ports import local_cluster
 from tensorfleet.protocol.status import PsStatus
 from tensorfleet.testing.network import Network
 from tensorfleet.wire.rpc import Channel

@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 
 from tensorfleet.cluster.spec import ClusterSpec
 from tensorfleet.errors import UnavailableError
-from tensorfleet.launch.local import local_cluster
+from tensorfleet.cluster.ports import local_cluster
 from tensorfleet.ps.server import Server
 from tensorfleet.wire.rpc import WireOptions
 

@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tensorfleet.launch.local import free_ports
+from tensorfleet.cluster.ports import free_ports
 
 CPUS = 8
 DAEMONS = ("munged", "slurmctld", "slurmd")

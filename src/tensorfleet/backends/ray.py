@@ -1,9 +1,10 @@
 """Run a job's tasks on a Ray cluster (``tensorfleet launch --backend ray``): one actor per task, each starting
 the task's process on its node.
 
-Everything else is the local launcher's (``LocalLauncher``): supervision and the restart policy, the console,
-the log files, events.jsonl, the progress line, the dashboard and /metrics, the exit code and the summary. What
-changes is where a task's process runs and how its output reaches the launcher:
+``RayActors`` is the launcher loop's ``TaskStarter`` (``backends/api.py``): everything else is the loop's
+(``backends/launcher.py``), as for local jobs: supervision and the restart policy, the console, the log files,
+events.jsonl, the progress line, the dashboard and /metrics, the exit code and the summary. What changes is where
+a task's process runs and how its output reaches the launcher:
 
 * **Placement.** A placement group holds one bundle per task (1 CPU each; a worker also its GPUs), all placed
   or none: a job that cannot be placed within ``PLACEMENT_TIMEOUT_S`` says which resources it asked for and
@@ -60,15 +61,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
+from tensorfleet.backends.api import Engine, StillPlacing, TaskStarter, Unplaced
+from tensorfleet.backends.local import local_launcher, with_launcher_death
+from tensorfleet.cluster import machine
+from tensorfleet.cluster.ports import free_ports
 from tensorfleet.cluster.registry import CLUSTER_FILE_ENV, write_cluster
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch.config import JobConfig
-from tensorfleet.launch.local import LocalLauncher, free_ports, visible_gpus, with_launcher_death
 from tensorfleet.launch.sealed import Opener, require, seal
 from tensorfleet.launch.supervisor import TaskRecord
 from tensorfleet.wire.auth import TOKEN_ENV, TOKEN_FILE_ENV
-from tensorfleet.worker.leave import LEAVE_SIGNAL
 
 SUPPORTED_RAY = ((2, 60), (2, 61))  # Ray >= 2.60, < 2.61: the pin of the [ray] extra
 SUPPORTED_TEXT = ">=2.60,<2.61"
@@ -85,11 +88,8 @@ OUTPUT_POLL_MAX_S = 1.0  # ... doubling while it stays quiet, up to this
 UNAVAILABLE_S = 120.0  # an actor Ray calls unavailable this long counts as gone (a dead node is known in ~15 s)
 PLACEMENTS = {"spread": "SPREAD", "pack": "PACK"}
 LOOPBACK = "127.0.0.1"  # the node address of a local Ray started for the job: Ray listens there only
+SERVICE_RAY_ADDRESS_ENV = "TENSORFLEET_SERVICE_RAY_ADDRESS"  # a job-service runner's cluster (service/onray.py)
 LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps a node at 127.0.0.1 (see _loopback_ray)
-
-
-class Unplaced(Exception):
-    """A task whose node died was placed on no other node in time (or the job stopped first): why, in words."""
 
 
 def import_ray() -> Any:
@@ -512,14 +512,17 @@ def dead_node(error: Exception) -> str | None:
     return found.group(1) if found else None
 
 
-class RayLauncher(LocalLauncher):
-    """``LocalLauncher`` whose tasks run on a Ray cluster, one actor each (see the module's docstring)."""
+class RayActors(TaskStarter):
+    """Starts each task of a job through an actor of its own on a Ray cluster (see the module's docstring)."""
 
-    def __init__(self, config: JobConfig, *, out: TextIO | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: JobConfig) -> None:
         require()  # the token's sealing (cryptography), checked before Ray starts
+        if config.port is not None:
+            raise ConfigError("--port is for the local backend: on Ray each task's port is picked on its node")
+        self.config = config
         tasks = config.ps + config.workers
         self.connection = RayConnection(config.ray_address, num_cpus=max(os.cpu_count() or 1, tasks),
-                                        num_gpus=visible_gpus())
+                                        num_gpus=machine.visible_gpus())
         self.ray = self.connection.ray
         # A local Ray started for the job is this machine alone: its tasks listen on 127.0.0.1, as local ones do.
         self._host = "127.0.0.1" if self.connection.owned else None
@@ -530,37 +533,26 @@ class RayLauncher(LocalLauncher):
         self.cluster_version = 0  # one more each time a task moves to a new address
         self._added: dict[str, Any] = {}  # a worker added by a scale-up beyond the group's bundles -> its own group
         self._placing: dict[str, Future] = {}  # task -> its new actor being placed (its node died)
-        self._unplaced: list[TaskRecord] = []  # tasks no node took in time: failed, for the loop's next reap
         self.replace_timeout_s = config.ray_replace_timeout or REPLACE_TIMEOUT_S
         self._closing = False
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ray-place")
-        try:
-            super().__init__(config, out=out, **kwargs)
-        except BaseException:
-            self._release()
-            raise
-        # A worker added by a scale-up gets its address where Ray places it (start_worker); until then the
-        # scaler's cluster holds a placeholder, a port free here (the worker's host may not be this machine).
-        self.scaler.free_ports = lambda count, _host: free_ports(count)
 
-    def run(self) -> int:
-        """``LocalLauncher.run``, with Ray's own lines in ``LOGDIR/ray.log`` from the start."""
-        if self.logdir is None:
-            self.logdir = Path(tempfile.mkdtemp(prefix=f"tensorfleet-{self.config.job_name}-"))
-        self.logdir.mkdir(parents=True, exist_ok=True)
-        self.connection.lines.open(self.logdir / RAY_LOG)
-        return super().run()
+    def open(self, logdir: Path) -> None:
+        """Ray's own lines go to ``LOGDIR/ray.log`` from now on (and those held until now)."""
+        self.connection.lines.open(logdir / RAY_LOG)
+
+    def placeholder_ports(self, count: int, host: str) -> list[int]:
+        """A worker added by a scale-up gets its address where Ray places it (``prepare_worker``); until then the
+        cluster holds a placeholder, a port free here (the worker's host may not be this machine)."""
+        return free_ports(count)
 
     # --- placement --------------------------------------------------------------------------------
 
-    def _assign_gpus(self) -> list[str] | None:
-        return None  # Ray gives each worker's actor its GPUs (CUDA_VISIBLE_DEVICES), and its process inherits them
-
-    def task_env(self, task: TaskSpec) -> dict[str, str]:
-        env = super().task_env(task)
-        if self.config.gpus_per_worker and task.job_name == "worker":
-            env["TENSORFLEET_GPUS_PER_WORKER"] = str(self.config.gpus_per_worker)
-        return env
+    def task_env(self, task: TaskSpec, replica: int | None) -> dict[str, str]:
+        """Ray gives each worker's actor its GPUs (CUDA_VISIBLE_DEVICES), and its process inherits them."""
+        if self.config.gpus_per_worker and replica is not None:
+            return {"TENSORFLEET_GPUS_PER_WORKER": str(self.config.gpus_per_worker)}
+        return {}
 
     def _bundles(self) -> list[dict[str, float]]:
         """One bundle per task, ps first then workers: a CPU each, a worker its GPUs."""
@@ -570,11 +562,9 @@ class RayLauncher(LocalLauncher):
         gpus = self.config.gpus_per_worker
         return {"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})}
 
-    def _initial_cluster(self) -> ClusterSpec:
+    def place(self, num_ps: int, num_workers: int, first_port: int | None) -> ClusterSpec:
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        if self.config.port is not None:
-            raise ConfigError("--port is for the local backend: on Ray each task's port is picked on its node")
         bundles = self._bundles()
         strategy = PLACEMENTS[self.config.ray_placement]
         if self._short(bundles, self.ray.cluster_resources()):  # the whole cluster lacks it: no need to wait
@@ -584,7 +574,7 @@ class RayLauncher(LocalLauncher):
             remove_placement_group(self._group)
             self._group = None
             raise ConfigError(self._unplaceable(bundles, strategy))
-        names = [f"ps:{i}" for i in range(self.config.ps)] + [f"worker:{i}" for i in range(self.config.workers)]
+        names = [f"ps:{i}" for i in range(num_ps)] + [f"worker:{i}" for i in range(num_workers)]
         self._bundle_of = {name: index for index, name in enumerate(names)}
         for name in names:
             self._actors[name] = self._new_actor(name)
@@ -623,39 +613,35 @@ class RayLauncher(LocalLauncher):
 
     # --- processes ----------------------------------------------------------------------------------
 
-    def _spawn(self, record: TaskRecord) -> None:
-        """Start the task, unless its actor is still being placed again (its node died): then it is due again in
-        a moment, and the loop goes on meanwhile (Ray takes ~15 s to give up on a node)."""
+    def start(self, record: TaskRecord, command: list[str]) -> "RemoteProcess":
+        """Start the task through its actor; a task whose actor is still being placed again (its node died) is
+        StillPlacing (the loop goes on meanwhile: Ray takes ~15 s to give up on a node), one no node took within
+        ``replace_timeout_s`` is Unplaced (it fails, and the job stops)."""
         placing = self._placing.get(record.name)
+        if placing is not None:
+            if not placing.done():
+                raise StillPlacing(OUTPUT_POLL_S * 5)
+            del self._placing[record.name]
+            self._adopt(record, *placing.result())
         try:
-            if placing is not None:
-                if not placing.done():
-                    record.restart_at = time.monotonic() + OUTPUT_POLL_S * 5
-                    return
-                del self._placing[record.name]
-                self._adopt(record, *placing.result())
-            super()._spawn(record)
-        except Unplaced as exc:  # no node took it within replace_timeout_s: it fails, and the job stops
-            self.supervisor.gave_up(record.name, str(exc))
-            self._unplaced.append(record)
-
-    def _reap(self) -> list[TaskRecord]:
-        """``LocalLauncher._reap``, and the tasks no node took (``_spawn``): they failed for good too."""
-        failed, self._unplaced = super()._reap() + self._unplaced, []
-        return failed
+            pid = self._start_on_actor(record, command)
+        except self.ray.exceptions.RayActorError:  # its node died just now: place it again, here and now
+            self._adopt(record, *self._place_again(record.name, record.address))
+            pid = self._start_on_actor(record, command)
+        return RemoteProcess(self.ray, self._actors[record.name], pid,
+                             on_gone=lambda error, name=record.name: self._actor_gone(name, error))
 
     def _actor_gone(self, name: str, error: Exception) -> None:
         """A task's actor died (its node with it, mostly): its exit is told as lost, and a new actor is placed now,
         while its restart waits."""
-        record = self.supervisor.by_name.get(name)
-        if record is None:
-            return
         died, node = dead_node(error), self.nodes.get(name)
         how = (f"lost with its node (node id {died or node})" if died or not self._alive(node) else
                f"lost with its Ray actor (on node id {node})")
-        self.supervisor.lost(name, how)
+        self.host.task_lost(name, how)
         if name not in self._placing:
-            self._placing[name] = self._pool.submit(self._place_again, name, record.address)
+            job, _, index = name.partition(":")
+            self._placing[name] = self._pool.submit(self._place_again, name,
+                                                    self.host.cluster.task_address(job, int(index)))
 
     def _alive(self, node: str | None) -> bool:
         """Whether Ray counts ``node`` as alive."""
@@ -664,23 +650,15 @@ class RayLauncher(LocalLauncher):
         except Exception:  # noqa: BLE001 - the cluster cannot say: not known to be alive
             return False
 
-    def _start_process(self, record: TaskRecord) -> RemoteProcess:
-        try:
-            pid = self._start_on_actor(record)
-        except self.ray.exceptions.RayActorError:  # its node died just now: place it again, here and now
-            self._adopt(record, *self._place_again(record.name, record.address))
-            pid = self._start_on_actor(record)
-        return RemoteProcess(self.ray, self._actors[record.name], pid,
-                             on_gone=lambda error, name=record.name: self._actor_gone(name, error))
-
-    def _start_on_actor(self, record: TaskRecord) -> int:
+    def _start_on_actor(self, record: TaskRecord, command: list[str]) -> int:
         """Start the task's process through its actor, with the cluster as it is now (the task may have moved).
         The job token goes sealed to the actor's key, never in the environment sent (see the module)."""
         actor = self._actors[record.name]
-        script = str(Path(self.config.script).resolve())
-        env = {key: value for key, value in self.task_env(record.task).items() if key != TOKEN_ENV}
-        token = seal(self.token, self.ray.get(actor.public_key.remote()))
-        start = actor.start.remote([script, *self.config.args], env, os.getcwd(), self.cluster.as_dict(),
+        # The command less this machine's Python (command[0]): the node's runs the script, at the same path there.
+        script_and_args = [str(Path(command[1]).resolve()), *command[2:]]
+        env = self.host.task_env(record.task)
+        token = seal(env.pop(TOKEN_ENV), self.ray.get(actor.public_key.remote()))
+        start = actor.start.remote(script_and_args, env, os.getcwd(), self.host.cluster.as_dict(),
                                    self.cluster_version, token)
         return self.ray.get(start)
 
@@ -719,13 +697,12 @@ class RayLauncher(LocalLauncher):
         tasks started from now on and the monitor use it; every running task's actor gets it for the task's
         cluster file, where a worker whose ps stopped answering finds the ps's new address
         (``PsClient._follow``)."""
-        jobs = self.cluster.as_dict()
-        jobs[record.task.job_name][record.task.index] = address
-        self.scaler.cluster = ClusterSpec.from_dict(jobs)
+        old = record.address
         self.cluster_version += 1
-        self.console.line(f"[launch] {record.name} moves from {record.address} to {address} ({why}); "
-                          f"the cluster is now version {self.cluster_version}")
-        record.address = address
+        self.host.task_moved(record.name, address)
+        self.host.say(f"[launch] {record.name} moves from {old} to {address} ({why}); "
+                      f"the cluster is now version {self.cluster_version}")
+        jobs = self.host.cluster.as_dict()
         told = [actor.set_cluster.remote(jobs, self.cluster_version)
                 for name, actor in self._actors.items() if name != record.name]
         for answer in told:
@@ -733,23 +710,17 @@ class RayLauncher(LocalLauncher):
                 self.ray.get(answer, timeout=PORT_WAIT_S)
             except (self.ray.exceptions.RayError, self.ray.exceptions.GetTimeoutError):
                 pass  # that actor's node is gone too: it gets the cluster when its task starts again
-        self.fleet_changed()
 
-    def _placement(self, record: TaskRecord) -> dict[str, str]:
-        node = self.nodes.get(record.name)
-        return {"node": node, "address": record.address} if node else {}
-
-    def signal_group(self, name: str, sig: int) -> None:
-        process = self.processes.get(name)
-        if isinstance(process, RemoteProcess):
-            process.signal(sig)
+    def placement(self, name: str, address: str) -> dict[str, str]:
+        node = self.nodes.get(name)
+        return {"node": node, "address": address} if node else {}
 
     # --- scaling (the Scaler decides, as for local jobs; these place and release the workers) ------------------
 
-    def _reserve_for_workers(self, workers: int) -> None:
+    def reserve_for_workers(self, workers: int, current: int) -> None:
         """Refuse at once a scale-up the cluster has no room for now: a bundle per added worker that has none
         held for it (the job's group keeps the bundles of workers that left)."""
-        added = len([i for i in range(self.cluster.num_tasks("worker"), workers)
+        added = len([i for i in range(current, workers)
                      if f"worker:{i}" not in self._bundle_of and f"worker:{i}" not in self._added])
         if added <= 0:
             return
@@ -760,7 +731,7 @@ class RayLauncher(LocalLauncher):
                 f"{key}: needs {amount:g}, {free.get(key, 0):g} free" for key, amount in short.items()) +
                 ". Add nodes, or scale by fewer")
 
-    def start_worker(self, record: TaskRecord) -> None:
+    def prepare_worker(self, record: TaskRecord) -> None:
         """An added worker: its actor in a bundle of the job's group (one a leaver freed) or of a group of its
         own, on the node Ray picks; the worker's address is the one picked there."""
         if record.name not in self._bundle_of and record.name not in self._added:
@@ -780,20 +751,11 @@ class RayLauncher(LocalLauncher):
             address = f"{place['host']}:{place['port']}"
             if address != record.address:
                 self._move(record, address, why="placed by Ray for the scale-up")
-        self._spawn(record)
 
-    def signal_leave(self, name: str) -> bool:
-        process = self.processes.get(name)
-        if not isinstance(process, RemoteProcess) or process.poll() is not None:
-            return False
-        return process.signal(LEAVE_SIGNAL, group=False)  # the task's own process (tower 0), as locally
-
-    def fleet_changed(self) -> None:
+    def fleet_changed(self, names: set[str]) -> None:
         """After a scale-down: the leavers' actors go, and the groups of added workers with them (a bundle of
         the job's own group stays, for a later scale-up)."""
-        super().fleet_changed()
-        current = {task.short for task in self.tasks}
-        for name in [n for n in self._actors if n not in current]:
+        for name in [n for n in self._actors if n not in names]:
             self._kill_actor(self._actors.pop(name))
             group = self._added.pop(name, None)
             if group is not None:
@@ -807,14 +769,10 @@ class RayLauncher(LocalLauncher):
         except Exception:  # noqa: BLE001 - already gone with its node
             pass
 
-    def stop(self) -> None:
-        try:
-            super().stop()
-        finally:
-            self._release()
-
-    def _release(self) -> None:
+    def release(self) -> None:
         """Kill the actors (their processes die with them), remove the placement group, leave Ray."""
+        if self._closing:
+            return
         self._closing = True  # a placement under way gives up at its next try
         self._pool.shutdown(wait=False, cancel_futures=True)
         for placing in self._placing.values():  # an actor placed for a task that will not start now
@@ -835,3 +793,36 @@ class RayLauncher(LocalLauncher):
                     pass
         self._group, self._added = None, {}
         self.connection.close()
+
+
+class RayEngine(Engine):
+    name = "ray"
+    title = "Ray"
+
+    def check(self, config: JobConfig) -> None:
+        if config.port is not None:
+            raise ConfigError("--port is for the local backend: on Ray each task's port is picked on its node")
+
+    def runs_on_this_machine(self, config: JobConfig) -> bool:
+        return config.ray_address is None  # a local Ray started for the job: this machine's cores
+
+    def for_service(self, config: JobConfig, environ: dict[str, str]) -> None:
+        """The service's Ray backend: the cluster its runners were given; never a local Ray in the runner's
+        place (the job belongs on the cluster)."""
+        config.ray_address = environ.get(SERVICE_RAY_ADDRESS_ENV)
+        if not config.ray_address:
+            raise ConfigError(f"the runner of a Ray job has no {SERVICE_RAY_ADDRESS_ENV}")
+
+    def dry_run_text(self, config: JobConfig) -> str:
+        # A job on a Ray cluster takes its GPUs there: this machine's are not the ones to count.
+        gpus = config.gpus_per_worker * config.workers if config.ray_address is not None else None
+        text = local_launcher(config, gpus_available=gpus).dry_run_text()
+        return (f"backend ray: {config.ray_address or 'a local Ray started for the job'}, placement "
+                f"{config.ray_placement}, one actor per task (1 CPU each; a worker also its GPUs); the addresses "
+                f"below are placeholders: each task's port is picked on its node\n{text}")
+
+    def starter(self, config: JobConfig) -> RayActors:
+        return RayActors(config)
+
+
+ENGINE = RayEngine()

@@ -1,24 +1,25 @@
-"""Run a job as local processes on 127.0.0.1: start every task, restart what dies, report, tear down.
+"""The one launcher loop: start every task of a job through its engine's starter, restart what dies, report,
+tear down.
 
-Each task is ``python SCRIPT ARGS`` with its own ``TF_CONFIG`` and the job's secret
-token (``TENSORFLEET_TOKEN``, in the environment, not on the command line), in a process group
-of its own (so a Ctrl-C reaches the launcher, which then stops every task in order,
-rather than racing the tasks), and dies with the launcher: a parent-death signal
-(Linux, see ``with_launcher_death``) ends it even if the launcher is SIGKILLed.  Its output goes to
-``LOGDIR/worker-1.log`` and to the console, prefixed with the task (``[worker:1] ...``;
-see ``output.py`` for what is held back); every start, exit, restart and give-up is
-appended to ``LOGDIR/events.jsonl``.
+The engine (``backends/api.py``'s ``TaskStarter``: local processes, Ray actors) decides where a task's process
+runs and how it is started and signalled; everything else is this loop's, for every engine alike. Each task is
+``python SCRIPT ARGS`` with its own ``TF_CONFIG`` and the job's secret token (``TENSORFLEET_TOKEN``, in the
+environment, not on the command line). Its output goes to ``LOGDIR/worker-1.log`` and to the console, prefixed
+with the task (``[worker:1] ...``; see ``launch/output.py`` for what is held back); every start, exit, restart and
+give-up is appended to ``LOGDIR/events.jsonl``.
 
-The ``Supervisor`` decides (restart with backoff, or give up); the ``FleetMonitor``
-polls every task's Status for the progress line, the dashboard and the state
-"running".  The job is over when every worker is done: the ps tasks then exit by
-themselves (each worker's Done tells them) or are stopped after a grace period.
-A task that fails for good stops the job, since the others could only wait for it.
+The ``Supervisor`` decides (restart with backoff, or give up); the ``FleetMonitor`` polls every task's Status for
+the progress line, the dashboard and the state "running". The job is over when every worker is done: the ps tasks
+then exit by themselves (each worker's Done tells them) or are stopped after a grace period. A task that fails for
+good stops the job, since the others could only wait for it.
 
-An asynchronous job can be scaled while it runs (``scale_workers``, called from the
-supervising thread: the ``on_tick`` hook).  The ``Scaler`` (``scaling.py``) decides the
-order of the steps and owns the cluster, which it changes; the launcher is its ``Fleet``:
-it starts the added workers, signals the leavers and tells each ps the count.
+An asynchronous job can be scaled while it runs (``scale_workers``, called from the supervising thread: the
+``on_tick`` hook). The ``Scaler`` (``launch/scaling.py``) decides the order of the steps and owns the cluster,
+which it changes; the launcher is its ``Fleet``: it starts the added workers, signals the leavers and tells each
+ps the count.
+
+``launch(config)`` runs a job on its engine (``tensorfleet launch``): this loop over the engine's starter, or the
+engine's own submitter (a Slurm job).
 """
 
 from __future__ import annotations
@@ -27,17 +28,19 @@ import json
 import os
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable, TextIO
+from typing import Callable, TextIO
 
+from tensorfleet import backends
+from tensorfleet.backends.api import StillPlacing, TaskProcess, TaskStarter, Unplaced
 from tensorfleet.cluster.environment import (COORDINATOR_FILE, COORDINATOR_TOKEN_FILE, IN_GRAPH_ENV, LOGDIR_ENV,
                                              STATUS_DIR_ENV)
+from tensorfleet.cluster.machine import busy_poll_for
+from tensorfleet.cluster.ports import taken_ports
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, parse_address
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch.config import DENSE_ENV, JobConfig
@@ -57,111 +60,73 @@ KILL_GRACE_S = 5.0
 LOOP_S = 0.1
 FAILED_LOG_LINES = 12  # the tail of a failed task's log shown in the summary
 SECRET_SHOWN = "<the job's secret token>"  # what --dry-run prints instead of the token
-BUSY_POLL_US = 2000  # the polling budget of each data connection when every task has a core of its own
 PUMP_JOIN_S = 2.0  # how long an exit waits for the rest of the task's output
-_PR_SET_PDEATHSIG = 1
 RESIZE_TIMEOUT_S = 1.0  # one Resize call to a ps, made from the supervising loop
 HAND_OVER_RISK = ("another user could have made the file the job token is written to, or plant a coordinator.json "
                   "naming their fleet")
 
 
-def usable_cores() -> int:
-    """The cores this process (and so the tasks it starts) may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def launch(config: JobConfig, *, out: TextIO | None = None, dry_run: bool = False,
+           progress_every_s: float = 10.0) -> int:
+    """Run the job of ``config`` on its engine (or print what would start); return the exit code."""
+    out = out or sys.stdout  # looked up now: a default bound at import would miss a replaced sys.stdout
+    engine = backends.load(config.backend)
+    engine.check(config)
+    if dry_run:
+        out.write(engine.dry_run_text(config) + "\n")
+        return 0
+    starter = engine.starter(config)
+    if starter is not None:
+        return Launcher(config, starter, out=out, progress_every_s=progress_every_s).run()
+    submitter = engine.submitter(config, out=out)
+    assert submitter is not None, f"engine {engine.name} gives neither a starter nor a submitter"
+    return submitter.run()
 
 
-def busy_poll_for(num_tasks: int) -> int:
-    """The polling budget of the data connections of a job of ``num_tasks`` tasks on this machine: only if
-    every task has a core of its own, since polling keeps a core busy while it waits
-    (see ``tensorfleet.wire.frame.Reader``)."""
-    return BUSY_POLL_US if num_tasks <= usable_cores() else 0
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports that were free a moment ago (bound to port 0, then released)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def taken_ports(ports: Iterable[int], host: str = "127.0.0.1") -> list[int]:
-    """The ``ports`` of ``host`` that a task could not listen on now: another process holds them."""
-    taken = []
-    for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            # As the tasks' servers do: a port a finished job left in TIME_WAIT is free for them.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, port))
-            except OSError:
-                taken.append(port)
-    return taken
-
-
-def local_cluster(num_ps: int, num_workers: int, host: str = "127.0.0.1", *,
-                  first_port: int | None = None) -> ClusterSpec:
-    """A cluster of ``num_ps`` ps and ``num_workers`` workers on ``host``: free ports, or consecutive ones."""
-    count = num_ps + num_workers
-    ports = free_ports(count, host) if first_port is None else list(range(first_port, first_port + count))
-    return ClusterSpec.from_dict({"ps": [f"{host}:{p}" for p in ports[:num_ps]],
-                                  "worker": [f"{host}:{p}" for p in ports[num_ps:]]})
-
-
-def visible_gpus() -> int:
-    """How many CUDA devices this machine offers (torch is imported only when GPUs are asked for)."""
-    import torch
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def gpu_assignment(gpus_per_worker: int, num_workers: int, available: int) -> list[str]:
-    """``CUDA_VISIBLE_DEVICES`` for each worker: disjoint blocks of ``gpus_per_worker`` devices."""
-    needed = gpus_per_worker * num_workers
-    if needed > available:
-        raise ConfigError(f"--gpus-per-worker {gpus_per_worker} with {num_workers} worker(s) needs {needed} GPU(s); "
-                          f"this machine has {available}. Use fewer workers or GPUs per worker, or 0 to train on CPU")
-    return [",".join(str(gpus_per_worker * w + g) for g in range(gpus_per_worker)) for w in range(num_workers)]
-
-
-class LocalLauncher:
-    """Runs one job from a ``JobConfig``; ``run()`` returns the job's exit code.
+class Launcher:
+    """Runs one job from a ``JobConfig`` through its engine's ``starter``; ``run()`` returns the job's exit code.
 
     Args:
         config: the validated job settings.
+        starter: where and how the tasks' processes start (``backends/local.py``'s, ``backends/ray.py``'s).
         out: where the console lines go.
         interactive: redraw the progress line in place (default: when ``out`` is a terminal).
         progress_every_s: how often the progress line is printed when not interactive.
+        on_tick: called from the supervising loop, about every ``LOOP_S`` (the job service's hook).
+        clock, sleep: the loop's time (tests pass fake ones; the supervisor and the scaler share the clock).
     """
 
-    def __init__(self, config: JobConfig, *, out: TextIO | None = None, interactive: bool | None = None,
-                 progress_every_s: float = 10.0, gpus_available: int | None = None,
-                 on_tick: Callable[["LocalLauncher"], None] | None = None) -> None:
+    def __init__(self, config: JobConfig, starter: TaskStarter, *, out: TextIO | None = None,
+                 interactive: bool | None = None, progress_every_s: float = 10.0,
+                 on_tick: Callable[["Launcher"], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
         self.config = config
-        self.on_tick = on_tick  # called from the supervising loop, about every LOOP_S (the job service's hook)
+        self.starter = starter
+        self.on_tick = on_tick
+        self.clock, self.sleep = clock, sleep
         self.failed: list[TaskRecord] = []  # the tasks that failed for good, once run() has returned
-        cluster = self._initial_cluster()
+        self._unplaced: list[TaskRecord] = []  # tasks the starter found no place for: failed, at the next reap
+        starter.attach(self)
+        try:
+            cluster = self._initial_cluster()
+        except BaseException:
+            starter.release()
+            raise
         self.tasks = fleet_tasks(cluster)
-        self._gpus_available = gpus_available
-        self._gpus = self._assign_gpus()
         self.console = Console(out or sys.stdout, interactive=interactive, every_s=progress_every_s)
         self.logdir = Path(config.logdir) if config.logdir else None
         records = [TaskRecord(t, cluster.task_address(t.job_name, t.index), task_role(cluster, t),
                               outside=config.coordinator == "outside" and t.job_name == "chief")
                    for t in self.tasks]
-        self.supervisor = Supervisor(records, config.restart_policy)
+        self.supervisor = Supervisor(records, config.restart_policy, clock=clock)
         # Scaling (see scaling.py): the worker count asked for, the steps towards it, and so the cluster.
-        self.scaler = Scaler(cluster, self.supervisor, self, free_ports=free_ports, kill_grace_s=KILL_GRACE_S)
+        self.scaler = Scaler(cluster, self.supervisor, self, free_ports=starter.placeholder_ports,
+                             kill_grace_s=KILL_GRACE_S, clock=clock)
         # A new secret per job (or the one this launcher was given): every task requires it of every caller.
         self.token = auth.job_token() or auth.new_token()
         self.monitor = FleetMonitor(self.cluster, job_name=config.job_name, mode=config.mode,
                                     supervisor=self.supervisor, options=WireOptions(token=self.token))
-        self.processes: dict[str, subprocess.Popen] = {}
+        self.processes: dict[str, TaskProcess] = {}
         self.output = TaskOutput(self.console.line)
         self._pumps: dict[str, threading.Thread] = {}  # the output pump of each task's latest incarnation
         self._events_written = 0
@@ -172,17 +137,11 @@ class LocalLauncher:
         self.started_with: dict[str, dict[str, str]] = {}  # task -> the variables its current process started with
         self.spawns = 0  # processes started so far (restarts and scaled-up workers included)
 
-    def _assign_gpus(self) -> list[str] | None:
-        """Each worker's CUDA_VISIBLE_DEVICES, by replica (None: no GPUs asked for)."""
-        if not self.config.gpus_per_worker:
-            return None
-        return gpu_assignment(self.config.gpus_per_worker, self.config.workers, self._visible_gpus())
-
     def _initial_cluster(self) -> ClusterSpec:
-        """Where the tasks will listen: free ports on 127.0.0.1 (another backend places them on its nodes); with
-        ``coordinator``, a ``chief`` too: the task that runs the script as the coordinator."""
-        cluster = local_cluster(self.config.ps, self.config.workers + bool(self.config.coordinator),
-                                first_port=self.config.port)
+        """Where the tasks will listen, as the starter places them; with ``coordinator``, a ``chief`` too: the
+        task that runs the script as the coordinator."""
+        cluster = self.starter.place(self.config.ps, self.config.workers + bool(self.config.coordinator),
+                                     self.config.port)
         if not self.config.coordinator:
             return cluster
         jobs = cluster.as_dict()
@@ -214,12 +173,7 @@ class LocalLauncher:
             env[IN_GRAPH_ENV] = "1"  # a between-graph script (run_task) refuses it rather than train on its own
         if BUSY_POLL_ENV not in os.environ and BUSY_POLL_ENV not in self.config.env:
             env[BUSY_POLL_ENV] = str(busy_poll_for(len(self.tasks)))
-        if self._gpus is not None:
-            if task.job_name == "ps":
-                env["CUDA_VISIBLE_DEVICES"] = ""  # a ps holds variables on the CPU
-            else:
-                env["CUDA_VISIBLE_DEVICES"] = self._gpus[self.cluster.replica_id(task)]
-                env["TENSORFLEET_GPUS_PER_WORKER"] = str(self.config.gpus_per_worker)
+        env.update(self.starter.task_env(task, None if task.job_name == "ps" else self.cluster.replica_id(task)))
         return env
 
     def log_path(self, task: TaskSpec) -> Path:
@@ -252,7 +206,7 @@ class LocalLauncher:
         return [parse_address(self.cluster.task_address(t.job_name, t.index))[1] for t in self.tasks]
 
     def _taken_ports_note(self) -> str:
-        taken = taken_ports(self._task_ports()) if self.config.backend == "local" else []
+        taken = taken_ports(self._task_ports()) if self.starter.listens_here else []
         return f" ({', '.join(map(str, taken))} taken now: a run would refuse to start)" if taken else ""
 
     def check_ports(self) -> None:
@@ -262,7 +216,7 @@ class LocalLauncher:
         Raises:
             ConfigError: naming the taken port(s) and what to do.
         """
-        if self.config.port is None or self.config.backend != "local":
+        if self.config.port is None or not self.starter.listens_here:
             return
         ports = self._task_ports()
         span = f"{ports[0]}..{ports[-1]}" if len(ports) > 1 else str(ports[0])
@@ -278,16 +232,6 @@ class LocalLauncher:
                               "for free ports")
 
     # --- processes ------------------------------------------------------------------------------
-
-    def _visible_gpus(self) -> int:
-        return visible_gpus() if self._gpus_available is None else self._gpus_available
-
-    def _start_process(self, record: TaskRecord) -> subprocess.Popen:
-        """Start the task's process (here, a child of the launcher's in a session of its own); its output on
-        ``stdout``, lines read by ``_pump``."""
-        env = {**os.environ, **self.task_env(record.task)}
-        return subprocess.Popen(with_launcher_death(self.command), env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def _hand_over(self, record: TaskRecord) -> None:
         """A coordinator that joins from outside (``--coordinator-outside``): what it needs to join is left in
@@ -320,13 +264,23 @@ class LocalLauncher:
             self._handed_over.pop().unlink(missing_ok=True)
 
     def _spawn(self, record: TaskRecord) -> None:
+        """Start the task through the starter; one still being placed is due again in a moment, one with no
+        place fails for good (at the next reap)."""
         task = record.task
+        try:
+            process = self.starter.start(record, self.command)
+        except StillPlacing as later:
+            record.restart_at = self.clock() + later.retry_in_s
+            return
+        except Unplaced as exc:
+            self.supervisor.gave_up(record.name, str(exc))
+            self._unplaced.append(record)
+            return
         self.scaler.started(record)  # a ps knows the worker count of its TF_CONFIG
-        process = self._start_process(record)
         self.processes[record.name] = process
         self.started_with[record.name] = self.task_env(task)  # a later scale changes TF_CONFIG, not this process's
         self.spawns += 1
-        placement = self._placement(record)
+        placement = self.starter.placement(record.name, record.address)
         self.supervisor.started(record.name, process.pid, **placement)
         self.output.started(record.name)
         log = self._open_log(record)
@@ -338,11 +292,6 @@ class LocalLauncher:
         where = f" on node {placement['node'][:8]}" if "node" in placement else ""
         self.console.line(f"[launch] started {record.name}{again} (pid {process.pid}{where}) at {record.address}")
 
-    def _placement(self, record: TaskRecord) -> dict[str, str]:
-        """Where the task's process runs, for its "started" event and the console ({"node": ...} on a backend of
-        several machines; nothing here: this machine)."""
-        return {}
-
     def _open_log(self, record: TaskRecord) -> TextIO | None:
         if self.logdir is None:
             return None
@@ -352,7 +301,7 @@ class LocalLauncher:
         log.flush()
         return log
 
-    def _pump(self, name: str, process: subprocess.Popen, log: TextIO | None) -> None:
+    def _pump(self, name: str, process: TaskProcess, log: TextIO | None) -> None:
         assert process.stdout is not None
         try:
             for raw in iter(process.stdout.readline, b""):
@@ -366,8 +315,8 @@ class LocalLauncher:
                 log.close()
 
     def _reap(self) -> list[TaskRecord]:
-        """Feed every exit to the supervisor; return the tasks that failed for good."""
-        failed = []
+        """Feed every exit to the supervisor; return the tasks that failed for good (the unplaced ones too)."""
+        failed, self._unplaced = self._unplaced, []
         for name, process in list(self.processes.items()):
             code = process.poll()
             if code is None:
@@ -379,7 +328,7 @@ class LocalLauncher:
             self._show_output_of_exit(record)
             if decision is Decision.RESTART:
                 self.console.line(f"[launch] {name} {record.how_ended}; restarting in "
-                                  f"{record.restart_at - time.monotonic():.1f} s "
+                                  f"{record.restart_at - self.clock():.1f} s "
                                   f"(restart {record.restarts} of {self.config.max_restarts})")
             elif decision is Decision.FAILED:
                 failed.append(record)
@@ -414,6 +363,7 @@ class LocalLauncher:
             self.logdir = Path(tempfile.mkdtemp(prefix=f"tensorfleet-{self.config.job_name}-"))
         outside = [record for record in self.supervisor.records if record.outside]
         self.logdir.mkdir(parents=True, exist_ok=True, mode=0o700 if outside else 0o777)  # it will hold the token
+        self.starter.open(self.logdir)
         self.monitor.final_status_dir = self.logdir
         try:
             for record in outside:  # first: a logdir that cannot take them is said before anything starts
@@ -465,13 +415,13 @@ class LocalLauncher:
             if self.on_tick is not None:
                 self.on_tick(self)
             self._say_silent_outside()
-            now = time.monotonic()
+            now = self.clock()
             if now - last_progress >= 1.0:
                 last_progress = now
                 picture = self.monitor.picture()
                 if picture["job"]["global_step"] > 0:  # nothing to say before training starts
                     self.console.progress(progress_line(picture))
-            time.sleep(LOOP_S)
+            self.sleep(LOOP_S)
         self.console.line(f"[launch] received {self._interrupted}; stopping every task")
         return []
 
@@ -479,11 +429,11 @@ class LocalLauncher:
         """The workers are done: the ps exit once every replica said Done. A coordinator from outside says it
         when its session ends, which is the user's to decide: for it the ps are waited for (Ctrl-C stops)."""
         outside = [record for record in self.supervisor.records if record.outside]
-        deadline = time.monotonic() + (float("inf") if outside else PS_EXIT_GRACE_S)
-        while self.processes and time.monotonic() < deadline and not self._interrupted:
+        deadline = self.clock() + (float("inf") if outside else PS_EXIT_GRACE_S)
+        while self.processes and self.clock() < deadline and not self._interrupted:
             self._reap()
             self._say_silent_outside()
-            time.sleep(LOOP_S / 2)
+            self.sleep(LOOP_S / 2)
         if not self.processes and all(r.state == "done" for r in self.supervisor.records if r.role == "ps"):
             for record in outside:  # a ps exits 0 once every replica, the coordinator too, said Done
                 self.supervisor.joined_done(record.name)
@@ -506,21 +456,25 @@ class LocalLauncher:
         self._interrupted = signal.Signals(signum).name
 
     def stop(self) -> None:
-        """Stop every task still running: SIGTERM, then SIGKILL after a grace period; reap them all."""
-        alive = {name: p for name, p in self.processes.items() if p.poll() is None}
-        for name in alive:
-            self.signal_group(name, signal.SIGTERM)
-        deadline = time.monotonic() + KILL_GRACE_S
-        while time.monotonic() < deadline and any(p.poll() is None for p in alive.values()):
-            time.sleep(0.05)
-        for name, process in alive.items():
-            if process.poll() is None:
-                self.signal_group(name, signal.SIGKILL)
-                process.wait()
-        self._reap()
-        for name, pump in self._pumps.items():
-            pump.join(timeout=PUMP_JOIN_S)
-            self.output.release(name)
+        """Stop every task still running: SIGTERM, then SIGKILL after a grace period; reap them all; the starter
+        lets go of their places."""
+        try:
+            alive = {name: p for name, p in self.processes.items() if p.poll() is None}
+            for name in alive:
+                self.signal_group(name, signal.SIGTERM)
+            deadline = self.clock() + KILL_GRACE_S
+            while self.clock() < deadline and any(p.poll() is None for p in alive.values()):
+                self.sleep(0.05)
+            for name, process in alive.items():
+                if process.poll() is None:
+                    self.signal_group(name, signal.SIGKILL)
+                    process.wait()
+            self._reap()
+            for name, pump in self._pumps.items():
+                pump.join(timeout=PUMP_JOIN_S)
+                self.output.release(name)
+        finally:
+            self.starter.release()
 
     # --- scaling an asynchronous job (the Scaler decides; these are its Fleet) ---------------------
 
@@ -540,7 +494,7 @@ class LocalLauncher:
                 the machine lacks the GPUs, a worker with towers would have to leave, or the job is ending.
 
         Example:
-            >>> LocalLauncher(config, on_tick=lambda launcher: launcher.scale_workers(4)).run()  # doctest: +SKIP
+            >>> Launcher(config, LocalProcesses(config), on_tick=lambda l: l.scale_workers(4)).run()  # doctest: +SKIP
         """
         self._check_scalable(workers)
         self.scaler.scale_to(workers)
@@ -560,28 +514,22 @@ class LocalLauncher:
         if workers < self.cluster.num_tasks("worker") and towers not in ("", "1"):
             raise ConfigError(f"workers with towers (TENSORFLEET_TOWERS={towers}) cannot leave a running job yet: "
                               "scale it up only")
-        self._reserve_for_workers(workers)
-
-    def _reserve_for_workers(self, workers: int) -> None:
-        """Room for ``workers`` workers, or ConfigError: here, each worker's GPUs of this machine."""
-        if self.config.gpus_per_worker:
-            self._gpus = gpu_assignment(self.config.gpus_per_worker, max(workers, self.cluster.num_tasks("worker")),
-                                        self._visible_gpus())
+        self.starter.reserve_for_workers(workers, self.cluster.num_tasks("worker"))
 
     def start_worker(self, record: TaskRecord) -> None:
+        self.starter.prepare_worker(record)
         self._spawn(record)
 
     def signal_leave(self, name: str) -> bool:
         process = self.processes.get(name)
         if process is None or process.poll() is not None:  # once reaped, its pid may be another process's
             return False
-        os.kill(process.pid, LEAVE_SIGNAL)  # the task's own process (tower 0), not its group
-        return True
+        return process.signal(LEAVE_SIGNAL, group=False)  # the task's own process (tower 0), not its group
 
     def signal_group(self, name: str, sig: int) -> None:
         process = self.processes.get(name)
         if process is not None:
-            _signal_group(process, sig)
+            process.signal(sig, group=True)
 
     def resize_ps(self, record: TaskRecord, size: int) -> bool:
         channel = Channel(self.cluster.task_address("ps", record.task.index), task=record.task.name,
@@ -597,12 +545,29 @@ class LocalLauncher:
         return not ResizeReply.from_meta(reply).finished  # finished: every worker said Done, the job is ending
 
     def fleet_changed(self) -> None:
-        """Every view of the fleet follows the cluster: the task list and the monitor's picture."""
+        """Every view of the fleet follows the cluster: the task list, the monitor's picture, the starter."""
         self.tasks = fleet_tasks(self.cluster)
         self.monitor.set_cluster(self.cluster)
+        self.starter.fleet_changed({task.short for task in self.tasks})
 
     def say(self, line: str) -> None:
         self.console.line(line)
+
+    # --- what the starter tells of its tasks (FleetHost) --------------------------------------------
+
+    def task_lost(self, name: str, how: str) -> None:
+        if name in self.supervisor.by_name:
+            self.supervisor.lost(name, how)
+
+    def task_moved(self, name: str, address: str) -> None:
+        """Task ``name`` was placed again at ``address``: the cluster follows it (the TF_CONFIG of the tasks
+        started from now on, and the monitor)."""
+        record = self.supervisor.by_name[name]
+        jobs = self.cluster.as_dict()
+        jobs[record.task.job_name][record.task.index] = address
+        self.scaler.cluster = ClusterSpec.from_dict(jobs)
+        record.address = address
+        self.fleet_changed()
 
     # --- dashboard and summary ------------------------------------------------------------------
 
@@ -623,7 +588,7 @@ class LocalLauncher:
 
     def _summarize(self, code: int, failed: list[TaskRecord]) -> None:
         say = self.console.line
-        elapsed = time.monotonic() - self.supervisor.started_at
+        elapsed = self.clock() - self.supervisor.started_at
         if self._interrupted:
             outcome = f"stopped by {self._interrupted}"
         else:
@@ -653,31 +618,3 @@ def _tail(path: Path, count: int) -> list[str]:
         return path.read_text(encoding="utf-8", errors="replace").splitlines()[-count:]
     except OSError:
         return []
-
-
-def with_launcher_death(command: list[str]) -> list[str]:
-    """``command``, run so that it dies with this launcher however the launcher dies, SIGKILL included.
-
-    On Linux a tiny interpreter arms a parent-death signal (SIGTERM), checks the launcher is
-    still there, and execs the command in its own place (same pid).  Not a ``preexec_fn``:
-    that would run gRPC's fork handlers in the child of a launcher whose monitor uses gRPC,
-    which aborts it.  Elsewhere the command is returned as it is.
-    """
-    if not sys.platform.startswith("linux"):
-        return command
-    return [sys.executable, "-S", "-c", _ARM_PARENT_DEATH_SIGNAL, str(os.getpid()), *command]
-
-
-_ARM_PARENT_DEATH_SIGNAL = (
-    "import ctypes, os, signal, sys\n"
-    f"ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM, 0, 0, 0)\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    os._exit(1)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n")
-
-
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass

@@ -58,6 +58,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from tensorfleet.backends.api import Engine, JobSubmitter, PlannedTask
 from tensorfleet.cluster.environment import LOGDIR_ENV, STATUS_DIR_ENV
 from tensorfleet.cluster.slurm import PS_ENV
 from tensorfleet.errors import ConfigError, LaunchError
@@ -234,7 +235,7 @@ def job_restarts(job_id: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-class SlurmLauncher:
+class SlurmLauncher(JobSubmitter):
     """Submits ``config``'s job to Slurm and follows it to its end (see the module's docstring)."""
 
     def __init__(self, config: JobConfig, *, out: TextIO | None = None,
@@ -498,3 +499,29 @@ def check_slurm_config(config: JobConfig) -> None:
                           "comes from the job id (or TENSORFLEET_SLURM_PORT)")
     if os.environ.get("TENSORFLEET_TOWERS", "1").strip() not in ("", "1"):
         raise ConfigError("towers on Slurm are not supported yet: one rank per worker")
+
+
+class SlurmEngine(Engine):
+    name = "slurm"
+    title = "Slurm"
+
+    def check(self, config: JobConfig) -> None:
+        check_slurm_config(config)
+
+    def dry_run_text(self, config: JobConfig) -> str:
+        return SlurmLauncher(config).script_text().rstrip("\n")
+
+    def submitter(self, config: JobConfig, *, out: TextIO, on_restart: Callable[[str], None] | None = None,
+                  on_poll: Callable[[JobSubmitter], None] | None = None) -> SlurmLauncher:
+        return SlurmLauncher(config, out=out, on_restart=on_restart, on_poll=on_poll)
+
+    def planned_tasks(self, config: JobConfig) -> list[PlannedTask]:
+        """Every rank, as the batch script's srun starts it (its role and peers from Slurm's environment)."""
+        command = [sys.executable, str(Path(config.script).resolve()), *config.args]
+        tasks = [task_of_rank(rank, config.ps) for rank in range(config.ps + config.workers)]
+        return [PlannedTask(task, "chief" if task == "worker:0" else task.split(":")[0], command,
+                            {PS_ENV: str(config.ps), "SLURM_PROCID": str(rank), **config.env})
+                for rank, task in enumerate(tasks)]
+
+
+ENGINE = SlurmEngine()
