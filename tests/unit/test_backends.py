@@ -70,6 +70,18 @@ def test_another_engines_settings_are_refused_and_its_own_are_taken(name, tmp_pa
 
 
 @pytest.mark.parametrize("name", list(backends.ENGINES))
+def test_only_an_engine_whose_tasks_listen_here_takes_a_port(name, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("")
+    job = JobConfig(script=str(script), backend=name, port=20000)
+    if backends.entry(name).ports_here:
+        job.validate()
+    else:
+        with pytest.raises(ConfigError, match=f"port: for the local backend.* on {name} each task's port is picked"):
+            job.validate()
+
+
+@pytest.mark.parametrize("name", list(backends.ENGINES))
 def test_every_engine_prints_a_dry_run_and_starts_nothing(name, tmp_path):
     script = tmp_path / "job.py"
     script.write_text("")

@@ -57,8 +57,11 @@ def test_bad_slurm_settings_are_refused_naming_them(fields, message):
 
 
 def test_what_slurm_cannot_do_is_said_before_anything_is_submitted():
-    with pytest.raises(ConfigError, match="--dashboard and --port are for the local and Ray backends"):
+    with pytest.raises(ConfigError, match="--dashboard is for the local and Ray backends"):
         check_slurm_config(config(dashboard=0))
+    with pytest.raises(ConfigError, match="port: for the local backend, whose tasks listen on this machine; on "
+                                          "slurm each task's port is picked where it runs"):
+        config(port=20000)
 
 
 def test_without_slurm_installed_launch_says_where_it_runs(tmp_path, monkeypatch):

@@ -517,8 +517,6 @@ class RayActors(TaskStarter):
 
     def __init__(self, config: JobConfig) -> None:
         require()  # the token's sealing (cryptography), checked before Ray starts
-        if config.port is not None:
-            raise ConfigError("--port is for the local backend: on Ray each task's port is picked on its node")
         self.config = config
         tasks = config.ps + config.workers
         self.connection = RayConnection(config.ray_address, num_cpus=max(os.cpu_count() or 1, tasks),
@@ -798,10 +796,6 @@ class RayActors(TaskStarter):
 class RayEngine(Engine):
     name = "ray"
     title = "Ray"
-
-    def check(self, config: JobConfig) -> None:
-        if config.port is not None:
-            raise ConfigError("--port is for the local backend: on Ray each task's port is picked on its node")
 
     def runs_on_this_machine(self, config: JobConfig) -> bool:
         return config.ray_address is None  # a local Ray started for the job: this machine's cores

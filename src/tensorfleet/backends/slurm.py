@@ -494,9 +494,10 @@ def _ranks(text: str) -> list[int]:
 
 def check_slurm_config(config: JobConfig) -> None:
     """What the Slurm backend cannot do, said before anything is submitted."""
-    if config.dashboard is not None or config.port is not None:
-        raise ConfigError("--dashboard and --port are for the local and Ray backends: on Slurm each rank's port "
-                          "comes from the job id (or TENSORFLEET_SLURM_PORT)")
+    if config.dashboard is not None:
+        raise ConfigError("--dashboard is for the local and Ray backends, whose launcher polls every task: on "
+                          "Slurm the ranks' Status servers are on the allocation's nodes (the job service shows "
+                          "what Slurm says of the job)")
     if os.environ.get("TENSORFLEET_TOWERS", "1").strip() not in ("", "1"):
         raise ConfigError("towers on Slurm are not supported yet: one rank per worker")
 

@@ -134,6 +134,10 @@ class JobConfig:
                 raise ConfigError(f"{', '.join(given)}: for backend {other.name} (as "
                                   f"{', '.join(name for name, _ in other.options)} are): add --backend {other.name} "
                                   f"(or 'backend: {other.name}' in the job file)")
+        if self.port is not None and not engine.ports_here:
+            here = [name for name, known in backends.ENGINES.items() if known.ports_here]
+            raise ConfigError(f"port: for the {' and '.join(here)} backend, whose tasks listen on this machine; on "
+                              f"{self.backend} each task's port is picked where it runs: leave --port out")
         if not isinstance(self.coordinator, bool) and self.coordinator != "outside":
             raise ConfigError(f"coordinator must be true, false or 'outside', got {self.coordinator!r}")
         if self.coordinator and (not engine.in_graph or self.gpus_per_worker):
