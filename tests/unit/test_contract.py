@@ -95,6 +95,46 @@ def test_a_push_is_validated_once_and_applied_in_one_transaction(monkeypatch):
     assert checks == [1]  # admitted before the body, never checked again
 
 
+def test_a_push_with_rows_is_split_once_and_is_one_store_call(monkeypatch):
+    from tensorfleet.protocol.specs import TableSpec
+
+    store = VariableStore(task="/job:ps/task:0", replica_names=["/job:worker/task:0"])
+    store.initialize({"w": torch.zeros(3)}, SGD, tables=(TableSpec("t", 4, SGD, num_rows=10),))
+    ps = PsService(store)
+    splits, calls = [], []
+    real_split = PushRequest.split
+    monkeypatch.setattr(PushRequest, "split", lambda self, tensors: (splits.append(1), real_split(self, tensors))[1])
+    for name in ("admit", "push", "push_arriving", "lookup_arriving", "lookup"):
+        method = getattr(store, name)
+        monkeypatch.setattr(store, name, lambda *a, _m=method, _n=name, **k: (calls.append(_n), _m(*a, **k))[1])
+    rows = {ids_key("t"): torch.tensor([1, 2]), grads_key("t"): torch.ones(2, 4)}
+    reply = ps.push(FakeRequest(PushRequest(Origin(0, 1, 1), advance_step=True, tables=("t",)).to_meta(),
+                                {"w": torch.ones(3), **rows}))
+    assert PushReply.from_meta(reply.meta).outcome is Outcome.APPLIED
+    assert splits == [1]  # told apart once, from the head, before the body
+    assert calls[0] == "push_arriving" and calls.count("push_arriving") == 1
+    calls.clear()
+    looked = ps.lookup(FakeRequest({}, {"t": torch.tensor([2, 2, 7])}))
+    assert calls[0] == "lookup_arriving"
+    assert torch.equal(looked.tensors["t"][0], looked.tensors["t"][1]) and not torch.equal(
+        looked.tensors["t"][0], torch.zeros(4))  # id 2 was updated, twice asked for: repeats are fine in a lookup
+
+
+def test_a_lookup_is_checked_by_the_store_before_and_after_its_body():
+    from tensorfleet.protocol.specs import TableSpec
+
+    store = VariableStore(task="/job:ps/task:0", shard=(0, 2))
+    store.initialize({"w": torch.zeros(3)}, SGD, tables=(TableSpec("t", 4, SGD, num_rows=10),))
+    request = FakeRequest({}, {"u": torch.tensor([0])})
+    with pytest.raises(InvalidArgumentError, match="'u' is no embedding table of this shard"):
+        store.lookup_arriving({"u": (torch.int64, (1,))}, request.receive)
+    assert not request.received  # refused from its head
+    from tensorfleet.cluster.idhash import shard_of
+    stray = next(i for i in range(100) if int(shard_of(torch.tensor([i]), 2)[0]) == 1)
+    with pytest.raises(InvalidArgumentError, match=f"id {stray} lives on ps 1"):
+        store.lookup_arriving({"t": (torch.int64, (1,))}, lambda: {"t": torch.tensor([stray])})
+
+
 ROWS = {ids_key("t"): torch.tensor([1, 2]), grads_key("t"): torch.ones(2, 4)}  # a table this shard lacks
 
 
@@ -133,10 +173,10 @@ def test_a_sync_push_missing_a_variable_is_refused_before_its_body():
 def test_a_layout_replaced_between_admission_and_push_is_checked_again():
     ps = service()
     push = PushRequest(advance_step=True)
-    layout = ps.store.admit({"w": (torch.float32, (3,))}, push)
+    admitted = ps.store.admit({"w": (torch.float32, (3,))}, push)
     ps.store.initialize({"w": torch.zeros(5)}, SGD, force=True, restore=_state({"w": torch.zeros(5)}))
     with pytest.raises(InvalidArgumentError, match="gradient for 'w' is torch.float32 \\(3,\\)"):
-        ps.store.push(push, {"w": torch.ones(3)}, layout)
+        ps.store.push(push, {"w": torch.ones(3)}, admitted)
 
 
 def test_nothing_is_admitted_before_the_chief_initializes():

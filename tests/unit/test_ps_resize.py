@@ -78,7 +78,7 @@ def test_a_finished_ps_stays_finished_and_unchanged():
     ps = service(1)
     done(ps, 0)
     assert resize(ps, 4) == {"num_workers": 1, "workers_done": 1, "finished": True}
-    assert ps.num_workers == 1 and ps.membership.count == 1
+    assert ps.num_workers == 1 and ps.store.membership.count == 1
 
 
 def test_a_shrink_forgets_the_removed_workers_latest_push_and_names_new_ones():
@@ -87,7 +87,7 @@ def test_a_shrink_forgets_the_removed_workers_latest_push_and_names_new_ones():
     resize(ps, 1)
     assert 1 not in ps.store._origins.cut(0).applied
     resize(ps, 3)
-    assert ps.membership.names == ["/job:worker/task:0", "/job:worker/task:1", "/job:worker/task:2"]
+    assert ps.store.membership.names == ["/job:worker/task:0", "/job:worker/task:1", "/job:worker/task:2"]
 
 
 def test_a_sync_ps_cannot_be_resized():
@@ -110,7 +110,7 @@ def test_a_malformed_resize_is_refused_and_changes_nothing(meta, tensors, says):
     ps = service(2)
     with pytest.raises(InvalidArgumentError, match=says):
         ps.resize(meta, tensors)
-    assert ps.num_workers == 2 and ps.membership.count == 2
+    assert ps.num_workers == 2 and ps.store.membership.count == 2
 
 
 def test_resize_round_trips_through_its_meta():

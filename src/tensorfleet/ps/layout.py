@@ -1,7 +1,8 @@
 """What a push, a lookup or a table's ids are checked against on a ps shard: ``ShardLayout``, the shard's
 variables (names, dtypes, shapes), its embedding tables and the ids they may hold here, the mode and the NaN/Inf
-policy. The checks of a push's head come before its body is read; a push's tensors are told apart once, by the
-tables its request declares (``PushRequest.split``)."""
+policy. The checks of a push's head come before its body is read, and tell its tensors apart once, by the tables
+its request declares (``PushRequest.split`` over the head's entries): the ``PushPlan`` they give says which tensor
+of the body is which when it arrives."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from tensorfleet.cluster.idhash import shard_of
 from tensorfleet.errors import InvalidArgumentError
-from tensorfleet.protocol.messages import PushRequest, TableRows, ids_key
+from tensorfleet.protocol.messages import PushRequest, TableRows, grads_key, ids_key
 from tensorfleet.protocol.specs import Mode, TableSpec
 from tensorfleet.ps.apply import check_layout
 from tensorfleet.ps.table import first_stray, unique_ids_error
@@ -22,6 +23,19 @@ from tensorfleet.ps.table import first_stray, unique_ids_error
 MAX_IDS_PER_REQUEST = 1 << 24
 MAX_REPLY_ROW_BYTES = 1 << 30  # rows one lookup's reply may carry
 Entry = tuple[torch.dtype, tuple[int, ...]]  # a tensor as its head announces it
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """A push's tensors as its checked head names them: the dense gradients, and each table's pair (the names of
+    its ids and of its row gradients). What ``ShardLayout.check`` gives and ``ShardLayout.split`` takes."""
+
+    dense: tuple[str, ...]
+    tables: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> set[str]:
+        return {*self.dense, *(ids_key(t) for t in self.tables), *(grads_key(t) for t in self.tables)}
 
 
 @dataclass(frozen=True)
@@ -38,8 +52,9 @@ class ShardLayout:
     shard: tuple[int, int] = (0, 1)  # (this shard's index, the number of shards): where each id lives
 
     def check(self, entries: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], push: PushRequest, *,
-              task: str) -> None:
-        """Raise InvalidArgumentError unless the push, as sent, fits this shard."""
+              task: str) -> PushPlan:
+        """The push's plan (its tensors told apart) if the push, as sent, fits this shard; else raise
+        InvalidArgumentError."""
         if push.mode is not self.mode:
             raise InvalidArgumentError(
                 "this ps runs in sync mode: a push must carry the replica and the step of the parameters it was "
@@ -59,6 +74,7 @@ class ShardLayout:
                 raise InvalidArgumentError(f"a sync push must carry every variable of the shard; missing "
                                            f"{sorted(missing)[:5]}", task=task)
         check_layout(self.variables, dense, task=task, wire_dtype=push.wire_dtype)
+        return PushPlan(tuple(dense), tuple(rows))
 
     def _check_table_entries(self, rows: Mapping[str, tuple[Entry, Entry]], wire_dtype: torch.dtype | None, *,
                              task: str) -> None:
@@ -118,22 +134,24 @@ class ShardLayout:
             if duplicate:
                 raise InvalidArgumentError(f"table {table!r}: {duplicate}", task=task)
 
-    def split(self, gradients: Mapping[str, torch.Tensor], push: PushRequest, *, task: str
+    def split(self, gradients: Mapping[str, torch.Tensor], plan: PushPlan, *, task: str
               ) -> tuple[dict[str, torch.Tensor], dict[str, TableRows]]:
-        """A push's tensors (checked against this layout) as (dense gradients, {table: its rows}), in the
+        """A push's tensors, which ``check`` planned from its head, as (dense gradients, {table: its rows}), in the
         variables' and tables' dtypes when they travelled narrower, each table's ids checked here."""
-        dense, pairs = push.split(gradients)
-        if push.wire_dtype is not None:  # fp32 accumulation of what travelled in bf16/fp16
-            dense = {name: grad.to(self.variables[name].dtype) if grad.dtype != self.variables[name].dtype else grad
-                     for name, grad in dense.items()}
-            pairs = {table: (ids, grads.to(self.tables[table].dtype) if grads.dtype != self.tables[table].dtype
-                             else grads) for table, (ids, grads) in pairs.items()}
-        rows = {table: TableRows(ids, grads) for table, (ids, grads) in pairs.items()}
+        dense = {name: _widened(gradients[name], self.variables[name].dtype) for name in plan.dense}
+        rows = {table: TableRows(gradients[ids_key(table)],
+                                 _widened(gradients[grads_key(table)], self.tables[table].dtype))
+                for table in plan.tables}
         for table, table_rows in rows.items():
             self.check_ids(table, table_rows.ids, task=task, unique=True)
         return dense, rows
 
 
+
+
+def _widened(gradient: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 accumulation of what travelled in bf16/fp16: the variable's dtype (the tensor itself if it is)."""
+    return gradient if gradient.dtype == dtype else gradient.to(dtype)
 
 
 def entries_of(gradients: Mapping[str, torch.Tensor]) -> dict[str, Entry]:

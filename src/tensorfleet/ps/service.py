@@ -11,8 +11,8 @@ grown before new workers start, shrunk once removed workers have exited (having 
 Done).  A shrink forgets the Done of the ids it removes, so an id that comes back is a
 new worker; the ps finishes when every replica of the current membership has said Done.
 
-A push is checked against the shard (``VariableStore.admit``) before its body is read,
-then handed to the store as one transaction (``VariableStore.push``).
+A push or a lookup is one call of the store (``VariableStore.push_arriving``, ``lookup_arriving``), which checks
+its head before the body is read and then takes it as one transaction.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 from typing import Any
 
@@ -42,14 +41,12 @@ log = logging.getLogger(__name__)
 
 
 class PsService:
-    """Handlers for one ps shard. ``finished`` is set once every worker has said Done."""
+    """Handlers for one ps shard. ``finished`` (the store's) is set once every worker has said Done."""
 
     def __init__(self, store: VariableStore, *, data_port: int = 0) -> None:
         self.store = store
-        self.membership = store.membership  # the job's replicas and who said Done: kept once, by the store
+        self.finished = store.finished  # the job's replicas and their Done are the store's, kept once
         self.data_port = data_port  # set by the server once the data plane listens
-        self.finished = threading.Event()
-        self._done_lock = threading.Lock()  # a Done or Resize and the finish it may bring are one step
         self._started_unix = time.time()
         self.gate = auth.Gate(None)  # the server's, which counts calls refused for want of the token
         self.meeting = KeyValues()  # where a collective's workers meet (hybrid mode; served by ps 0)
@@ -97,20 +94,14 @@ class PsService:
 
     def lookup(self, request: Request) -> Reply:
         lookup = LookupRequest.from_meta(request.meta)
-        layout = self.store.layout
-        layout.check_lookup({e.name: (e.dtype, e.shape) for e in request.entries}, task=self.store.task)
-        ids = request.receive()
-        for table, table_ids in ids.items():
-            layout.check_ids(table, table_ids, task=self.store.task, unique=False)
-        rows, step = self.store.lookup(ids)
+        rows, step = self.store.lookup_arriving(_entries(request), request.receive)
         if lookup.wire_dtype is not None:
             rows = {name: value.to(lookup.wire_dtype) for name, value in rows.items()}
         return Reply(StepReply(step).to_meta(), rows)
 
     def push(self, request: Request) -> Reply:
         push = PushRequest.from_meta(request.meta)
-        layout = self.store.admit({e.name: (e.dtype, e.shape) for e in request.entries}, push)  # before the body
-        result = self.store.push(push, request.receive(), layout, body=request.body)
+        result = self.store.push_arriving(push, _entries(request), lambda: (request.receive(), request.body))
         if result.values is None:
             return Reply(result.reply.to_meta())
         return _reply_with_values(result.reply.to_meta(), result.values, result.release, push.wire_dtype)
@@ -141,23 +132,17 @@ class PsService:
         return Reply(meta, tensors)
 
     def status(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
-        with self._done_lock:
-            done, count = self.membership.done, self.membership.count
+        roll = self.store.roll()
         status = PsStatus(**dataclasses.asdict(self.store.status()), task=self.store.task, pid=os.getpid(),
                           uptime_s=time.time() - self._started_unix,
-                          state="done" if self.finished.is_set() else "running", done_replicas=done,
-                          workers_done=len(done), num_workers=count, sync=self.store.sync_options,
+                          state="done" if roll.finished else "running", done_replicas=roll.done,
+                          workers_done=len(roll.done), num_workers=roll.count, sync=self.store.sync_options,
                           data_port=self.data_port, auth_refused=self.gate.refused)
         return status.to_meta(), {}
 
     def done(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
-        replica = DoneRequest.from_meta(meta).replica
-        with self._done_lock:  # one step with Resize: a Done is counted against the membership it was checked in
-            if self.store.replica_done(replica):
-                log.info("%s: %s said Done (%d of %d)", self.store.task, self.membership.name(replica),
-                         len(self.membership.done), self.membership.count)
-            self._finish_if_all_done()
-            return DoneReply(len(self.membership.done), self.membership.count).to_meta(), {}
+        roll = self.store.replica_done(DoneRequest.from_meta(meta).replica)
+        return DoneReply(len(roll.done), roll.count).to_meta(), {}
 
     def rendezvous(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         """One operation on the collective's meeting place (``ps/rendezvous.py``; workers call ps 0's)."""
@@ -190,29 +175,17 @@ class PsService:
         """
         if tensors:
             raise InvalidArgumentError("a Resize carries no tensors")
-        count = ResizeRequest.from_meta(meta).replicas
-        with self._done_lock:
-            before = self.membership.count
-            if not self.finished.is_set() and count != before:
-                if self.store.sync_options is not None:
-                    raise InvalidArgumentError(f"this ps runs in sync mode, whose steps aggregate a fixed number "
-                                               f"of replicas ({before}): it cannot be resized to {count}",
-                                               task=self.store.task)
-                log.info("%s: the job's workers are now %d (were %d)", self.store.task, count, before)
-                self.store.set_replicas(count)
-                self._finish_if_all_done()
-            return ResizeReply(self.membership.count, len(self.membership.done),
-                               self.finished.is_set()).to_meta(), {}
+        roll = self.store.set_replicas(ResizeRequest.from_meta(meta).replicas)
+        return ResizeReply(roll.count, len(roll.done), roll.finished).to_meta(), {}
 
     @property
     def num_workers(self) -> int:
-        return self.membership.count
+        return self.store.roll().count
 
-    def _finish_if_all_done(self) -> None:
-        """Under ``_done_lock``: every replica of the membership said Done (none said it twice: a set; none
-        outside it: Done checks, Resize forgets), so the ps is finished."""
-        if self.membership.all_done:
-            self.finished.set()
+
+def _entries(request: Request) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """A request's tensors as its head announces them, before the body is read."""
+    return {e.name: (e.dtype, e.shape) for e in request.entries}
 
 
 def _reply_with_values(meta: dict[str, Any], values: dict[str, torch.Tensor], release: Any,

@@ -30,7 +30,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ from tensorfleet.protocol.state import ShardState, TableState
 from tensorfleet.ps.aggregate import Rows, SyncAccumulator
 from tensorfleet.ps.apply import Applier, MovingAverage
 from tensorfleet.ps.budget import MemoryBudget
-from tensorfleet.ps.layout import ShardLayout, entries_of, nonfinite_names
+from tensorfleet.ps.layout import Entry, PushPlan, ShardLayout, entries_of, nonfinite_names
 from tensorfleet.ps.membership import Membership
 from tensorfleet.ps.origins import Origins
 from tensorfleet.ps.table import EmbeddingShard
@@ -51,6 +51,22 @@ SNAPSHOT_PAGE_BYTES = 256 << 20  # table rows per page of a Snapshot: replies st
 PAGES_KEPT_S = 600.0  # a paged snapshot's later pages wait this long to be read, at most
 
 log = logging.getLogger(__name__)
+
+
+class Admitted(NamedTuple):
+    """A push's head as ``VariableStore.admit`` checked it: the layout, and which tensor of its body is which."""
+
+    layout: ShardLayout
+    plan: PushPlan
+
+
+class Roll(NamedTuple):
+    """The job's replicas as a shard knows them at one moment: those that said Done, how many there are, and
+    whether every one did (the shard is finished)."""
+
+    done: list[int]
+    count: int
+    finished: bool
 
 
 @dataclass(frozen=True)
@@ -123,6 +139,7 @@ class VariableStore:
         # no push touches takes a turn only for an update that sweeps it.
         self._next_sweeps: dict[str, int] = {}
         self.membership = Membership(replica_names)  # the job's replicas (0 of them: ids not checked), Done
+        self.finished = threading.Event()  # every replica of the membership said Done: the ps's work is over
         self._cond = threading.Condition()
         self._variables: dict[str, torch.Tensor] = {}
         self._layout: ShardLayout | None = None  # what pushes are checked against; replaced whole by Init
@@ -476,26 +493,44 @@ class VariableStore:
             self._updates_waiting -= 1
             self._cond.notify_all()
 
-    def admit(self, entries: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], push: PushRequest) -> ShardLayout:
+    def admit(self, entries: Mapping[str, Entry], push: PushRequest) -> Admitted:
         """Refuse, before its bytes are read, a push naming unknown variables, wrong shapes or dtypes, or the
-        wrong mode; return the layout it was checked against, for ``push``.
+        wrong mode; return what ``push`` takes: the layout it was checked against and the push's plan.
 
         No lock: the layout is immutable and replaced whole by an initialization.
         """
         layout = self._layout
         if layout is None:
             self._require_initialized()
-        layout.check(entries, push, task=self.task)
-        return layout
+        return Admitted(layout, layout.check(entries, push, task=self.task))
+
+    def push_arriving(self, push: PushRequest, entries: Mapping[str, Entry],
+                      receive: Callable[[], tuple[dict[str, torch.Tensor], torch.Tensor | None]]) -> PushResult:
+        """A push as it arrives on the data plane, in one call: its head admitted (``admit``) before ``receive``
+        reads its body (the gradients, and the whole body as one tensor when it is one), then pushed."""
+        admitted = self.admit(entries, push)
+        gradients, body = receive()
+        return self.push(push, gradients, admitted, body=body)
+
+    def lookup_arriving(self, entries: Mapping[str, Entry], receive: Callable[[], dict[str, torch.Tensor]]
+                        ) -> tuple[dict[str, torch.Tensor], int]:
+        """A lookup as it arrives: its head checked before ``receive`` reads the ids, the ids checked (a fixed
+        table's size, this shard's ids; repeats allowed), then ``lookup``."""
+        layout = self.layout
+        layout.check_lookup(entries, task=self.task)
+        ids = receive()
+        for table, table_ids in ids.items():
+            layout.check_ids(table, table_ids, task=self.task, unique=False)
+        return self.lookup(ids)
 
     def push(self, push: PushRequest, gradients: Mapping[str, torch.Tensor],
-             layout: ShardLayout | None = None, *, body: torch.Tensor | None = None) -> PushResult:
+             admitted: Admitted | None = None, *, body: torch.Tensor | None = None) -> PushResult:
         """One push, as one transaction: its tensors told apart and upcast, the tables' ids checked, NaN/Inf
         refused (policy "reject"), exactly-once admission, the update (async) or the offer to its step and
         the wait for the aggregation (sync), and with ``push.with_values`` the values after it.
 
-        ``layout`` is what ``admit`` checked the push's head against before its body arrived; without it (or
-        if an initialization replaced it since) the gradients are checked here. ``body``: the gradients as
+        ``admitted`` is what ``admit`` gave for the push's head before its body arrived; without it (or if an
+        initialization replaced the layout since) the gradients are checked here. ``body``: the gradients as
         the one tensor they arrived in, when they did (one pass finds NaN/Inf in all of them).
 
         Raises:
@@ -503,10 +538,10 @@ class VariableStore:
             DeadlineExceededError: sync: the step did not gather enough gradients in time
                 (``on_missing="error"``); the message names the replicas that did not push.
         """
-        if layout is None:
-            layout = self.layout
-            layout.check(entries_of(gradients), push, task=self.task)
-        dense, rows = layout.split(gradients, push, task=self.task)  # ids checked here, without the lock
+        if admitted is None:
+            admitted = Admitted(self.layout, self.layout.check(entries_of(gradients), push, task=self.task))
+        layout = admitted.layout
+        dense, rows = layout.split(gradients, admitted.plan, task=self.task)  # ids checked here, without the lock
         if layout.nonfinite == "reject" and (nonfinite := nonfinite_names(gradients, body=body)):
             reply = self.reject_nonfinite(nonfinite, push.origin)
             if not push.with_values:
@@ -522,8 +557,8 @@ class VariableStore:
             self._require_initialized()
             self._check_epoch(push)
             if layout is not self._layout:  # an Init replaced the layout since: check against the new one
-                self._layout.check(entries_of(gradients), push, task=self.task)
-                dense, rows = self._layout.split(gradients, push, task=self.task)
+                plan = self._layout.check(entries_of(gradients), push, task=self.task)
+                dense, rows = self._layout.split(gradients, plan, task=self.task)
             if push.step is None:
                 step, outcome, tickets = self._apply_async(push, dense, rows)
                 if self._fence is not None:
@@ -628,25 +663,54 @@ class VariableStore:
                     self.task, sender, ", ".join(sorted(names)[:5]), count)
         return PushReply(step, Outcome.REJECTED)
 
-    def replica_done(self, replica: int) -> bool:
-        """Record that a replica finished (True the first time); wakes sync waits that can no longer complete.
+    def replica_done(self, replica: int) -> Roll:
+        """Record that a replica finished; wakes sync waits that can no longer complete. The shard is
+        ``finished`` once every replica of the membership said Done (none said it twice: a set; none outside
+        it: checked here, and a resize forgets).
 
         Raises:
             InvalidArgumentError: ``replica`` is not one of the job's.
         """
         with self._cond:
             new = self.membership.say_done(replica)
+            if new:
+                log.info("%s: %s said Done (%d of %d)", self.task, self.membership.name(replica),
+                         len(self.membership.done), self.membership.count)
+            self._finish_if_all_done()
             self._cond.notify_all()
-            return new
+            return self.roll()
 
-    def set_replicas(self, count: int) -> None:
-        """The job's replicas are now ``0 .. count-1`` (an asynchronous job scaled): pushes from new ids are
-        accepted; what this shard knew of ids ``>= count`` (said Done, latest push) is forgotten, so that
-        an id that comes back is a new worker."""
+    def set_replicas(self, count: int) -> Roll:
+        """The job's replicas are now ``0 .. count-1`` (the launcher scaled an asynchronous job): pushes from new
+        ids are accepted; what this shard knew of ids ``>= count`` (said Done, latest push) is forgotten, so that
+        an id that comes back is a new worker. A finished shard stays finished (its workers are gone; the
+        launcher is ending the job) and changes nothing.
+
+        Raises:
+            InvalidArgumentError: the shard runs in sync mode, whose steps aggregate a fixed number of replicas.
+        """
         with self._cond:
-            self.membership.resize(count)
-            self._origins.forget_from(count)
-            self._cond.notify_all()
+            before = self.membership.count
+            if not self.finished.is_set() and count != before:
+                if self._sync is not None:
+                    raise InvalidArgumentError(f"this ps runs in sync mode, whose steps aggregate a fixed number "
+                                               f"of replicas ({before}): it cannot be resized to {count}",
+                                               task=self.task)
+                log.info("%s: the job's workers are now %d (were %d)", self.task, count, before)
+                self.membership.resize(count)
+                self._origins.forget_from(count)
+                self._finish_if_all_done()
+                self._cond.notify_all()
+            return self.roll()
+
+    def roll(self) -> Roll:
+        """Who of the job's replicas said Done, as of now."""
+        with self._cond:
+            return Roll(self.membership.done, self.membership.count, self.finished.is_set())
+
+    def _finish_if_all_done(self) -> None:
+        if self.membership.all_done:
+            self.finished.set()
 
     def _cannot_complete(self) -> bool:
         """True when the replicas still training cannot bring the current step to replicas_to_aggregate."""
