@@ -284,7 +284,7 @@ def make_replica(model: nn.Module, ps: PsSet, optimizer: tfl.OptimizerSpec, conf
     spread = ({"placement": tfl.GreedyByBytes(), "partitioner": tfl.RowPartitioner(num_parts=num_ps, min_bytes=1 << 20)}
               if num_ps > 1 else {})  # several ps: large variables split over all of them, as a user would
     replica = tfl.Replica(model, ps.cluster, ps.worker(), optimizer=optimizer, overlap=config.overlap,
-                          prefetch=config.prefetch, options=WireOptions(busy_poll_us=busy_poll_us),
+                          prefetch=config.prefetch, wire=WireOptions(busy_poll_us=busy_poll_us),
                           init_timeout_s=60.0, dense=dense, **spread)
     config.replica = replica
     replica.start()

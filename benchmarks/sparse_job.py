@@ -227,7 +227,8 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
             replica.pull()
             batches, bayes = held_out(spec, args.eval_batches, args.batch_size, remap=False)
             result.update(auc=evaluate(model, batches), bayes_auc=bayes, global_step=replica.pull(),
-                          ps_status=[{k: getattr(s, k) for k in ("task", "pid", "tables", "applied_updates")}
+                          ps_status=[{"task": s.task, "pid": s.pid, "applied_updates": s.applied_updates,
+                                      "tables": {name: counts.to_meta() for name, counts in (s.tables or {}).items()}}
                                      for s in replica.client.wait_for_shards(60)])
     out = Path(args.result_dir) / f"worker-{task.index}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")

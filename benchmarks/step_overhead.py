@@ -100,7 +100,7 @@ def main() -> int:
             cluster, busy_poll, job_token = setups[setup]
             model = build_model(100)
             replica = tfl.Replica(model, cluster, TaskSpec("worker", index), optimizer=tfl.OptimizerSpec.adam(lr=0.01),
-                                  overlap=overlap, options=WireOptions(busy_poll_us=busy_poll, token=job_token))
+                                  overlap=overlap, wire=WireOptions(busy_poll_us=busy_poll, token=job_token))
             replica.start()
             replicas[name] = replica
 

@@ -81,7 +81,7 @@ def test_a_replica_with_the_token_trains_against_a_guarded_ps():
     with ps_servers(num_ps=1, num_workers=1, options=WireOptions(token=TOKEN)) as (cluster, server):
         model = nn.Linear(2, 1)
         with tfl.Replica(model, cluster, TaskSpec("worker", 0), optimizer=OptimizerSpec.sgd(lr=0.1),
-                         options=WireOptions(token=TOKEN)) as replica:
+                         wire=WireOptions(token=TOKEN)) as replica:
             model(torch.ones(3, 2)).sum().backward()
             assert replica.push() == 1
         assert server[0].status()["auth_refused"] == 0

@@ -145,7 +145,7 @@ def trained() -> Iterator[Fleet]:
                           rows={GROW: (ids, torch.ones(ids.numel(), DIM[GROW])),
                                 FIXED: (MINE, torch.full((MINE.numel(), DIM[FIXED]), -0.5))})
         for server in fleet.servers:
-            assert server.store.status().tables[GROW]["rows"] > 0
+            assert server.store.status().tables[GROW].rows > 0
         yield fleet
 
 
@@ -461,7 +461,7 @@ def test_an_async_sparse_push_sent_twice_changes_the_rows_once():
         assert after_again[TARGET]["tensors"] == after_first[TARGET]["tensors"]
         status = server.store.status()
         assert (status.applied_updates, status.accepted_pushes, status.retried_pushes) == (1, 1, 1)
-        assert status.tables["emb"]["rows"] == EO_IDS.numel()
+        assert status.tables["emb"].rows == EO_IDS.numel()
         # An older seq of the same incarnation is a retry too; the next seq is a new push.
         tensors = _eo_push(3.0)
         assert fleet.channel.call("Push", declared(PushRequest(Origin(0, 5, 1)).to_meta(), tensors), tensors,

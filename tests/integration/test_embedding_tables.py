@@ -130,7 +130,7 @@ def test_sync_with_tables_equals_one_process_with_the_union_batch(num_workers, o
                 else:
                     assert torch.equal(expected[k].detach(), (USER_INIT if table == "user" else TAG_INIT).rows(
                         universe[k:k + 1], DIM)[0])
-        assert {s.store.status().tables["user"]["rows"] for s in servers} != {0}  # rows on both shards
+        assert {s.store.status().tables["user"].rows for s in servers} != {0}  # rows on both shards
     for name, expected in reference.head.named_parameters():
         for final in finals:
             torch.testing.assert_close(final[name], expected.detach(), rtol=1e-5, atol=1e-6)

@@ -18,7 +18,7 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
     model = nn.Sequential(nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 10))
     options = tfl.WireOptions(deadline_s=args.deadline_s) if args.deadline_s else None
     replica = tfl.Replica(model, cluster, task, optimizer=tfl.OptimizerSpec.adam(lr=0.01), mode=args.mode,
-                          options=options)
+                          wire=options)
     with tfl.TrainingSession(replica, hooks=[tfl.StopAtStepHook(last_step=args.last_step)],
                              checkpoint_dir=args.checkpoint_dir, save_checkpoint_steps=args.save_steps,
                              log_step_count_steps=None, recovery_timeout_s=60) as session:

@@ -43,7 +43,7 @@ def test_an_id_gets_a_row_on_its_nth_push_and_its_earlier_gradients_are_dropped_
     push(shard, [7, 8], 2)
     assert len(shard) == 1 and value(shard, 7) == -1.0  # admitted: this push's gradient only
     status = shard.status()
-    assert (status["admitted"], status["refused_updates"]) == (1, 3)  # 7 twice, then 8 once
+    assert (status.admitted, status.refused_updates) == (1, 3)  # 7 twice, then 8 once
 
 
 def test_probability_admission_is_about_p_and_the_same_for_the_same_push():
@@ -80,7 +80,7 @@ def test_rows_not_updated_for_ttl_steps_are_evicted_and_come_back_fresh():
     push(shard, [1, 2], 0)
     for update in range(1, 20):
         push(shard, [1], update)  # 1 stays fresh, 2 is never touched again
-    assert len(shard) == 1 and shard.status()["evicted"] == 1
+    assert len(shard) == 1 and shard.status().evicted == 1
     assert value(shard, 2) == 0.0  # back to its initial row
     assert value(shard, 1) == -20.0  # every one of its updates, none lost
     push(shard, [2], 20)
@@ -100,7 +100,7 @@ def test_a_capacity_keeps_the_most_recently_updated_rows_and_their_values():
     recent = [1000 + u for u in range(290, 300)]
     assert all(value(shard, i) == -1.0 for i in recent)
     assert value(shard, 1000) == 0.0  # the oldest cold row went
-    assert shard.status()["evicted"] == 300 + 10 - len(shard)
+    assert shard.status().evicted == 300 + 10 - len(shard)
 
 
 def test_eviction_never_takes_the_rows_of_the_push_being_applied():
@@ -169,9 +169,9 @@ def test_the_tables_stay_within_the_memory_budget_and_recent_rows_stay():
                      ids_key("b"): ids, grads_key("b"): torch.ones(500, 4)}, advance_step=True,
                     origin=Origin(0, 0, step + 1))
         tables = store.status().tables
-        assert tables["a"]["bytes"] + tables["b"]["bytes"] <= budget
+        assert tables["a"].bytes + tables["b"].bytes <= budget
     tables = store.status().tables
-    assert tables["a"]["evicted"] > 0 and tables["b"]["evicted"] > 0
+    assert tables["a"].evicted > 0 and tables["b"].evicted > 0
     rows, _ = store.lookup({"a": torch.tensor([119 * 500, 0])})
     assert rows["a"][0, 0] == -1.0 and rows["a"][1, 0] == 0.0  # the newest row is there, the oldest went
 
@@ -188,12 +188,12 @@ def test_a_push_whose_rows_cannot_fit_the_budget_is_refused_and_changes_nothing(
         store.apply({ids_key("a"): many, grads_key("a"): torch.ones(40_000, 16)}, advance_step=True,
                     origin=Origin(0, 0, 1))
     after = store.status()
-    assert (after.applied_updates, after.global_step, after.tables["a"]["rows"]) == (
+    assert (after.applied_updates, after.global_step, after.tables["a"].rows) == (
         before.applied_updates, before.global_step, 100)
     assert after.accepted_pushes == before.accepted_pushes  # refused, not taken: a resend is refused alike
     store.apply({ids_key("a"): many[:2000], grads_key("a"): torch.ones(2000, 16)}, advance_step=True,
                 origin=Origin(0, 0, 1))
-    assert store.status().tables["a"]["rows"] == 2100
+    assert store.status().tables["a"].rows == 2100
 
 
 def test_the_log_of_evicted_ids_counts_within_the_budget():
@@ -206,7 +206,7 @@ def test_the_log_of_evicted_ids_counts_within_the_budget():
         store.apply({ids_key("b"): ids, grads_key("b"): torch.ones(2000, 4)}, advance_step=True,
                     origin=Origin(0, 0, step + 1))
         tables = store.status().tables
-        assert tables["a"]["bytes"] + tables["b"]["bytes"] <= budget
+        assert tables["a"].bytes + tables["b"].bytes <= budget
     shard = store._tables["b"]
     kept = sum(ids.nbytes for _, ids in shard._evictions)  # what the log really holds
     assert shard.evicted > 500_000 and kept == shard.log_bytes <= 0.1 * budget
@@ -242,10 +242,10 @@ def test_a_resent_push_neither_counts_towards_admission_twice_nor_applies_twice(
     one = {ids_key("a"): torch.tensor([9]), grads_key("a"): torch.ones(1, 2)}
     store.apply(one, advance_step=True, origin=Origin(0, 0, 1))
     store.apply(one, advance_step=True, origin=Origin(0, 0, 1))  # its reply was lost: sent again
-    assert store.status().tables["a"]["rows"] == 0  # counted once: not yet admitted
+    assert store.status().tables["a"].rows == 0  # counted once: not yet admitted
     store.apply(one, advance_step=True, origin=Origin(0, 0, 2))
     rows, _ = store.lookup({"a": torch.tensor([9])})
-    assert store.status().tables["a"]["rows"] == 1 and rows["a"][0, 0] == -1.0
+    assert store.status().tables["a"].rows == 1 and rows["a"][0, 0] == -1.0
 
 
 def test_the_memory_budget_flag_takes_sizes_and_names_a_bad_one():

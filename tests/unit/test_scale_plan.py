@@ -180,8 +180,8 @@ def test_scale_up_tells_every_ps_before_the_new_worker_starts(fleet):
     assert fleet.resized == [3, 3] and fleet.started == ["worker:2"] and scaler.state is IDLE
     assert fleet.workers[2] == f"127.0.0.1:{PORT + 100}"  # a new free port
     assert fleet.task_names == ["ps:0", "worker:0", "worker:1", "worker:2"]
-    assert fleet.supervisor.events[-2]["event"] == "scaled" and fleet.supervisor.events[-2]["task"] is None
-    assert (fleet.supervisor.events[-2]["from"], fleet.supervisor.events[-2]["to"]) == (2, 3)
+    assert fleet.supervisor.events[-2].event == "scaled" and fleet.supervisor.events[-2].task is None
+    assert (fleet.supervisor.events[-2].details["from"], fleet.supervisor.events[-2].details["to"]) == (2, 3)
     fleet.ps_takes_resize = False
     fleet.tick()
     assert fleet.resized == [3, 3] and scaler.state is IDLE  # idle: nothing asked of anyone

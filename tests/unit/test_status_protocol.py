@@ -9,7 +9,7 @@ import pytest
 
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.protocol.specs import SyncOptions
-from tensorfleet.protocol.status import MAX_COUNT, MAX_TEXT, TABLE_COUNTS, PsStatus, WorkerStatus
+from tensorfleet.protocol.status import MAX_COUNT, MAX_TEXT, TABLE_COUNTS, PsStatus, TableCounts, WorkerStatus
 from tensorfleet.worker.status import TaskStatus
 
 WORKER = WorkerStatus(task="/job:worker/task:0", role="chief", state="training", pid=42, uptime_s=3.5, local_step=7,
@@ -18,7 +18,7 @@ WORKER = WorkerStatus(task="/job:worker/task:0", role="chief", state="training",
 PS = PsStatus(initialized=True, mode="sync", global_step=20, applied_updates=20, dropped_stale=2, pid=41,
               uptime_s=9.0, task="/job:ps/task:0", done_replicas=[0], workers_done=1, num_workers=2,
               sync=SyncOptions(2, 2), data_port=5000, auth_refused=3,
-              tables={"users": {key: 10 * i for i, key in enumerate(TABLE_COUNTS)}})
+              tables={"users": TableCounts(**{key: 10 * i for i, key in enumerate(TABLE_COUNTS)})})
 
 COUNT = "a whole number from 0 to 9223372036854775807"
 # (a field, a junk value of each kind it can have, what the report says it must be)
@@ -104,8 +104,8 @@ def test_a_bad_table_is_left_out_a_bad_counter_is_none_and_other_keys_are_not_re
     tables = {"users": {"rows": 5, "bytes": "many", "evicted": -1, "bytes_per_row_bare": 48.0},
               "items": [1, 2], "ads": {"rows": 2.0}}
     read = PsStatus.read({"tables": tables}, on_junk).tables
-    assert read == {"users": {**dict.fromkeys(TABLE_COUNTS), "rows": 5},
-                    "ads": {**dict.fromkeys(TABLE_COUNTS), "rows": 2}}
+    assert read == {"users": TableCounts(**{**dict.fromkeys(TABLE_COUNTS), "rows": 5}),
+                    "ads": TableCounts(**{**dict.fromkeys(TABLE_COUNTS), "rows": 2})}
     expected = "an object of tables, each an object of counts"
     assert told == [("tables", {"users": {"bytes": "many", "evicted": -1}}, expected),
                     ("tables", {"items": [1, 2]}, expected)]

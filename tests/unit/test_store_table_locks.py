@@ -231,7 +231,7 @@ def test_a_ttl_table_no_push_touches_is_swept_at_the_same_updates_as_before():
         if ids is not None:
             reference.apply(ids, torch.ones(ids.numel(), DIM), 1.0, step)
         reference.sweep(step)
-        counts.append((store.status().tables["t"]["rows"], store.status().tables["t"]["evicted"]))
+        counts.append((store.status().tables["t"].rows, store.status().tables["t"].evicted))
         assert counts[-1] == (len(reference), reference.evicted), (step, counts)
     assert counts[0] == (2, 0) and counts[-1] == (0, 3)  # every row came and went
 

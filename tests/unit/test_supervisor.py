@@ -42,7 +42,7 @@ def test_starting_becomes_running_only_on_an_answer_after_the_latest_start():
     assert supervisor.by_name["worker:1"].state == "starting"
     supervisor.answered("worker:1", since=clock.now)
     assert supervisor.by_name["worker:1"].state == "running"
-    assert [e["event"] for e in supervisor.events if e["task"] == "worker:1"] == ["started", "running"]
+    assert [e.event for e in supervisor.events if e.task == "worker:1"] == ["started", "running"]
 
 
 def test_a_crash_is_restarted_after_its_backoff_until_the_limit_then_fails():
@@ -63,17 +63,17 @@ def test_a_crash_is_restarted_after_its_backoff_until_the_limit_then_fails():
     supervisor.answered("worker:1", since=clock.now)
     assert supervisor.exited("worker:1", 1) is Decision.FAILED
     assert record.state == "failed" and record.restarts == 2 and supervisor.failed() == [record]
-    assert "already restarted 2 time(s) (--max-restarts 2)" in supervisor.events[-1]["reason"]
+    assert "already restarted 2 time(s) (--max-restarts 2)" in supervisor.events[-1].reason
     assert supervisor.total_restarts == 2
 
 
 def test_policy_never_and_exit_code_2_are_not_restarted():
     supervisor = fleet(RestartPolicy(mode="never"))
     assert supervisor.exited("worker:1", -9) is Decision.FAILED
-    assert supervisor.events[-1]["reason"] == "the restart policy is 'never'"
+    assert supervisor.events[-1].reason == "the restart policy is 'never'"
     supervisor = fleet()
     assert supervisor.exited("worker:0", 2) is Decision.FAILED
-    assert "bad flags" in supervisor.events[-1]["reason"]
+    assert "bad flags" in supervisor.events[-1].reason
 
 
 def test_exit_0_is_done_and_the_job_is_done_when_every_worker_is():
@@ -120,7 +120,7 @@ def test_the_same_crash_at_start_up_twice_in_a_row_is_not_restarted_again():
     clock.now += 1.0
     supervisor.started("worker:1", 99)
     assert supervisor.exited("worker:1", 1) is Decision.FAILED
-    assert "at start-up twice in a row" in supervisor.events[-1]["reason"]
+    assert "at start-up twice in a row" in supervisor.events[-1].reason
     assert supervisor.by_name["worker:1"].restarts == 1
 
 
@@ -155,12 +155,12 @@ def test_a_task_lost_with_its_node_is_told_so_not_as_a_signal():
     assert supervisor.exited("worker:1", -9) is Decision.RESTART
     record = supervisor.by_name["worker:1"]
     assert record.how_ended == "lost with its node (node id 8f3a)"
-    assert supervisor.events[-1]["how"] == "lost with its node (node id 8f3a)"
+    assert supervisor.events[-1].how == "lost with its node (node id 8f3a)"
     rows = {line.split()[0]: line.split() for line in supervisor.summary_table().splitlines()[2:]}
     assert rows["worker:1"][3] == "lost"
     supervisor.started("worker:1", 99)
     supervisor.exited("worker:1", -9)
-    assert record.how_ended == "killed by SIGKILL" and supervisor.events[-1]["how"] == "killed by SIGKILL"
+    assert record.how_ended == "killed by SIGKILL" and supervisor.events[-1].how == "killed by SIGKILL"
 
 
 def test_a_lost_task_no_node_takes_fails_with_the_reason():
@@ -170,6 +170,7 @@ def test_a_lost_task_no_node_takes_fails_with_the_reason():
     supervisor.gave_up("worker:1", "no node of the Ray cluster took it within 10 s")
     record = supervisor.by_name["worker:1"]
     assert record.state == "failed" and supervisor.failed() == [record] and supervisor.due() == []
-    assert supervisor.events[-1] == {**supervisor.events[-1], "event": "failed", "task": "worker:1", "code": -9,
-                                     "how": "lost with its node (node id 8f3a)",
-                                     "reason": "no node of the Ray cluster took it within 10 s"}
+    assert supervisor.events[-1].to_json() == {**supervisor.events[-1].to_json(), "event": "failed",
+                                               "task": "worker:1", "code": -9,
+                                               "how": "lost with its node (node id 8f3a)",
+                                               "reason": "no node of the Ray cluster took it within 10 s"}

@@ -351,7 +351,7 @@ class Launcher:
         new = self.supervisor.events[self._events_written:]
         if self.logdir is not None and new:
             with open(self.logdir / "events.jsonl", "a", encoding="utf-8") as f:
-                f.writelines(json.dumps(event) + "\n" for event in new)
+                f.writelines(json.dumps(event.to_json()) + "\n" for event in new)
         self._events_written += len(new)
 
     # --- the job --------------------------------------------------------------------------------
@@ -600,8 +600,8 @@ class Launcher:
         if job["metrics"]:
             say(f"[launch] metrics: {metrics_text(job['metrics'])}")
         for record in failed:
-            event = next(e for e in reversed(self.supervisor.events) if e["task"] == record.name)
-            say(f"[launch] {record.name} failed: {event['how']}; not restarted because {event['reason']}")
+            event = next(e for e in reversed(self.supervisor.events) if e.task == record.name)
+            say(f"[launch] {record.name} failed: {event.how}; not restarted because {event.reason}")
             if self.supervisor.crashed_at_startup(record.name):  # its whole output was just shown
                 say(f"[launch] its output is above; all of it in {self.log_path(record.task)}")
                 continue

@@ -276,7 +276,7 @@ class FleetMonitor:
         """Each ps shard's rows created (since it started) per table, by (task name, table name)."""
         return {(name, table): created for name, s in self._seen.items() if isinstance(s.status, PsStatus)
                 for table, fields in (s.status.tables or {}).items()
-                if (created := fields.get("rows_created")) is not None}
+                if (created := fields.rows_created) is not None}
 
     def _record(self, now: float, answers: dict[str, PsStatus | WorkerStatus]) -> None:
         """A history point from this round's answers; none once the job is over (they would only repeat)."""
@@ -411,9 +411,9 @@ class FleetMonitor:
                     "heartbeat_age_s": None if seen.at is None else round(now - seen.at, 2),
                     "exit_code": record.exit_code if record is not None else None,
                     # embedding tables: a ps's rows per table, a worker's unique ids in its last push
-                    "tables": {table: {"rows": fields.get("rows"), "bytes": fields.get("bytes"),
+                    "tables": {table: {"rows": fields.rows, "bytes": fields.bytes,
                                        "rows_per_sec": rates["rows"].get((name, table)),
-                                       **{key: fields.get(key) for key in _LIFECYCLE_FIELDS}}
+                                       **{key: getattr(fields, key) for key in _LIFECYCLE_FIELDS}}
                                for table, fields in tables.items()} or None,
                     "unique_ids": unique_ids,
                     "metrics": None if isinstance(status, PsStatus) else status.metrics,

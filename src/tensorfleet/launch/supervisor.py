@@ -130,6 +130,38 @@ def exit_label(code: int) -> str:
     return describe_exit(code).removeprefix("exit code ").removeprefix("killed by ")
 
 
+@dataclass(frozen=True)
+class TaskEvent:
+    """One line of ``LOGDIR/events.jsonl``: at ``t`` seconds into the job, ``task`` (None: the job itself, a
+    scale) had ``event`` ("started", "running", "exited", "failed", "stopped", "lost", "scaled", ...), with what
+    that kind of event tells in ``details`` (``pid``, ``code``, ``how``, ``reason``, ``restart``, ``delay_s``,
+    ``node``, ...)."""
+
+    t: float
+    task: str | None
+    event: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def how(self) -> str | None:
+        """How the task ended, in words ("exit code 1", "killed by SIGKILL", "lost with its node ...")."""
+        return self.details.get("how")
+
+    @property
+    def reason(self) -> str | None:
+        """Why it was not restarted (a "failed" event) or was stopped."""
+        return self.details.get("reason")
+
+    @property
+    def restart(self) -> int | None:
+        """The restart it will be, for an exit that is restarted (None: not restarted)."""
+        return self.details.get("restart")
+
+    def to_json(self) -> dict[str, Any]:
+        """The line as events.jsonl keeps it: flat, the details beside t, task and event."""
+        return {"t": self.t, "task": self.task, "event": self.event, **self.details}
+
+
 @dataclass
 class Supervisor:
     """Decides what happens to each task when it starts, answers, exits; keeps the event log.
@@ -143,7 +175,7 @@ class Supervisor:
     records: Sequence[TaskRecord]
     policy: RestartPolicy = RestartPolicy()
     clock: Callable[[], float] = time.monotonic
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[TaskEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.records = list(self.records)  # ours: a scale-up adds to it
@@ -154,9 +186,8 @@ class Supervisor:
         # each transition is one step under this lock (an answer must not revive a task that just died).
         self._lock = threading.RLock()
 
-    def _event(self, record: TaskRecord | None, kind: str, **details: Any) -> dict[str, Any]:
-        event = {"t": round(self.clock() - self.started_at, 3), "task": record.name if record else None,
-                 "event": kind, **details}
+    def _event(self, record: TaskRecord | None, kind: str, **details: Any) -> TaskEvent:
+        event = TaskEvent(round(self.clock() - self.started_at, 3), record.name if record else None, kind, details)
         self.events.append(event)
         return event
 

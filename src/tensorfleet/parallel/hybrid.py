@@ -120,14 +120,14 @@ class TowerReplica:
     def __init__(self, towers: Towers, module: nn.Module, cluster: ClusterSpec, task: TaskSpec, *,
                  optimizer: OptimizerSpec, mode: Mode | str = Mode.ASYNC, sync: SyncOptions | None = None,
                  placement: PlacementStrategy = DEFAULT_PLACEMENT, partitioner: RowPartitioner | None = None,
-                 average_decay: float | None = None, options: WireOptions | None = None,
+                 average_decay: float | None = None, wire: WireOptions | None = None,
                  init_timeout_s: float = 300.0, log_placement: bool = False, overlap: bool = False,
                  wire_dtype: torch.dtype | None = None, nonfinite_gradients: str = "reject",
                  prefetch: bool = False, dense: str = "ps", config: ReplicaOptions | None = None) -> None:
         # Checked on every tower, so that they all refuse bad options alike; tower 0's Replica uses them.
         self.options = ReplicaOptions.merge(
             config, mode=mode, sync=sync, placement=placement, partitioner=partitioner, average_decay=average_decay,
-            options=options, init_timeout_s=init_timeout_s, log_placement=log_placement, overlap=overlap,
+            wire=wire, init_timeout_s=init_timeout_s, log_placement=log_placement, overlap=overlap,
             wire_dtype=wire_dtype, nonfinite_gradients=nonfinite_gradients, prefetch=prefetch, dense=dense)
         if self.options.dense == "allreduce" and towers.num_towers > 1:
             raise InvalidArgumentError("dense='allreduce' with several towers is not supported: the towers' DDP and "

@@ -86,8 +86,49 @@ def _indices(value: Any, report: Callable[[Any], None]) -> list[int] | None:
     return indices
 
 
-def _tables(value: Any, report: Callable[[Any], None]) -> dict[str, dict[str, int | None]] | None:
-    """A ps's tables (name -> its ``TABLE_COUNTS``): a table whose counters are not an object is left out,
+@dataclass(frozen=True)
+class TableCounts:
+    """One embedding table's counts on one ps shard, as its Status tells them (from the shard's last
+    initialization or restore); None: a counter a lenient read found to be junk. ``bytes_per_row``: what one
+    row costs there ("bare", "held", "map"), the ps's own figures, which a lenient read leaves out."""
+
+    rows: int | None = 0
+    bytes: int | None = 0
+    rows_created: int | None = 0
+    admitted: int | None = 0
+    refused_updates: int | None = 0
+    evicted: int | None = 0
+    row_updates: int | None = 0
+    lookups: int | None = 0
+    bytes_per_row: dict[str, float] = field(default_factory=dict)
+
+    def to_meta(self) -> dict[str, Any]:
+        """On the wire, flat: the counts, and ``bytes_per_row_<part>``."""
+        return {**{name: getattr(self, name) for name in TABLE_COUNTS},
+                **{f"bytes_per_row_{part}": cost for part, cost in self.bytes_per_row.items()}}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any], table: str = "") -> "TableCounts":
+        """Strict: a counter absent is 0, a bad one raises ``InvalidArgumentError`` naming the table."""
+        if not isinstance(meta, Mapping):
+            raise InvalidArgumentError(f"Status 'tables' must map a table to its counters, got {meta!r:.60}")
+        counts = {name: count_field(meta, name, f"Status table {table!r}") for name in TABLE_COUNTS if name in meta}
+        costs = {key.removeprefix("bytes_per_row_"): float(value) for key, value in meta.items()
+                 if key.startswith("bytes_per_row_") and isinstance(value, (int, float)) and not isinstance(value, bool)}
+        return cls(**counts, bytes_per_row=costs)
+
+    @classmethod
+    def read(cls, meta: Mapping[str, Any], report: Callable[[Any], None]) -> "TableCounts":
+        """Lenient: a counter that is not a count is None (and reported); other keys are not read."""
+        checked = {key: _count(meta.get(key)) for key in TABLE_COUNTS}
+        bad = {key: meta[key] for key, count in checked.items() if count is None and meta.get(key) is not None}
+        if bad:
+            report(bad)
+        return cls(**checked)
+
+
+def _tables(value: Any, report: Callable[[Any], None]) -> dict[str, TableCounts] | None:
+    """A ps's tables (name -> its ``TableCounts``): a table whose counters are not an object is left out,
     a counter that is not a count is None; other keys (``bytes_per_row_*``) are not read."""
     if not isinstance(value, dict):
         return None
@@ -96,11 +137,7 @@ def _tables(value: Any, report: Callable[[Any], None]) -> dict[str, dict[str, in
         if not isinstance(counters, dict):
             report({table: counters})
             continue
-        checked = {key: _count(counters.get(key)) for key in TABLE_COUNTS}
-        bad = {key: counters[key] for key, count in checked.items() if count is None and counters.get(key) is not None}
-        if bad:
-            report({table: bad})
-        tables[str(table)] = checked
+        tables[str(table)] = TableCounts.read(counters, lambda bad, table=table: report({table: bad}))
     return tables
 
 
@@ -204,8 +241,7 @@ class PsStatus(_Status):
     accepted_pushes: int | None = 0  # pushes taken for the first time since then (applied, or offered to a sync step)
     retried_pushes: int | None = 0  # pushes received again after a lost reply: recognized, not applied twice
     rejected_nonfinite: int | None = 0  # pushes refused for NaN/Inf gradients
-    # per table: its TABLE_COUNTS (and, from the ps itself, bytes_per_row_*, which ``read`` leaves out)
-    tables: dict[str, dict[str, float | None]] | None = field(default_factory=dict)
+    tables: dict[str, TableCounts] | None = field(default_factory=dict)  # per embedding table of the shard
     task: str | None = ""
     role: str | None = "ps"
     pid: int | None = 0
@@ -239,8 +275,10 @@ class PsStatus(_Status):
     }
 
     def to_meta(self) -> dict[str, Any]:
-        meta = dataclasses.asdict(self)
+        meta = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         meta["sync"] = self.sync.to_meta() if self.sync is not None else None
+        meta["tables"] = ({name: counts.to_meta() for name, counts in self.tables.items()}
+                          if self.tables is not None else None)
         return meta
 
     @classmethod
@@ -256,6 +294,7 @@ class PsStatus(_Status):
                                        f"{mode!r:.30}")
         if not isinstance(tables, dict) or not all(isinstance(v, dict) for v in tables.values()):
             raise InvalidArgumentError(f"Status 'tables' must map a table to its counters, got {tables!r:.60}")
+        tables = {str(name): TableCounts.from_meta(counts, str(name)) for name, counts in tables.items()}
         done = meta.get("done_replicas", [])
         if not isinstance(done, list) or not all(type(r) is int for r in done):
             raise InvalidArgumentError(f"Status 'done_replicas' must be a list of replica ids, got {done!r:.60}")

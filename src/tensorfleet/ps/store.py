@@ -38,6 +38,7 @@ from tensorfleet.errors import DeadlineExceededError, InvalidArgumentError, NotI
 from tensorfleet.protocol.messages import FENCE_HOLD_S, Cut, Origin, Outcome, PushReply, PushRequest, tables_named
 from tensorfleet.protocol.specs import NONFINITE_POLICIES, Mode, OptimizerSpec, SyncOptions, TableSpec
 from tensorfleet.protocol.state import ShardState, TableState
+from tensorfleet.protocol.status import TableCounts
 from tensorfleet.ps.aggregate import Rows, SyncAccumulator
 from tensorfleet.ps.apply import Applier, MovingAverage
 from tensorfleet.ps.budget import MemoryBudget
@@ -93,7 +94,7 @@ class StoreStatus:
     accepted_pushes: int  # pushes taken for the first time since then (applied, or offered to a sync step)
     retried_pushes: int  # pushes received again after a lost reply: recognized, not applied twice
     rejected_nonfinite: int  # pushes refused for NaN/Inf gradients
-    tables: dict[str, dict[str, float]] = field(default_factory=dict)  # per table: rows, rows_created, bytes, ...
+    tables: dict[str, TableCounts] = field(default_factory=dict)  # per embedding table: its counts here
 
 
 @dataclass

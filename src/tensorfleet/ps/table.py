@@ -53,6 +53,7 @@ from tensorfleet.cluster.idhash import SHARD_SALT, as_uint64, mix64, shard_of
 from tensorfleet.errors import ConfigError
 from tensorfleet.protocol.specs import OptimizerSpec, RowInitializer, TableSpec
 from tensorfleet.protocol.state import TableState
+from tensorfleet.protocol.status import TableCounts
 from tensorfleet.ps import kernels
 from tensorfleet.ps.admission import Admission
 from tensorfleet.ps.idmap import IdMap
@@ -429,11 +430,11 @@ class EmbeddingShard:
         self._append(state.ids, state.values.to(self.spec.dtype), slots,
                      update if updated is None else updated.to(torch.int64))
 
-    def status(self) -> dict[str, float]:
-        return {"rows": len(self), "rows_created": self.rows_created, "bytes": self.nbytes,
-                "admitted": self.admission.admitted, "refused_updates": self.admission.refused_updates,
-                "evicted": self.evicted, "row_updates": self.row_updates, "lookups": self.lookups,
-                **{f"bytes_per_row_{k}": v for k, v in self.bytes_per_row().items()}}
+    def status(self) -> TableCounts:
+        return TableCounts(rows=len(self), rows_created=self.rows_created, bytes=self.nbytes,
+                           admitted=self.admission.admitted, refused_updates=self.admission.refused_updates,
+                           evicted=self.evicted, row_updates=self.row_updates, lookups=self.lookups,
+                           bytes_per_row=self.bytes_per_row())
 
 
 def page_of(ids: np.ndarray, pages: int) -> np.ndarray:

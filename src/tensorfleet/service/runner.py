@@ -238,10 +238,10 @@ class JobRunner:
         if self._tasks_key(launcher) != self._tasks_written:  # before the picture: a task shown there is listed
             self._write_tasks(launcher)
         write_json(self.jobdir / PICTURE_FILE, launcher.monitor.picture())
-        restarts = [e for e in launcher.supervisor.events if e["event"] == "exited" and "restart" in e]
+        restarts = [e for e in launcher.supervisor.events if e.event == "exited" and e.restart is not None]
         for event in restarts[self._restarts_counted:]:
-            self.store.count_restart(self.job_id, f"{event['task']} {event['how']}; restart {event['restart']} "
-                                                  f"in {event['delay_s']:.0f} s")
+            self.store.count_restart(self.job_id, f"{event.task} {event.how}; restart {event.restart} "
+                                                  f"in {event.details['delay_s']:.0f} s")
         self._restarts_counted = len(restarts)
         job = self.store.get(self.job_id)
         if job.stop_requested and not force:
@@ -285,9 +285,9 @@ class JobRunner:
             return JobState.STOPPED, "its supervisor was stopped by a signal"
         for record in launcher.failed:
             event = next((e for e in reversed(launcher.supervisor.events)
-                          if e["task"] == record.name and e["event"] == "failed"), {})
-            reason = (f"{record.name} {event.get('how', 'failed')}; not restarted because "
-                      f"{event.get('reason', 'its restart policy says so')}")
+                          if e.task == record.name and e.event == "failed"), None)
+            reason = (f"{record.name} {event.how if event else 'failed'}; not restarted because "
+                      f"{event.reason if event else 'its restart policy says so'}")
             traceback = last_error(launcher.log_path(record.task))
             return JobState.FAILED, reason + (f"\n{traceback}" if traceback else "")
         return JobState.FAILED, f"the launcher exited with code {code}"

@@ -38,7 +38,7 @@ class ReplicaOptions:
     placement: PlacementStrategy = DEFAULT_PLACEMENT
     partitioner: RowPartitioner | None = None
     average_decay: float | None = None
-    options: WireOptions | None = None
+    wire: WireOptions | None = None  # how this replica speaks to the ps (the token, deadlines, busy polling)
     init_timeout_s: float = 300.0
     log_placement: bool = False
     overlap: bool = False

@@ -93,6 +93,8 @@ class Replica:
         partitioner: split large variables into row parts first (``RowPartitioner(num_parts=2)``).
         average_decay: keep an exponential moving average of every variable on the ps with this
             decay (e.g. 0.99), for evaluation with ``load_averages()``; None keeps none.
+        wire: how this replica speaks to the ps (``WireOptions``: the job token, deadlines, busy polling);
+            None: from the environment (``TENSORFLEET_TOKEN``, ...), as ``tensorfleet launch`` gives it.
         init_timeout_s: how long a worker waits for the ps and the chief before giving up.
         log_placement: log where each variable lives, like ``log_device_placement``.
         overlap: send each gradient as soon as backward produces it (see the module docstring).
@@ -124,13 +126,13 @@ class Replica:
     def __init__(self, module: nn.Module, cluster: ClusterSpec, task: TaskSpec, *, optimizer: OptimizerSpec,
                  mode: Mode | str = Mode.ASYNC, sync: SyncOptions | None = None,
                  placement: PlacementStrategy = DEFAULT_PLACEMENT, partitioner: RowPartitioner | None = None,
-                 average_decay: float | None = None, options: WireOptions | None = None,
+                 average_decay: float | None = None, wire: WireOptions | None = None,
                  init_timeout_s: float = 300.0, log_placement: bool = False, overlap: bool = False,
                  wire_dtype: torch.dtype | None = None, nonfinite_gradients: str = "reject",
                  prefetch: bool = False, dense: str = "ps", config: ReplicaOptions | None = None) -> None:
         self.options = ReplicaOptions.merge(
             config, mode=mode, sync=sync, placement=placement, partitioner=partitioner, average_decay=average_decay,
-            options=options, init_timeout_s=init_timeout_s, log_placement=log_placement, overlap=overlap,
+            wire=wire, init_timeout_s=init_timeout_s, log_placement=log_placement, overlap=overlap,
             wire_dtype=wire_dtype, nonfinite_gradients=nonfinite_gradients, prefetch=prefetch, dense=dense)
         self.module = module
         self.task = task
@@ -173,7 +175,7 @@ class Replica:
                 log.info("embedding table %r (dim %d, %s): rows on every ps by a hash of the id "
                          "(tensorfleet.cluster.idhash.shard_of)", spec.name, spec.dim,
                          f"{spec.num_rows} rows" if spec.num_rows else "any int64 id")
-        self.client = PsClient(cluster, self.placement.shard_map(), options=self.options.options,
+        self.client = PsClient(cluster, self.placement.shard_map(), options=self.options.wire,
                                wire_dtype=self.options.wire_dtype, tables=table_specs)
         for table in self.tables.values():  # prefetch: lookups queue behind the push travelling on the threads
             table.bind(lambda ids, name=table.name: self.client.fetch({name: ids}, inline=not self.prefetch)[name],
