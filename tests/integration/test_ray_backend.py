@@ -204,6 +204,21 @@ def test_a_job_asking_for_gpus_the_cluster_lacks_fails_at_once_saying_so(cluster
     poll(free_cpus_back, 30, "nothing to be held")
 
 
+def test_the_ray_starter_keeps_the_task_starter_contract(cluster, tmp_path):
+    """``backends/api.py``'s TaskStarter contract (``tensorfleet.testing.backends``), on this cluster: placed, run,
+    read, signalled through the tasks' actors; then every bundle is free again."""
+    from tensorfleet import backends
+    from tensorfleet.launch.config import JobConfig
+    from tensorfleet.testing.backends import TASK_SCRIPT, check_task_starter
+
+    made, _ = cluster
+    script = tmp_path / "task.py"
+    script.write_text(TASK_SCRIPT)
+    config = JobConfig(script=str(script), ps=1, workers=1, backend="ray", ray_address=made.address).validate()
+    check_task_starter(backends.load("ray").starter(config), script, tmp_path)
+    poll(free_cpus_back, 30, "the contract's placement group and actors to be released")
+
+
 def test_a_sigkilled_launcher_leaves_no_task_and_no_actor_on_the_cluster(cluster, launches):
     made, _ = cluster
     run = launches(["--ray-address", made.address, "--ps", "1", "--workers", "2"], ["--train_steps", "100000"],
