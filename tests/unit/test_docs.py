@@ -137,3 +137,30 @@ def test_the_map_checks_find_a_missing_module_and_a_wrong_name():
         "worker/gone.py", "worker/dense.py"}
     classes, _, _ = defined_names()
     assert "recover" in classes["Replica"] and "no_such_method" not in classes["Replica"]
+
+
+def _module_index():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("index_modules", REPO / "tests" / "index_modules.py")
+    index = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(index)
+    return index
+
+
+def test_every_module_finds_its_tests_in_the_index_and_the_index_is_true():
+    """tests/MODULES.md: every module of the package has a row; each test it names exists and names the module
+    (a module that none imports: its tests, run through something, are named in index_modules.THROUGH)."""
+    index = _module_index()
+    rows = dict(re.findall(r"^\| `(tensorfleet[\w.]*)` \| (.+) \|$", (REPO / "tests" / "MODULES.md").read_text(),
+                           re.M))
+    assert sorted(rows) == sorted(index.modules()), "python tests/index_modules.py writes the rows again"
+    for module, cell in rows.items():
+        files = re.findall(r"`(tests/[\w/]+\.py)`", cell)
+        assert files, f"{module}: no test named"
+        for name in files:
+            path = REPO / name
+            assert path.is_file(), f"{module}: {name} does not exist"
+            if module not in index.THROUGH:
+                assert path in index.named_after(module) or index.mentions(path.read_text(), module), \
+                    f"{module}: {name} neither is named after it nor names it"
