@@ -4,8 +4,8 @@ Two jobs, each a set of configurations run interleaved (``--repeats`` rounds), 2
 (``--workers``), one intra-op thread per process, synthetic data made before the clock starts:
 
 * **dense**: ``vs_ddp.py``'s MLP of 15.8 M parameters, batch 64 per worker, SGD with momentum, sync:
-  torch DDP (gloo, bucketed, overlapped) / tensorfleet with every variable on 2 ps (overlap on: the
-  classic layout) / tensorfleet hybrid (``dense="allreduce"``: the same gloo all-reduce, 1 ps keeping the
+  torch DDP (gloo, bucketed, overlapped) / tensorfleet with every variable on 2 ps (overlap on:
+  classic mode) / tensorfleet hybrid (``dense="allreduce"``: the same gloo all-reduce, 1 ps keeping the
   global step only);
 * **ctr**: a click-through model, one ``EmbeddingTable`` of ``--ids`` ids (dim 16, 8 ids per sample, summed)
   and an MLP 16-256-64-1, batch ``--ctr-batch`` per worker, BCE, async, Adagrad on the rows, Adam on the MLP:

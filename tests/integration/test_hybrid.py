@@ -280,6 +280,6 @@ def test_moving_averages_mean_the_same_in_either_layout_and_training_goes_on_fro
         assert torch.allclose(h_averaged[name], averaged[name], rtol=1e-5, atol=1e-6), name
         assert not torch.allclose(h_averaged[name], h_live[name]), name  # the averages are not the live values
         assert torch.equal(h_back[name], h_live[name]), name
-        for layout in ("ps", "allreduce"):  # the checkpoint keeps the averages in either layout
-            saved = load(latest_checkpoint(tmp_path / layout))
+        for dense in ("ps", "allreduce"):  # the checkpoint keeps the averages in either mode
+            saved = load(latest_checkpoint(tmp_path / dense))
             assert torch.allclose(saved.state.averages[f"body.{name}"], h_averaged[name], rtol=1e-5, atol=1e-6)

@@ -1,6 +1,6 @@
 """The moving averages of variables (``tf.train.ExponentialMovingAverage``'s rule), one rule for every holder:
 the ps keeps them for the variables it holds, hybrid mode's workers for the dense parameters they keep
-(``worker/dense.py``), so ``load_averages()`` means the same in either layout."""
+(``worker/dense.py``), so ``load_averages()`` means the same in either mode (dense on the ps or all-reduced)."""
 
 from __future__ import annotations
 

@@ -161,14 +161,14 @@ def split(state: ShardState, placement: Placement, num_ps: int, *, sync: bool) -
 
 
 def dense_names(replica: TrainingReplica) -> frozenset[str]:
-    """Hybrid (``dense="allreduce"``): the parameters the workers keep, not the ps; empty in the classic layout."""
+    """Hybrid (``dense="allreduce"``): the parameters the workers keep, not the ps; empty in classic mode."""
     return replica.dense_names
 
 
 def split_for(replica: TrainingReplica, state: ShardState) -> list[ShardState]:
     """``split`` along the replica's placement. Hybrid: the checkpoint's dense part is left out (the chief
-    restores it on the workers, ``Replica.restore_dense``), so a checkpoint of either layout restores into
-    either, on any number of ps."""
+    restores it on the workers, ``Replica.restore_dense``), so a checkpoint of either mode (dense on the ps, or
+    all-reduced) restores into either, on any number of ps."""
     dense = dense_names(replica)
     if dense:
         state = replace(state, values={k: v for k, v in state.values.items() if k not in dense},
@@ -478,7 +478,7 @@ class Checkpointer:
                dense: DenseState | None = None) -> Path:
         shards = taken.result()
         whole = gather(placement, [shards[shard] for shard in sorted(shards)])
-        if dense is not None:  # hybrid: the dense half under the same names as on the ps in the classic layout
+        if dense is not None:  # hybrid: the dense half under the same names as on the ps in classic mode
             whole.values.update(dense[0])
             whole.slots.update(dense[1])
             if dense[2] is not None:

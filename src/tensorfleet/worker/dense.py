@@ -175,7 +175,7 @@ class DenseAllReduce:
     def state(self) -> DenseState:
         """The values, optimizer slots (momentum, Adam's moments and step) and moving averages (None without),
         by parameter name, in host memory: what a checkpoint keeps of the dense half (the same names as on the
-        ps in the classic layout)."""
+        ps in classic mode)."""
         values = {name: p.detach().cpu().clone() for name, p in self.params.items()}
         slots = {name: {slot: value.detach().cpu().clone() for slot, value in self.optimizer.state[p].items()
                         if isinstance(value, torch.Tensor)}

@@ -105,7 +105,7 @@ class Replica:
             (the default: counted in its Status, logged, ``dropped_gradients`` here) or ``"apply"`` it.
         prefetch: async mode: let each push travel while the next step computes (see the module
             docstring); an error of that push is raised by the next ``push()``, ``pull()`` or ``settle()``.
-        dense: where the dense parameters live: ``"ps"`` (the default, the classic layout) or ``"allreduce"``
+        dense: where the dense parameters live: ``"ps"`` (the default: classic mode) or ``"allreduce"``
             (hybrid: replicated on every worker, gradients averaged over the workers by torch's gloo or NCCL as
             backward produces them, the optimizer applied on every worker; ``EmbeddingTable`` rows stay on the ps).
             The workers' group meets through ps 0 at ``start()`` (``worker/collective.py``).
@@ -257,7 +257,7 @@ class Replica:
 
     @property
     def dense_names(self) -> frozenset[str]:
-        """Hybrid: the dense parameters the workers keep (not on the ps); empty in the classic layout."""
+        """Hybrid: the dense parameters the workers keep (not on the ps); empty in classic mode (dense on the ps)."""
         return frozenset(self._dense_params)
 
     def restore_dense(self, values: Mapping[str, torch.Tensor], slots: Mapping[str, Mapping[str, torch.Tensor]],
