@@ -146,7 +146,7 @@ def start_ps(cluster: ClusterSpec) -> subprocess.Popen:
 def between_graph_step(model: nn.Module, cluster: ClusterSpec) -> tuple[tfl.Replica, Callable]:
     """The seed job's worker step against the ps: pull, forward, backward, push (Adam runs on the ps)."""
     replica = tfl.Replica(model, cluster, TaskSpec("worker", 0), optimizer=tfl.OptimizerSpec.adam(lr=0.01),
-                          options=WireOptions(busy_poll_us=busy_poll_for(3), shared_memory=False)).start()
+                          wire=WireOptions(busy_poll_us=busy_poll_for(3), shared_memory=False)).start()
 
     def step(images: torch.Tensor, labels: torch.Tensor) -> None:
         replica.pull()

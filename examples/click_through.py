@@ -139,7 +139,7 @@ def train(args: argparse.Namespace, cluster: tfl.ClusterSpec, task: tfl.TaskSpec
             print(f"held-out AUC: {held_out_auc:.4f} (the hidden model's: {bayes:.4f}; a constant guess: 0.5)")
             tfl.report_metrics(auc=held_out_auc)  # the job's summary and pages show it
             for status in replica.client.wait_for_shards(60):
-                rows = ", ".join(f"{name} {t['rows']:,.0f}" for name, t in (status.tables or {}).items())
+                rows = ", ".join(f"{name} {t.rows:,.0f}" for name, t in (status.tables or {}).items())
                 print(f"{status.task}: rows {rows}")
 
 

@@ -18,10 +18,10 @@ from tensorfleet import backends
 from tensorfleet.backends.api import Engine, JobSubmitter, PlannedTask
 from tensorfleet.cluster.spec import TaskSpec
 from tensorfleet.errors import ConfigError
-from tensorfleet.launch.config import BACKENDS, JobConfig
+from tensorfleet.launch.config import JobConfig
 from tensorfleet.testing.backends import TASK_SCRIPT, check_task_starter
-STARTERS = [name for name in backends.ENGINES if type(backends.load(name)).starter is not Engine.starter]
-SUBMITTERS = [name for name in backends.ENGINES if type(backends.load(name)).submitter is not Engine.submitter]
+STARTERS = [name for name in backends.ENGINES if not backends.load(name).submits]
+SUBMITTERS = [name for name in backends.ENGINES if backends.load(name).submits]
 
 
 @pytest.mark.parametrize("name", list(backends.ENGINES))
@@ -29,14 +29,23 @@ def test_every_registered_engine_loads_and_says_what_it_is(name):
     entry = backends.entry(name)
     engine = backends.load(name)
     assert isinstance(engine, Engine) and engine.name == name and engine.title
-    assert (name in STARTERS) != (name in SUBMITTERS), "an engine gives a task starter or a submitter, one of them"
+    overrides = {method for method in ("starter", "submitter")
+                 if getattr(type(engine), method) is not getattr(Engine, method)}
+    assert overrides == {"submitter" if engine.submits else "starter"}, "it gives what its submits flag says"
     defaults = {f.name: f.default for f in dataclasses.fields(JobConfig)}
     for option, unset in entry.options:
         assert defaults[option] == unset, f"{name}'s option {option} is unset at JobConfig's default"
 
 
-def test_the_registry_is_the_one_list_of_engines():
-    assert BACKENDS == tuple(backends.ENGINES)
+def test_the_registry_is_the_one_list_of_engines(capsys):
+    from tensorfleet.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["launch", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--backend {" + ",".join(backends.ENGINES) + "}" in shown  # the choices are the registry's
+    for entry in backends.ENGINES.values():
+        assert f"{entry.name}: {entry.summary}" in shown
     with pytest.raises(ConfigError, match="backend 'lsf' is not valid: use one of local, ray, slurm"):
         backends.load("lsf")
 

@@ -209,7 +209,8 @@ def test_a_task_that_moved_starts_with_the_cluster_that_names_its_new_address(tm
     code, launcher, starter, out, events = run_job(
         tmp_path, script, setup=lambda s: s.moves.update({("ps:0", 1): moved_to}))
     assert code == 0, out
-    envs = [env for task, _, env in starter.started if task == "ps:0"]
-    assert moved_to not in envs[0]["TF_CONFIG"] and moved_to in envs[1]["TF_CONFIG"]
+    ps_addresses = [json.loads(env["TF_CONFIG"])["cluster"]["ps"] for task, _, env in starter.started
+                    if task == "ps:0"]
+    assert ps_addresses[0] != [moved_to] and ps_addresses[1] == [moved_to]
     assert launcher.cluster.task_address("ps", 0) == moved_to
     assert launcher.supervisor.by_name["ps:0"].address == moved_to

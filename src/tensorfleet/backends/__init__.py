@@ -38,7 +38,8 @@ class EngineEntry:
 
 ENGINES: dict[str, EngineEntry] = {entry.name: entry for entry in (
     EngineEntry("local", "tensorfleet.backends.local", "processes of this machine", ports_here=True, in_graph=True),
-    EngineEntry("ray", "tensorfleet.backends.ray", "one Ray actor per task, on a Ray cluster's nodes",
+    EngineEntry("ray", "tensorfleet.backends.ray", "one Ray actor per task, on a Ray cluster's nodes (pip install "
+                "'tensorfleet[ray]')",
                 options=(("ray_address", None), ("ray_placement", "spread"), ("ray_replace_timeout", None))),
     EngineEntry("slurm", "tensorfleet.backends.slurm", "one Slurm batch job, every task a rank of one step",
                 options=(("slurm_partition", None), ("slurm_nodes", None), ("slurm_time", None))),

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 
 
 class StillPlacing(Exception):
-    """``TaskStarter.start``: the task cannot start yet (its new place is being found); ask again in
-    ``retry_in_s`` seconds, the loop goes on meanwhile."""
+    """``TaskStarter.start`` of a restart: the task cannot start yet (its new place is being found); ask again in
+    ``retry_in_s`` seconds, the loop goes on meanwhile. (A job's first starts are placed by ``place``: a task that
+    has no place then is a ConfigError, before anything runs.)"""
 
     def __init__(self, retry_in_s: float) -> None:
         super().__init__(f"still being placed; again in {retry_in_s:g} s")
@@ -57,7 +58,8 @@ class TaskProcess(Protocol):
 
 
 class FleetHost(Protocol):
-    """What a starter may tell the launcher of its tasks, from any thread (the launcher is the one host)."""
+    """What a starter may tell the launcher of its tasks (the launcher is the one host): ``task_lost`` from any
+    thread (an output pump's), the others from the supervising thread (within ``start``, ``prepare_worker``)."""
 
     @property
     def cluster(self) -> "ClusterSpec":
@@ -77,12 +79,7 @@ class FleetHost(Protocol):
 
 
 class TaskStarter(ABC):
-    """Starts, places and signals the processes of a job's tasks for the launcher loop (one per job).
-
-    ``listens_here``: the tasks listen on this machine's ports (``--port`` is checked before anything starts).
-    """
-
-    listens_here: bool = False
+    """Starts, places and signals the processes of a job's tasks for the launcher loop (one per job)."""
 
     def attach(self, host: FleetHost) -> None:
         """The launcher this starter serves (called once, before ``place``)."""
@@ -156,6 +153,7 @@ class Engine(ABC):
 
     name: str = ""  # its registry name, the value of a job's ``backend``
     title: str = ""  # its name in a sentence ("Slurm")
+    submits: bool = False  # a scheduler runs the job's tasks (``submitter``); else the launcher loop (``starter``)
 
     def check(self, config: "JobConfig") -> None:
         """Refuse, with ConfigError, what this engine cannot run (checked before anything starts)."""

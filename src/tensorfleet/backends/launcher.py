@@ -75,12 +75,9 @@ def launch(config: JobConfig, *, out: TextIO | None = None, dry_run: bool = Fals
     if dry_run:
         out.write(engine.dry_run_text(config) + "\n")
         return 0
-    starter = engine.starter(config)
-    if starter is not None:
-        return Launcher(config, starter, out=out, progress_every_s=progress_every_s).run()
-    submitter = engine.submitter(config, out=out)
-    assert submitter is not None, f"engine {engine.name} gives neither a starter nor a submitter"
-    return submitter.run()
+    if engine.submits:
+        return engine.submitter(config, out=out).run()
+    return Launcher(config, engine.starter(config), out=out, progress_every_s=progress_every_s).run()
 
 
 class Launcher:
@@ -109,33 +106,33 @@ class Launcher:
         starter.attach(self)
         try:
             cluster = self._initial_cluster()
-        except BaseException:
+            self.tasks = fleet_tasks(cluster)
+            self.console = Console(out or sys.stdout, interactive=interactive, every_s=progress_every_s)
+            self.logdir = Path(config.logdir) if config.logdir else None
+            records = [TaskRecord(t, cluster.task_address(t.job_name, t.index), task_role(cluster, t),
+                                  outside=config.coordinator == "outside" and t.job_name == "chief")
+                       for t in self.tasks]
+            self.supervisor = Supervisor(records, config.restart_policy, clock=clock)
+            # Scaling (see scaling.py): the worker count asked for, the steps towards it, and so the cluster.
+            self.scaler = Scaler(cluster, self.supervisor, self, free_ports=starter.placeholder_ports,
+                                 kill_grace_s=KILL_GRACE_S, clock=clock)
+            # A new secret per job (or the one this launcher was given): every task requires it of every caller.
+            self.token = auth.job_token() or auth.new_token()
+            self.monitor = FleetMonitor(self.cluster, job_name=config.job_name, mode=config.mode,
+                                        supervisor=self.supervisor, options=WireOptions(token=self.token))
+            self.processes: dict[str, TaskProcess] = {}
+            self.output = TaskOutput(self.console.line)
+            self._pumps: dict[str, threading.Thread] = {}  # the output pump of each task's latest incarnation
+            self._events_written = 0
+            self._interrupted: str | None = None
+            self._silent_said: set[str] = set()  # coordinators from outside said to have stopped answering
+            self._handed_over: list[Path] = []  # the files left for a coordinator from outside, removed at the end
+            self.dashboard = None
+            self.started_with: dict[str, dict[str, str]] = {}  # task -> the variables its current process started with
+            self.spawns = 0  # processes started so far (restarts and scaled-up workers included)
+        except BaseException:  # a starter holds places (Ray's actors, its group, a local Ray): let go of them
             starter.release()
             raise
-        self.tasks = fleet_tasks(cluster)
-        self.console = Console(out or sys.stdout, interactive=interactive, every_s=progress_every_s)
-        self.logdir = Path(config.logdir) if config.logdir else None
-        records = [TaskRecord(t, cluster.task_address(t.job_name, t.index), task_role(cluster, t),
-                              outside=config.coordinator == "outside" and t.job_name == "chief")
-                   for t in self.tasks]
-        self.supervisor = Supervisor(records, config.restart_policy, clock=clock)
-        # Scaling (see scaling.py): the worker count asked for, the steps towards it, and so the cluster.
-        self.scaler = Scaler(cluster, self.supervisor, self, free_ports=starter.placeholder_ports,
-                             kill_grace_s=KILL_GRACE_S, clock=clock)
-        # A new secret per job (or the one this launcher was given): every task requires it of every caller.
-        self.token = auth.job_token() or auth.new_token()
-        self.monitor = FleetMonitor(self.cluster, job_name=config.job_name, mode=config.mode,
-                                    supervisor=self.supervisor, options=WireOptions(token=self.token))
-        self.processes: dict[str, TaskProcess] = {}
-        self.output = TaskOutput(self.console.line)
-        self._pumps: dict[str, threading.Thread] = {}  # the output pump of each task's latest incarnation
-        self._events_written = 0
-        self._interrupted: str | None = None
-        self._silent_said: set[str] = set()  # coordinators from outside said to have stopped answering
-        self._handed_over: list[Path] = []  # the files left for a coordinator from outside, removed at the end
-        self.dashboard = None
-        self.started_with: dict[str, dict[str, str]] = {}  # task -> the variables its current process started with
-        self.spawns = 0  # processes started so far (restarts and scaled-up workers included)
 
     def _initial_cluster(self) -> ClusterSpec:
         """Where the tasks will listen, as the starter places them; with ``coordinator``, a ``chief`` too: the
@@ -206,7 +203,7 @@ class Launcher:
         return [parse_address(self.cluster.task_address(t.job_name, t.index))[1] for t in self.tasks]
 
     def _taken_ports_note(self) -> str:
-        taken = taken_ports(self._task_ports()) if self.starter.listens_here else []
+        taken = taken_ports(self._task_ports()) if backends.entry(self.config.backend).ports_here else []
         return f" ({', '.join(map(str, taken))} taken now: a run would refuse to start)" if taken else ""
 
     def check_ports(self) -> None:
@@ -216,7 +213,7 @@ class Launcher:
         Raises:
             ConfigError: naming the taken port(s) and what to do.
         """
-        if self.config.port is None or not self.starter.listens_here:
+        if self.config.port is None or not backends.entry(self.config.backend).ports_here:
             return
         ports = self._task_ports()
         span = f"{ports[0]}..{ports[-1]}" if len(ports) > 1 else str(ports[0])
@@ -358,6 +355,16 @@ class Launcher:
 
     def run(self) -> int:
         """Start the job, supervise it until it ends, print the summary; return 0, 1 (failed) or 130 (stopped)."""
+        try:
+            self._prepare()
+        except BaseException:  # nothing started: the starter lets go of the places it holds
+            self.starter.release()
+            raise
+        return self._run()
+
+    def _prepare(self) -> None:
+        """Before any task starts: the ports, the logdir, the starter's logs, what a coordinator from outside
+        joins with."""
         self.check_ports()
         if self.logdir is None:
             self.logdir = Path(tempfile.mkdtemp(prefix=f"tensorfleet-{self.config.job_name}-"))
@@ -371,6 +378,8 @@ class Launcher:
         except BaseException:
             self._withdraw_hand_over()
             raise
+
+    def _run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         failed: list[TaskRecord] = []
         try:
@@ -561,7 +570,8 @@ class Launcher:
 
     def task_moved(self, name: str, address: str) -> None:
         """Task ``name`` was placed again at ``address``: the cluster follows it (the TF_CONFIG of the tasks
-        started from now on, and the monitor)."""
+        started from now on, and the monitor). From the supervising thread only (a starter's ``start`` or
+        ``prepare_worker``): the cluster is the scaler's, which that thread changes."""
         record = self.supervisor.by_name[name]
         jobs = self.cluster.as_dict()
         jobs[record.task.job_name][record.task.index] = address

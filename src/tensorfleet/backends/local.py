@@ -44,7 +44,9 @@ class LocalProcess:
             return None
 
     def signal(self, sig: int, group: bool = True) -> bool:
-        if self.popen.poll() is not None:  # once reaped, its pid may be another process's
+        """The group (the task's towers too: reached even once the task's own process exited, until the launcher
+        lets go of it), else the process alone, while it runs (once reaped, its pid may be another process's)."""
+        if not group and self.popen.poll() is not None:
             return False
         try:
             os.killpg(self.pid, sig) if group else os.kill(self.pid, sig)
@@ -60,8 +62,6 @@ class LocalProcesses(TaskStarter):
         config: the job's settings (its GPUs per worker).
         gpus_available: this machine's GPUs as counted (None: ask CUDA, when GPUs are asked for).
     """
-
-    listens_here = True
 
     def __init__(self, config: "JobConfig", *, gpus_available: int | None = None) -> None:
         self.config = config

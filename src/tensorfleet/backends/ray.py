@@ -480,10 +480,12 @@ class RemoteProcess:
         """The actor is gone: so is the process (a stand-in exit code, -9); ``on_gone`` hears why."""
         node = dead_node(exc)
         self._lines.append("[launch] the task's Ray actor is gone" + (f": its node {node} died" if node else ""))
-        if self._on_gone is not None:
-            self._on_gone(exc)
-            self._on_gone = None
-        self.returncode = -signal.SIGKILL
+        on_gone, self._on_gone = self._on_gone, None
+        try:
+            if on_gone is not None:
+                on_gone(exc)
+        finally:  # the exit is told whatever the callback did: the loop reaps it, and a stop waits for it
+            self.returncode = -signal.SIGKILL
 
     def poll(self) -> int | None:
         """The exit code, once the output pump read the last line (None before)."""
@@ -632,14 +634,16 @@ class RayActors(TaskStarter):
     def _actor_gone(self, name: str, error: Exception) -> None:
         """A task's actor died (its node with it, mostly): its exit is told as lost, and a new actor is placed now,
         while its restart waits."""
+        job, _, index = name.partition(":")
+        cluster = self.host.cluster
+        if self._closing or int(index) >= cluster.num_tasks(job):  # the job is ending, or the task was scaled away
+            return
         died, node = dead_node(error), self.nodes.get(name)
         how = (f"lost with its node (node id {died or node})" if died or not self._alive(node) else
                f"lost with its Ray actor (on node id {node})")
         self.host.task_lost(name, how)
         if name not in self._placing:
-            job, _, index = name.partition(":")
-            self._placing[name] = self._pool.submit(self._place_again, name,
-                                                    self.host.cluster.task_address(job, int(index)))
+            self._placing[name] = self._pool.submit(self._place_again, name, cluster.task_address(job, int(index)))
 
     def _alive(self, node: str | None) -> bool:
         """Whether Ray counts ``node`` as alive."""

@@ -505,6 +505,7 @@ def check_slurm_config(config: JobConfig) -> None:
 class SlurmEngine(Engine):
     name = "slurm"
     title = "Slurm"
+    submits = True
 
     def check(self, config: JobConfig) -> None:
         check_slurm_config(config)

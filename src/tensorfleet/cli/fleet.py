@@ -26,6 +26,7 @@ import os
 import sys
 from pathlib import Path
 
+from tensorfleet import backends
 from tensorfleet.cli.parsing import Command, CommandLine, non_negative_int, port_number, positive_int
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch import k8s
@@ -85,9 +86,8 @@ def _add_job_flags(run: argparse.ArgumentParser) -> None:
                      metavar="S", help="when the output is not a terminal, print the progress line every S "
                      "seconds (default 10; on a terminal it stays at the bottom)")
     run.add_argument("--backend", choices=BACKENDS,
-                     help="where the tasks run: processes of this machine (local, the default), a Ray cluster "
-                     "(ray: one actor per task; pip install 'tensorfleet[ray]') or a Slurm cluster (slurm: one "
-                     "batch job, a rank per task)")
+                     help="the engine the tasks run on (default local): " + "; ".join(
+                         f"{entry.name}: {entry.summary}" for entry in backends.ENGINES.values()))
     run.add_argument("--ray-address", dest="ray_address", metavar="ADDR",
                      help="with --backend ray: the Ray cluster to join (host:port of its head); default: a local "
                      "Ray started for the job and stopped after it")
@@ -125,7 +125,6 @@ def run_launch(args: argparse.Namespace, line: CommandLine) -> int:
     config = _job_config(args, line)
     # The tasks' gRPC errors are worth keeping: the launcher routes them to the task's log file.
     config.env.setdefault(GRPC_VERBOSITY, line.task_grpc_verbosity)
-    from tensorfleet import backends
     from tensorfleet.backends import launcher  # the launcher loop and the engines load for this command only
     from tensorfleet.cluster import machine
 

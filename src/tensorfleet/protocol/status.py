@@ -109,10 +109,11 @@ class TableCounts:
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any], table: str = "") -> "TableCounts":
-        """Strict: a counter absent is 0, a bad one raises ``InvalidArgumentError`` naming the table."""
+        """Strict: a counter absent is None (not told), a bad one raises ``InvalidArgumentError`` naming the table."""
         if not isinstance(meta, Mapping):
             raise InvalidArgumentError(f"Status 'tables' must map a table to its counters, got {meta!r:.60}")
-        counts = {name: count_field(meta, name, f"Status table {table!r}") for name in TABLE_COUNTS if name in meta}
+        counts = {name: count_field(meta, name, f"Status table {table!r}") if name in meta else None
+                  for name in TABLE_COUNTS}
         costs = {key.removeprefix("bytes_per_row_"): float(value) for key, value in meta.items()
                  if key.startswith("bytes_per_row_") and isinstance(value, (int, float)) and not isinstance(value, bool)}
         return cls(**counts, bytes_per_row=costs)

@@ -33,10 +33,6 @@ class PushPlan:
     dense: tuple[str, ...]
     tables: tuple[str, ...] = ()
 
-    @property
-    def names(self) -> set[str]:
-        return {*self.dense, *(ids_key(t) for t in self.tables), *(grads_key(t) for t in self.tables)}
-
 
 @dataclass(frozen=True)
 class ShardLayout:

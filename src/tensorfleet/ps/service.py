@@ -134,7 +134,8 @@ class PsService:
     def status(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Message:
         roll = self.store.roll()
         store = self.store.status()
-        status = PsStatus(**{f.name: getattr(store, f.name) for f in dataclasses.fields(store)}, task=self.store.task, pid=os.getpid(),
+        fields = {f.name: getattr(store, f.name) for f in dataclasses.fields(store)}  # shallow: TableCounts kept
+        status = PsStatus(**fields, task=self.store.task, pid=os.getpid(),
                           uptime_s=time.time() - self._started_unix,
                           state="done" if roll.finished else "running", done_replicas=roll.done,
                           workers_done=len(roll.done), num_workers=roll.count, sync=self.store.sync_options,

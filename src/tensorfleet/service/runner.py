@@ -183,11 +183,10 @@ class JobRunner:
             try:
                 engine = backends.load(config.backend)
                 engine.for_service(config, dict(os.environ))
-                engine.check(config)
-                starter = engine.starter(config)
-                if starter is None:
+                if engine.submits:
                     return self._run_submitted(engine, config, out)
-                launcher = Launcher(config, starter, out=out, interactive=False, on_tick=self._tick)
+                engine.check(config)
+                launcher = Launcher(config, engine.starter(config), out=out, interactive=False, on_tick=self._tick)
             except TensorfleetError as exc:
                 out.write(f"[launch] cannot start: {exc}\n")
                 self._finish(JobState.FAILED, f"cannot start: {exc}")
@@ -202,14 +201,14 @@ class JobRunner:
         """A job whose scheduler runs its tasks (the service's Slurm backend): submitted and followed
         (``backends/slurm.py``). The tasks' logs land in the job's folder as a local job's do; the picture is what
         the scheduler and those logs say (no live figures)."""
-        submitter = engine.submitter(config, out=out,
-                                     on_restart=lambda line: self.store.count_restart(self.job_id, line),
-                                     on_poll=lambda followed: write_json(self.jobdir / PICTURE_FILE,
-                                                                         followed.picture()))
-        assert submitter is not None, f"engine {engine.name} gives neither a starter nor a submitter"
-        write_tasks(self.jobdir / TASKS_FILE, [TaskEntry(t.name, t.role, t.command, t.env)
-                                               for t in engine.planned_tasks(config)])
         try:
+            engine.check(config)
+            submitter = engine.submitter(config, out=out,
+                                         on_restart=lambda line: self.store.count_restart(self.job_id, line),
+                                         on_poll=lambda followed: write_json(self.jobdir / PICTURE_FILE,
+                                                                             followed.picture()))
+            write_tasks(self.jobdir / TASKS_FILE, [TaskEntry(t.name, t.role, t.command, t.env)
+                                                   for t in engine.planned_tasks(config)])
             code = submitter.run()
         except TensorfleetError as exc:
             out.write(f"[launch] cannot run on {engine.title}: {exc}\n")
