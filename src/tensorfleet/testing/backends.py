@@ -77,8 +77,9 @@ def check_task_starter(starter: TaskStarter, script: Path, logdir: Path) -> None
     starter.open(logdir)
     records = {t.short: TaskRecord(t, host.cluster.task_address(t.job_name, t.index), task_role(host.cluster, t))
                for t in fleet_tasks(host.cluster)}
-    for key in starter.task_env(records["ps:0"].task, None):
-        assert key not in (TOKEN_ENV, "TF_CONFIG"), "a starter adds variables of its own only"
+    for task, replica in ((records["ps:0"].task, None), (records["worker:0"].task, 0)):
+        for key in starter.task_env(task, replica):
+            assert key not in (TOKEN_ENV, "TF_CONFIG"), "a starter adds variables of its own only"
 
     # A task runs with its TF_CONFIG and the job token, prints, and exits with its own code.
     process = starter.start(records["worker:0"], [sys.executable, str(script), "3"])
