@@ -100,6 +100,20 @@ def test_a_sigkilled_launcher_takes_its_local_ray_and_tasks_with_it(launches):
     run.process.wait()
     poll(lambda: gone(pids), 30, "the tasks' processes to die with the launcher")
     poll(lambda: not (ray_processes() - before), 30, "the job's local Ray to die with the launcher")
+    # ... and the guard that killed it ends after its last kill (a loaded machine can hold it between the two)
+    poll(lambda: not live_descendants(), 30, "the guard of the job's local Ray to end")
+
+
+def live_descendants() -> list:
+    """This test's descendants that still run (a zombie is not: the fixture reaps it)."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def listening(process) -> list[tuple[str, str]]:
