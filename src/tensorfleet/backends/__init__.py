@@ -5,8 +5,9 @@ settings only it takes, whether its tasks listen on this machine's ports); ``loa
 module and returns its ``ENGINE`` (``backends/api.py``'s ``Engine``), so Ray's and Slurm's imports are paid by
 their jobs alone. Nothing else in the package compares backend names: it asks the entry or the engine.
 
-Adding an engine is one module here (``backends/NAME.py`` with an ``ENGINE``; a ``TaskStarter`` if the launcher's
-loop runs its tasks one by one, its own ``run`` if a scheduler runs the whole job) and one line in ``ENGINES``.
+Adding an engine is one module here (``backends/NAME.py`` with an ``ENGINE``: a ``TaskStarter`` if the launcher's
+loop runs its tasks one by one, ``submits`` and a ``JobSubmitter`` if a scheduler runs the whole job) and one line
+in ``ENGINES``.
 The contract test (``tests/unit/test_backends.py``) holds every registered engine to the interface.
 """
 
