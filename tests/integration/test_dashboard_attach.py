@@ -120,14 +120,14 @@ def test_an_attached_monitor_sees_a_fleet_started_by_hand_finish(tmp_path):
                     [sys.executable, str(PACED), "--last_step", "300", "--step_sleep_s", "0.01"], cwd=REPO,
                     env={**env, "TF_CONFIG": cluster.to_tf_config(TaskSpec(task.job_name, task.index))},
                     stdout=log, stderr=subprocess.STDOUT)
-        picture = poll(lambda: (lambda s: s if s["job"]["state"] != "running" else None)(monitor.picture()),
+        picture = poll(lambda: (lambda s: s if s.job.state != "running" else None)(monitor.picture()),
                         90, "the attached monitor to see the job end", interval_s=0.1)
-        assert picture["job"]["state"] == "succeeded", picture
-        assert {t["name"]: t["state"] for t in picture["tasks"]} == dict.fromkeys(processes, "done")
-        assert picture["job"]["global_step"] >= 300 and picture["job"]["eta_s"] is None
-        points = len(picture["history"])
+        assert picture.job.state == "succeeded", picture
+        assert {t.name: t.state for t in picture.tasks} == dict.fromkeys(processes, "done")
+        assert picture.job.global_step >= 300 and picture.job.eta_s is None
+        points = len(picture.history)
         monitor.poll()  # a finished job gets no new chart points (and the monitor's thread stopped asking)
-        assert len(monitor.picture()["history"]) == points
+        assert len(monitor.picture().history) == points
         for name, process in processes.items():
             assert process.wait(timeout=30) == 0, (tmp_path / f"{name.replace(':', '-')}.log").read_text()
     finally:

@@ -83,12 +83,12 @@ def test_page_and_its_static_files(dashboard: Dashboard):
 def test_api_status_is_the_current_picture(dashboard: Dashboard, fleet: FakeMonitor):
     status, content_type, body = get(dashboard.url + "api/status")
     assert status == 200 and content_type == "application/json"
-    assert json.loads(body) == fleet.picture()
+    assert json.loads(body) == fleet.picture().to_json()
 
     with fleet.lock:
         fleet.state["job"]["global_step"] = 2000
         fleet.state["tasks"][1]["state"] = "restarting"
-    assert json.loads(get(dashboard.url + "api/status")[2]) == fleet.picture()
+    assert json.loads(get(dashboard.url + "api/status")[2]) == fleet.picture().to_json()
 
 
 def test_api_status_turns_a_nan_loss_into_null(dashboard: Dashboard, fleet: FakeMonitor):

@@ -10,7 +10,6 @@ every shard alike), and a chief finding some shards live and others empty restor
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 import torch

@@ -39,13 +39,13 @@ class Scaler:
         if time.monotonic() > self.deadline:
             raise TimeoutError(f"the scaled job did not get past {self.phase!r} in {DEADLINE_S:g} s")
         picture = launcher.monitor.picture()
-        step = picture["job"]["global_step"]
-        tasks = {task["name"]: task for task in picture["tasks"]}
+        step = picture.job.global_step
+        tasks = {task.name: task for task in picture.tasks}
         if self.phase == "warming up" and step >= 20:
             launcher.scale_workers(3)
             self.phase = "scaled up"
         elif self.phase == "scaled up" and (tasks.get("worker:2", {}).get("step") or 0) >= 5:
-            self.seen["worker:2 steps"] = tasks["worker:2"]["step"]  # it is in the picture, and it pushes
+            self.seen["worker:2 steps"] = tasks["worker:2"].step  # it is in the picture, and it pushes
             launcher.scale_workers(1)
             self.phase = "scaling down"
         elif self.phase == "scaling down" and launcher.cluster.num_tasks("worker") == 1:

@@ -100,8 +100,8 @@ def test_a_submitter_plans_every_task_and_pictures_the_job_before_it_is_submitte
     submitter = engine.submitter(config, out=open("/dev/null", "w"))
     assert isinstance(submitter, JobSubmitter) and submitter.job_id is None
     picture = submitter.picture()
-    assert picture["job"]["state"] == "starting"  # the dashboard's shape: the job, then each task
-    assert [t["name"] for t in picture["tasks"]] == [t.name for t in planned]
+    assert picture.job.state == "starting"  # the dashboard's shape: the job, then each task
+    assert [t.name for t in picture.tasks] == [t.name for t in planned]
 
 
 # --- a task starter, run for real ------------------------------------------------------------------------------

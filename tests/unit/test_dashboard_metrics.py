@@ -7,6 +7,7 @@ import math
 from prometheus_client.parser import text_string_to_metric_families
 
 from tensorfleet.dashboard.metrics import TASK_STATES, render_metrics
+from tensorfleet.dashboard.picture import FleetPicture
 
 
 def _picture() -> dict:
@@ -28,7 +29,7 @@ def _picture() -> dict:
 
 def _samples(picture: dict) -> dict[str, list]:
     """Every sample by its name (counters keep their ``_total``), as parsed back from the text."""
-    text = render_metrics(picture).decode()
+    text = render_metrics(FleetPicture.read(picture)).decode()
     samples: dict[str, list] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -59,7 +60,7 @@ def test_job_values():
 
 
 def test_counters_are_typed_as_counters():
-    text = render_metrics(_picture()).decode()
+    text = render_metrics(FleetPicture.read(_picture())).decode()
     types = {f.name: f.type for f in text_string_to_metric_families(text)}
     assert types["tensorfleet_task_restarts"] == "counter"
     assert types["tensorfleet_dropped_stale_gradients"] == "counter"
@@ -160,7 +161,7 @@ def test_embedding_table_values_and_labels():
     assert len(samples["tensorfleet_table_rows_created_per_second"]) == 3
     assert [s.labels["task"] for s in samples["tensorfleet_unique_ids"]] == ["worker:1"]
 
-    text = render_metrics(_picture_with_tables()).decode()
+    text = render_metrics(FleetPicture.read(_picture_with_tables())).decode()
     types = {f.name: f.type for f in text_string_to_metric_families(text)}
     names = ("tensorfleet_table_rows", "tensorfleet_table_bytes", "tensorfleet_table_rows_created_per_second",
              "tensorfleet_unique_ids")
@@ -172,6 +173,6 @@ def test_a_job_without_tables_has_no_table_families():
     for task in picture["tasks"]:
         task.update(tables=None, unique_ids=None)
     picture["job"].update(table_rows=None, rows_per_sec=None)
-    text = render_metrics(picture).decode()
+    text = render_metrics(FleetPicture.read(picture)).decode()
     assert "tensorfleet_table" not in text and "tensorfleet_unique_ids" not in text
-    assert text == render_metrics(_picture()).decode()  # as before the tables came
+    assert text == render_metrics(FleetPicture.read(_picture())).decode()  # as before the tables came

@@ -8,6 +8,7 @@ import pytest
 
 from tensorfleet.cluster import environment
 from tensorfleet.cluster.spec import ClusterSpec
+from tensorfleet.dashboard.picture import FleetPicture, TablePart, TaskPicture
 from tensorfleet.launch import monitor as monitor_module
 from tensorfleet.launch.monitor import FleetMonitor, progress_line
 
@@ -55,18 +56,18 @@ def worker(step: int, *, loss: float = 0.5, state: str = "training", unique_ids:
             "loss": loss, "target_step": TARGET, "unique_ids": unique_ids}
 
 
-def answer(monitor: FleetMonitor, clock: Clock, at: float, answers: dict[str, dict]) -> dict:
+def answer(monitor: FleetMonitor, clock: Clock, at: float, answers: dict[str, dict]) -> FleetPicture:
     clock.now = at
     monitor.update(answers, asked=at)
     return monitor.picture()
 
 
-def states(picture: dict) -> dict[str, str]:
-    return {task["name"]: task["state"] for task in picture["tasks"]}
+def states(picture: FleetPicture) -> dict[str, str | None]:
+    return {task.name: task.state for task in picture.tasks}
 
 
-def task(picture: dict, name: str) -> dict:
-    return next(t for t in picture["tasks"] if t["name"] == name)
+def task(picture: FleetPicture, name: str) -> TaskPicture:
+    return next(t for t in picture.tasks if t.name == name)
 
 
 def test_no_rate_nor_eta_until_two_seconds_of_training(monitor, clock):
@@ -75,16 +76,16 @@ def test_no_rate_nor_eta_until_two_seconds_of_training(monitor, clock):
     # then 100 steps/s
     picture = answer(monitor, clock, 4, {"ps:0": ps(10), "worker:0": worker(10), "worker:1": worker(10)})
     picture = answer(monitor, clock, 5, {"ps:0": ps(110), "worker:0": worker(110), "worker:1": worker(110)})
-    job = picture["job"]
-    assert (job["eta_s"], job["steps_per_sec"], job["examples_per_sec"]) == (None, None, None)
+    job = picture.job
+    assert (job.eta_s, job.steps_per_sec, job.examples_per_sec) == (None, None, None)
     line = progress_line(picture)
     assert line.startswith("step 110/2,000 (6%) | ") and "ETA" not in line and "/s" not in line, line
 
     picture = answer(monitor, clock, 6, {"ps:0": ps(210), "worker:0": worker(210), "worker:1": worker(210)})
-    job = picture["job"]
-    assert job["steps_per_sec"] == pytest.approx(100.0)
-    assert job["examples_per_sec"] == pytest.approx(2 * 16 * 100.0)
-    assert job["eta_s"] == pytest.approx((TARGET - 210) / 100.0)
+    job = picture.job
+    assert job.steps_per_sec == pytest.approx(100.0)
+    assert job.examples_per_sec == pytest.approx(2 * 16 * 100.0)
+    assert job.eta_s == pytest.approx((TARGET - 210) / 100.0)
     assert "100 steps/s | ETA 18s" in progress_line(picture)
 
 
@@ -93,21 +94,21 @@ def test_an_attached_monitor_sees_the_job_end(monitor, clock):
     # worker:1 finished and no longer answers; the ps heard its Done. The loss is worker:0's alone.
     picture = answer(monitor, clock, 10, {"ps:0": ps(900, done=(1,)), "worker:0": worker(900, loss=0.25)})
     assert states(picture) == {"ps:0": "running", "worker:0": "running", "worker:1": "done"}
-    assert picture["job"]["state"] == "running" and picture["history"][-1]["loss"] == 0.25
+    assert picture.job.state == "running" and picture.history[-1].loss == 0.25
 
     # The last worker's final answer said done; then only the lingering ps answers, done too.
     answer(monitor, clock, 11, {"ps:0": ps(1000, done=(1,)), "worker:0": worker(1000, state="done")})
     picture = answer(monitor, clock, 12, {"ps:0": ps(1000, done=(0, 1))})
     assert states(picture) == {"ps:0": "done", "worker:0": "done", "worker:1": "done"}
-    job = picture["job"]
-    assert job["state"] == "succeeded" and job["global_step"] == 1000
-    assert (job["eta_s"], job["steps_per_sec"], job["examples_per_sec"]) == (None, None, None)
+    job = picture.job
+    assert job.state == "succeeded" and job.global_step == 1000
+    assert (job.eta_s, job.steps_per_sec, job.examples_per_sec) == (None, None, None)
 
     # Finished: nothing answers any more, and nothing changes: no new chart points, no ticking clock.
-    points, elapsed = len(picture["history"]), job["elapsed_s"]
+    points, elapsed = len(picture.history), job.elapsed_s
     later = answer(monitor, clock, 30, {})
-    assert len(later["history"]) == points and later["job"]["elapsed_s"] == elapsed
-    assert later["job"]["state"] == "succeeded" and set(states(later).values()) == {"done"}
+    assert len(later.history) == points and later.job.elapsed_s == elapsed
+    assert later.job.state == "succeeded" and set(states(later).values()) == {"done"}
 
 
 def test_a_task_that_stops_without_saying_done_is_unreachable_and_the_job_not_done(monitor, clock):
@@ -115,10 +116,10 @@ def test_a_task_that_stops_without_saying_done_is_unreachable_and_the_job_not_do
     answer(monitor, clock, 1, {"ps:0": ps(60), "worker:0": worker(60, state="done"), "worker:1": worker(60)})
     picture = answer(monitor, clock, 10, {"ps:0": ps(60, done=(0,))})  # worker:1 vanished mid-training
     assert states(picture) == {"ps:0": "running", "worker:0": "done", "worker:1": "unreachable"}
-    assert picture["job"]["state"] == "running"
+    assert picture.job.state == "running"
     # Then the ps goes too, without having said done: still not a finished job.
     picture = answer(monitor, clock, 20, {})
-    assert states(picture)["ps:0"] == "unreachable" and picture["job"]["state"] == "running"
+    assert states(picture)["ps:0"] == "unreachable" and picture.job.state == "running"
 
 
 def test_a_finished_ps_lingers_only_when_no_launcher_reads_its_final_status(monkeypatch):
@@ -146,9 +147,9 @@ def tables_round(step: int, created: dict[str, tuple[int, int]], *, unique_ids: 
     return answers
 
 
-def rows_per_sec(picture: dict) -> dict[tuple[str, str], float | None]:
-    return {(t["name"], table): fields["rows_per_sec"] for t in picture["tasks"] if t["tables"]
-            for table, fields in t["tables"].items()}
+def rows_per_sec(picture: FleetPicture) -> dict[tuple[str, str], float | None]:
+    return {(t.name, table): fields.rows_per_sec for t in picture.tasks if t.tables
+            for table, fields in t.tables.items()}
 
 
 def test_embedding_tables_rows_per_shard_rate_and_unique_ids(sharded, clock):
@@ -157,23 +158,23 @@ def test_embedding_tables_rows_per_shard_rate_and_unique_ids(sharded, clock):
         return {"ps:0": (100 * t, 10 * t), "ps:1": (50 * t, 20 * t)}
 
     picture = answer(sharded, clock, 1, tables_round(10, created(1)))
-    shown = {table: {k: fields[k] for k in ("rows", "bytes", "rows_per_sec")}
-             for table, fields in task(picture, "ps:1")["tables"].items()}
+    shown = {table: {k: getattr(fields, k) for k in ("rows", "bytes", "rows_per_sec")}
+             for table, fields in task(picture, "ps:1").tables.items()}
     assert shown == {"users": {"rows": 1050, "bytes": 64 * 1050, "rows_per_sec": None},
                      "items": {"rows": 520, "bytes": 64 * 520, "rows_per_sec": None}}
-    assert picture["job"]["table_rows"] == 1100 + 510 + 1050 + 520
-    assert picture["job"]["rows_per_sec"] is None  # one poll: no rate yet
-    assert [task(picture, name)["unique_ids"] for name in ("ps:0", "worker:0", "worker:1")] == [None, 300, 280]
-    assert task(picture, "worker:0")["tables"] is None
+    assert picture.job.table_rows == 1100 + 510 + 1050 + 520
+    assert picture.job.rows_per_sec is None  # one poll: no rate yet
+    assert [task(picture, name).unique_ids for name in ("ps:0", "worker:0", "worker:1")] == [None, 300, 280]
+    assert task(picture, "worker:0").tables is None
 
     for t in range(2, 9):
         picture = answer(sharded, clock, t, tables_round(10 * t, created(t)))
     assert rows_per_sec(picture) == pytest.approx(
         {("ps:0", "users"): 100, ("ps:0", "items"): 10, ("ps:1", "users"): 50, ("ps:1", "items"): 20})
-    assert picture["job"]["rows_per_sec"] == pytest.approx(180)
-    assert picture["job"]["table_rows"] == 2 * (1000 + 500) + (100 + 10 + 50 + 20) * 8
+    assert picture.job.rows_per_sec == pytest.approx(180)
+    assert picture.job.table_rows == 2 * (1000 + 500) + (100 + 10 + 50 + 20) * 8
     assert "4,440 table rows (+180/s)" in progress_line(picture)
-    assert picture["history"][-1].keys() == {"t", "global_step", "loss", "examples_per_sec", "steps_per_sec"}
+    assert picture.to_json()["history"][-1].keys() == {"t", "global_step", "loss", "examples_per_sec", "steps_per_sec"}
 
 
 def test_a_restarted_ps_restarts_its_rows_rate(sharded, clock):
@@ -195,21 +196,21 @@ def test_a_restarted_ps_restarts_its_rows_rate(sharded, clock):
     picture = answer(sharded, clock, 10, tables_round(100, created(10, restarted_at=8)))
     assert rows_per_sec(picture)[("ps:1", "users")] == pytest.approx(40)
     assert rows_per_sec(picture)[("ps:1", "items")] == pytest.approx(0)
-    assert picture["job"]["rows_per_sec"] == pytest.approx(100 + 10 + 40)
-    assert task(picture, "ps:1")["tables"]["users"]["rows"] == 1080
+    assert picture.job.rows_per_sec == pytest.approx(100 + 10 + 40)
+    assert task(picture, "ps:1").tables["users"].rows == 1080
 
 
 def test_a_job_without_tables_has_none_of_their_figures(monitor, clock):
     for t in range(1, 5):
         step = 10 * t
         picture = answer(monitor, clock, t, {"ps:0": ps(step), "worker:0": worker(step), "worker:1": worker(step)})
-    assert picture["job"]["steps_per_sec"] == pytest.approx(10)
-    assert (picture["job"]["table_rows"], picture["job"]["rows_per_sec"]) == (None, None)
-    assert all(t["tables"] is None and t["unique_ids"] is None for t in picture["tasks"])
+    assert picture.job.steps_per_sec == pytest.approx(10)
+    assert (picture.job.table_rows, picture.job.rows_per_sec) == (None, None)
+    assert all(t.tables is None and t.unique_ids is None for t in picture.tasks)
     assert "table rows" not in progress_line(picture)
     # a ps of an older version, which says nothing about tables, reads the same
     picture = answer(monitor, clock, 5, {"ps:0": {"role": "ps", "global_step": 50}})
-    assert task(picture, "ps:0")["tables"] is None and picture["job"]["table_rows"] is None
+    assert task(picture, "ps:0").tables is None and picture.job.table_rows is None
 
 
 # --- junk in Status answers (issue 18, item 7): a task's answer is data from the network --------------------
@@ -237,18 +238,18 @@ def test_junk_in_every_status_field_is_shown_as_none_and_never_raises(monitor, c
     with caplog.at_level("WARNING", logger=monitor_module.__name__):
         for t in range(5):
             picture = answer(monitor, clock, t, answers)
-    job = picture["job"]
-    assert job["global_step"] == 0 and job["target_step"] is None and job["dropped_stale"] == 0
-    assert (job["eta_s"], job["steps_per_sec"], job["examples_per_sec"]) == (None, None, None)
-    assert (job["mode"], job["table_rows"], job["rows_per_sec"]) == (None, None, None)
-    for task in picture["tasks"]:
-        assert task["state"] == "running"  # it answers: alive, whatever it said
+    job = picture.job
+    assert job.global_step == 0 and job.target_step is None and job.dropped_stale == 0
+    assert (job.eta_s, job.steps_per_sec, job.examples_per_sec) == (None, None, None)
+    assert (job.mode, job.table_rows, job.rows_per_sec) == (None, None, None)
+    for task in picture.tasks:
+        assert task.state == "running"  # it answers: alive, whatever it said
         for key in ("pid", "step", "global_step", "loss", "unique_ids", "tables", "examples_per_sec"):
-            assert task[key] is None, (task["name"], key, task[key])
-    assert all(point["global_step"] == 0 and point["loss"] is None for point in picture["history"])
+            assert getattr(task, key) is None, (task.name, key, getattr(task, key))
+    assert all(point.global_step == 0 and point.loss is None for point in picture.history)
     assert progress_line(picture) == "step 0 | 3/3 tasks running"
     render_metrics(picture)  # the dashboard's /metrics
-    json.dumps(picture, allow_nan=False)  # the dashboard's /api/status
+    json.dumps(picture.to_json(), allow_nan=False)  # the dashboard's /api/status
 
     # One warning per task and field, not one per poll: 5 polls of 3 tasks with junk in ~8 fields each.
     warned = [(r.task_name, r.field) for r in caplog.records if hasattr(r, "field")]
@@ -265,14 +266,14 @@ def test_junk_in_one_task_leaves_the_others_figures(monitor, clock):
     for t in range(4):
         step = 100 * (t + 1)
         picture = answer(monitor, clock, t, {"ps:0": ps(step), "worker:0": worker(step, loss=0.25), "worker:1": bad})
-    job = picture["job"]
-    assert job["global_step"] == 400 and job["target_step"] == TARGET
-    assert job["steps_per_sec"] == pytest.approx(100) and job["examples_per_sec"] == pytest.approx(1600)
-    assert picture["history"][-1]["loss"] == 0.25  # worker:1's "0.5" is no loss
+    job = picture.job
+    assert job.global_step == 400 and job.target_step == TARGET
+    assert job.steps_per_sec == pytest.approx(100) and job.examples_per_sec == pytest.approx(1600)
+    assert picture.history[-1].loss == 0.25  # worker:1's "0.5" is no loss
     good, junk = task(picture, "worker:0"), task(picture, "worker:1")
-    assert (good["step"], good["loss"], good["examples_per_sec"]) == (200, 0.25, pytest.approx(1600))
-    assert (junk["step"], junk["global_step"], junk["loss"], junk["pid"], junk["unique_ids"]) == (None,) * 5
-    assert junk["state"] == "running" and junk["examples_per_sec"] is None
+    assert (good.step, good.loss, good.examples_per_sec) == (200, 0.25, pytest.approx(1600))
+    assert (junk.step, junk.global_step, junk.loss, junk.pid, junk.unique_ids) == (None,) * 5
+    assert junk.state == "running" and junk.examples_per_sec is None
     assert "step 400/2,000 (20%)" in progress_line(picture)
 
 
@@ -300,20 +301,18 @@ def test_junk_tables_are_tolerated(sharded, clock, tables):
         answers = tables_round(10 * t, created(t))
         answers["ps:1"]["tables"] = tables
         picture = answer(sharded, clock, t, answers)
-    shown = task(picture, "ps:1")["tables"]
-    assert shown is None or shown == {"users": {"rows": None, "bytes": None, "rows_per_sec": None, "admitted": None,
-                                                "refused_updates": None, "evicted": None, "row_updates": None,
-                                                "lookups": None, "traffic_share": None}}, shown
-    assert picture["job"]["table_rows"] == 1000 + 500 + 100 * 5 + 10 * 5  # ps:0's alone
-    assert picture["job"]["rows_per_sec"] == pytest.approx(110)
+    shown = task(picture, "ps:1").tables
+    assert shown is None or shown == {"users": TablePart()}, shown  # every count None
+    assert picture.job.table_rows == 1000 + 500 + 100 * 5 + 10 * 5  # ps:0's alone
+    assert picture.job.rows_per_sec == pytest.approx(110)
     assert "table rows" in progress_line(picture)
     render_metrics(picture)
-    json.dumps(picture, allow_nan=False)
+    json.dumps(picture.to_json(), allow_nan=False)
 
 
 def test_a_final_status_that_is_not_an_object_is_an_empty_answer(monitor, clock):
     picture = answer(monitor, clock, 0, {"ps:0": ["not", "a", "dict"], "worker:0": "abc", "worker:1": None})
-    assert picture["job"]["global_step"] == 0 and set(states(picture).values()) == {"running"}
+    assert picture.job.global_step == 0 and set(states(picture).values()) == {"running"}
     assert progress_line(picture) == "step 0 | 3/3 tasks running"
 
 
@@ -323,10 +322,10 @@ def test_each_shards_admissions_evictions_and_part_of_the_traffic_show_a_hot_sha
         answers[name]["tables"]["users"].update(row_updates=updates, lookups=lookups, evicted=evicted,
                                                 admitted=300, refused_updates=1200)
     picture = answer(sharded, clock, 1, answers)
-    hot, cold = task(picture, "ps:0")["tables"]["users"], task(picture, "ps:1")["tables"]["users"]
-    assert (hot["traffic_share"], cold["traffic_share"]) == pytest.approx((0.9, 0.1))
-    assert (hot["evicted"], hot["admitted"], hot["refused_updates"]) == (40, 300, 1200)
-    assert task(picture, "ps:0")["tables"]["items"]["traffic_share"] is None  # no traffic counted anywhere
+    hot, cold = task(picture, "ps:0").tables["users"], task(picture, "ps:1").tables["users"]
+    assert (hot.traffic_share, cold.traffic_share) == pytest.approx((0.9, 0.1))
+    assert (hot.evicted, hot.admitted, hot.refused_updates) == (40, 300, 1200)
+    assert task(picture, "ps:0").tables["items"].traffic_share is None  # no traffic counted anywhere
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -342,11 +341,11 @@ def test_the_jobs_global_step_is_ps0s_and_each_shard_shows_its_own_counters(cloc
             "worker:0": worker(2990)})
     finally:
         fleet.stop()
-    assert picture["job"]["global_step"] == 3000
+    assert picture.job.global_step == 3000
     ps1 = task(picture, "ps:1")
-    assert ps1["step"] == 3003  # the updates the shard applied: its own counter
-    assert ps1["global_step"] == (3003 if mode == "sync" else None)  # async: not a step counter at all
-    assert task(picture, "ps:0")["global_step"] == 3000 and task(picture, "worker:0")["global_step"] == 2990
+    assert ps1.step == 3003  # the updates the shard applied: its own counter
+    assert ps1.global_step == (3003 if mode == "sync" else None)  # async: not a step counter at all
+    assert task(picture, "ps:0").global_step == 3000 and task(picture, "worker:0").global_step == 2990
 
 
 def test_a_worker_scaled_away_while_its_status_is_asked_leaves_the_monitor_polling(monitor):
@@ -372,4 +371,4 @@ def test_a_worker_scaled_away_while_its_status_is_asked_leaves_the_monitor_polli
     monitor.poll(timeout_s=1.0)  # before: KeyError: 'worker:1'
     assert [t.short for t in monitor.tasks] == ["ps:0", "worker:0"]
     monitor.poll(timeout_s=1.0)  # the next round asks the tasks left
-    assert {t["name"] for t in monitor.picture()["tasks"]} == {"ps:0", "worker:0"}
+    assert {t.name for t in monitor.picture().tasks} == {"ps:0", "worker:0"}

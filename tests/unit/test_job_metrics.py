@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tensorfleet.dashboard.metrics import render_metrics
+from tensorfleet.dashboard.picture import FleetPicture, TaskPicture
 from tensorfleet.errors import InvalidArgumentError
 from tensorfleet.launch.monitor import job_metrics, metrics_text
 from tensorfleet.protocol.status import MAX_METRICS, WorkerStatus
@@ -63,9 +64,9 @@ def test_the_monitor_reads_metrics_leniently_keeping_the_good_ones():
 
 
 def test_the_jobs_metrics_are_the_chiefs_then_names_only_others_reported():
-    tasks = [{"name": "ps:0", "role": "ps", "metrics": None},
-             {"name": "worker:1", "role": "worker", "metrics": {"accuracy": 0.5, "auc": 0.7}},
-             {"name": "worker:0", "role": "chief", "metrics": {"accuracy": 0.9}}]
+    tasks = [TaskPicture(name="ps:0", role="ps", metrics=None),
+             TaskPicture(name="worker:1", role="worker", metrics={"accuracy": 0.5, "auc": 0.7}),
+             TaskPicture(name="worker:0", role="chief", metrics={"accuracy": 0.9})]
     assert job_metrics(tasks) == {"accuracy": 0.9, "auc": 0.7}
     assert job_metrics(tasks[:1]) is None
     assert metrics_text({"accuracy": 0.97714, "loss": 0.0001234, "rows": 123456.0}) == \
@@ -75,6 +76,7 @@ def test_the_jobs_metrics_are_the_chiefs_then_names_only_others_reported():
 def test_metrics_are_exported_to_prometheus_by_name():
     picture = {"job": {"name": "j", "mode": "async", "state": "succeeded", "metrics": {"accuracy": 0.977}},
                "tasks": [], "history": []}
-    families = {f.name: f for f in text_string_to_metric_families(render_metrics(picture).decode())}
+    text = render_metrics(FleetPicture.read(picture)).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
     (sample,) = families["tensorfleet_job_metric"].samples
     assert sample.labels == {"name": "accuracy"} and sample.value == pytest.approx(0.977)

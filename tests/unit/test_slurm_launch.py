@@ -190,19 +190,19 @@ def test_the_picture_of_a_slurm_job_is_what_slurm_and_the_task_logs_say(tmp_path
     for line in ["0: serving", "2: step 10"]:
         launcher._line(line)
     picture = launcher.picture()
-    assert picture["job"]["state"] == "running" and "Slurm job 7 is RUNNING" in picture["job"]["problem"]
-    assert "No live figures on Slurm" in picture["job"]["problem"]
-    assert [(t["name"], t["role"], t["state"]) for t in picture["tasks"]] == [
+    assert picture.job.state == "running" and "Slurm job 7 is RUNNING" in picture.job.problem
+    assert "No live figures on Slurm" in picture.job.problem
+    assert [(t.name, t.role, t.state) for t in picture.tasks] == [
         ("ps:0", "ps", "running"), ("worker:0", "chief", "starting"), ("worker:1", "worker", "running")]
     for line in ["srun: error: node1: task 2: Exited with exit code 3", "srun: error: node1: tasks 0-1: Killed"]:
         launcher._line(line)
     launcher.state, launcher.exit_code = "FAILED", "3:0"
     picture = launcher.picture()
-    assert picture["job"]["state"] == "failed" and "FAILED, exit code 3:0" in picture["job"]["problem"]
-    assert [(t["state"], t["exit_code"]) for t in picture["tasks"]] == [("stopped", None), ("stopped", None),
+    assert picture.job.state == "failed" and "FAILED, exit code 3:0" in picture.job.problem
+    assert [(t.state, t.exit_code) for t in picture.tasks] == [("stopped", None), ("stopped", None),
                                                                         ("failed", 3)]
     launcher.state, launcher.exit_code = "COMPLETED", "0:0"
-    assert [(t["state"], t["exit_code"]) for t in launcher.picture()["tasks"]] == [("done", 0)] * 3
+    assert [(t.state, t.exit_code) for t in launcher.picture().tasks] == [("done", 0)] * 3
     for log in launcher._logs.values():
         log.close()
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Protocol
 
 from tensorfleet.cluster.ports import free_ports
+from tensorfleet.dashboard.picture import FleetPicture
 
 if TYPE_CHECKING:
     from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
@@ -133,8 +134,8 @@ class JobSubmitter(ABC):
         """Submit the job and follow it to its end; 0 succeeded, 130 cancelled (Ctrl-C, SIGTERM), 1 failed."""
 
     @abstractmethod
-    def picture(self) -> dict[str, Any]:
-        """The job as the scheduler and the tasks' output tell it, in the dashboard's shape."""
+    def picture(self) -> FleetPicture:
+        """The job as the scheduler and the tasks' output tell it."""
 
 
 @dataclass(frozen=True)

@@ -428,7 +428,7 @@ class Launcher:
             if now - last_progress >= 1.0:
                 last_progress = now
                 picture = self.monitor.picture()
-                if picture["job"]["global_step"] > 0:  # nothing to say before training starts
+                if picture.job.global_step:  # nothing to say before training starts
                     self.console.progress(progress_line(picture))
             self.sleep(LOOP_S)
         self.console.line(f"[launch] received {self._interrupted}; stopping every task")
@@ -604,11 +604,11 @@ class Launcher:
         else:
             outcome = "succeeded" if code == 0 else "FAILED"
         restarts = self.supervisor.total_restarts
-        job = self.monitor.picture()["job"]
+        job = self.monitor.picture().job
         say(f"[launch] job {self.config.job_name} {outcome} after {elapsed:.1f} s (exit code {code}), "
-            f"{restarts} restart{'s' if restarts != 1 else ''}, global step {job['global_step']}")
-        if job["metrics"]:
-            say(f"[launch] metrics: {metrics_text(job['metrics'])}")
+            f"{restarts} restart{'s' if restarts != 1 else ''}, global step {job.global_step}")
+        if job.metrics:
+            say(f"[launch] metrics: {metrics_text(job.metrics)}")
         for record in failed:
             event = next(e for e in reversed(self.supervisor.events) if e.task == record.name)
             say(f"[launch] {record.name} failed: {event.how}; not restarted because {event.reason}")

@@ -38,8 +38,9 @@ at the start and at the end, never one in the current directory.
 tails the job's output file: each ``N: line`` of rank N goes to the console as ``[ps:0] line`` and to that task's
 log in the job's folder (``ps-0.log``), as the local launcher's logs are; the batch script's own lines come as
 ``[slurm] ...``. A requeue truncates (or replaces) the output file: the launcher then reads it from its start.
-``picture()`` is what Slurm and the output tell of the job in the dashboard's shape (the job service shows it):
-no live figures, since the ranks' Status servers are on the cluster's nodes. Ctrl-C or SIGTERM cancels the job (``scancel``) and waits until Slurm has ended it. The exit code is
+``picture()`` is what Slurm and the output tell of the job, a ``FleetPicture`` (the job service shows it): no
+live figures, since the ranks' Status servers are on the cluster's nodes. Ctrl-C or SIGTERM cancels the job
+(``scancel``) and waits until Slurm has ended it. The exit code is
 0 when the job completed, 130 when it was cancelled, 1 otherwise; its final state comes from ``scontrol show job``
 (``sacct`` where accounting is on). The job's folder must be on a file system the batch host shares with this
 machine.
@@ -56,11 +57,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Callable, TextIO
 
 from tensorfleet.backends.api import Engine, JobSubmitter, PlannedTask
 from tensorfleet.cluster.environment import LOGDIR_ENV, STATUS_DIR_ENV
 from tensorfleet.cluster.slurm import PS_ENV
+from tensorfleet.dashboard.picture import FleetPicture, JobPicture, TaskPicture
 from tensorfleet.errors import ConfigError, LaunchError
 from tensorfleet.launch.config import DENSE_ENV, JobConfig
 from tensorfleet.wire.auth import TOKEN_ENV, TOKEN_FILE_ENV, job_token
@@ -452,21 +454,22 @@ class SlurmLauncher(JobSubmitter):
             for rank in _ranks(ended.group(1)):
                 self._rank_ends[rank] = (code, ended.group(3) or f"exited with code {code}")
 
-    def picture(self) -> dict[str, Any]:
-        """The job as Slurm and its output tell it, in the dashboard's shape: each rank's task (running once its
+    def picture(self) -> FleetPicture:
+        """The job as Slurm and its output tell it: each rank's task (running once its
         log has lines), how it ended where srun said, the job's Slurm state and exit code; no live figures (the
         ranks' Status servers are on the cluster's nodes), which ``problem`` says."""
         job_state_now = PICTURE_STATES.get(self.state or "PENDING", "failed" if self.state in ENDED else "running")
         where = f"Slurm job {self.job_id or '(not submitted yet)'} is {self.state or 'being submitted'}"
         exit_text = f", exit code {self.exit_code}" if self.exit_code and self.state in ENDED else ""
-        job = {"name": self.config.job_name, "mode": self.config.mode, "state": job_state_now, "global_step": None,
-               "restarts": self.restarts,
-               "problem": f"{where}{exit_text}. No live figures on Slurm (the tasks run on the cluster's nodes): the "
-                          f"tasks below are what Slurm and their logs say; their output is under Logs."}
+        job = JobPicture(name=self.config.job_name, mode=self.config.mode, state=job_state_now,
+                         restarts=self.restarts,
+                         problem=f"{where}{exit_text}. No live figures on Slurm (the tasks run on the cluster's "
+                                 f"nodes): the tasks below are what Slurm and their logs say; their output is under "
+                                 f"Logs.")
         tasks = [self._task_picture(rank, job_state_now) for rank in range(self.config.ps + self.config.workers)]
-        return {"job": job, "tasks": tasks, "history": []}
+        return FleetPicture(job, tasks)
 
-    def _task_picture(self, rank: int, job_state_now: str) -> dict[str, Any]:
+    def _task_picture(self, rank: int, job_state_now: str) -> TaskPicture:
         name = task_of_rank(rank, self.config.ps)
         code, how = self._rank_ends.get(rank, (None, ""))
         if job_state_now == "succeeded":
@@ -478,9 +481,8 @@ class SlurmLauncher(JobSubmitter):
         else:  # starting (pending), restarting (requeued), stopped (cancelled), failed without srun's word on it
             state = job_state_now
         role = "ps" if name.startswith("ps:") else "chief" if name == "worker:0" else "worker"
-        return {"name": name, "role": role, "address": None, "state": state, "restarts": self.restarts,
-                "exit_code": code, "pid": None, "step": None, "global_step": None, "loss": None,
-                "problem": how or None}
+        return TaskPicture(name=name, role=role, state=state, restarts=self.restarts, exit_code=code,
+                           problem=how or None)
 
 
 def _ranks(text: str) -> list[int]:

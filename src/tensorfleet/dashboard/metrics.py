@@ -19,10 +19,12 @@ without tables gets none of these families.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tensorfleet.dashboard.picture import FleetPicture
 
 __all__ = ["CONTENT_TYPE", "JOB_STATES", "TASK_STATES", "PictureCollector", "render_metrics"]
 
@@ -36,11 +38,9 @@ _TASK_LABELS = ["task", "role"]
 _TABLE_LABELS = ["task", "table"]  # a ps shard's part of an embedding table (the role is always ps)
 
 
-def _number(value: Any) -> float | None:
-    """``value`` as a float, or None for null (and for anything that is not a number)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
+def _number(value: float | None) -> float | None:
+    """``value`` as a float; None (unknown) stays None, and is left out."""
+    return None if value is None else float(value)
 
 
 def _states(current: str | None, known: tuple[str, ...]) -> list[tuple[str, float]]:
@@ -50,11 +50,11 @@ def _states(current: str | None, known: tuple[str, ...]) -> list[tuple[str, floa
 
 
 class PictureCollector:
-    """A prometheus_client collector over one picture (see ``tensorfleet.dashboard`` for its shape)."""
+    """A prometheus_client collector over one picture (``tensorfleet.dashboard.picture``)."""
 
-    def __init__(self, picture: Mapping[str, Any]) -> None:
-        self._job = picture.get("job") or {}
-        self._tasks = picture.get("tasks") or []
+    def __init__(self, picture: FleetPicture) -> None:
+        self._job = picture.job
+        self._tasks = picture.tasks
 
     def collect(self) -> Iterator[Metric]:
         yield from self._job_metrics()
@@ -64,11 +64,11 @@ class PictureCollector:
     def _job_metrics(self) -> Iterator[Metric]:
         job = self._job
         info = GaugeMetricFamily("tensorfleet_job_info", "The job being run; always 1.", labels=["name", "mode"])
-        info.add_metric([str(job.get("name") or ""), str(job.get("mode") or "")], 1.0)
+        info.add_metric([job.name or "", job.mode or ""], 1.0)
         yield info
 
         state = GaugeMetricFamily("tensorfleet_job_state", "1 for the job's current state.", labels=["state"])
-        for name, value in _states(job.get("state"), JOB_STATES):
+        for name, value in _states(job.state, JOB_STATES):
             state.add_metric([name], value)
         yield state
 
@@ -81,15 +81,14 @@ class PictureCollector:
             ("tensorfleet_elapsed_seconds", "elapsed_s", "Seconds since the job started."),
         ]
         for metric, key, doc in gauges:
-            value = _number(job.get(key))
+            value = _number(getattr(job, key))
             if value is not None:
                 yield GaugeMetricFamily(metric, doc, value=value)
 
         reported = GaugeMetricFamily("tensorfleet_job_metric", "What the job's script reported of its model "
                                      "(tfl.report_metrics: accuracy, RMSE, AUC ...), by name.", labels=["name"])
-        for name, value in (job.get("metrics") or {}).items():
-            if _number(value) is not None:
-                reported.add_metric([str(name)], _number(value))
+        for name, value in (job.metrics or {}).items():
+            reported.add_metric([name], float(value))
         yield reported
 
         counters = [
@@ -97,7 +96,7 @@ class PictureCollector:
             ("tensorfleet_job_restarts", "restarts", "Task restarts in this job, all tasks."),
         ]
         for metric, key, doc in counters:
-            value = _number(job.get(key))
+            value = _number(getattr(job, key))
             if value is not None:
                 yield CounterMetricFamily(metric, doc, value=value)
 
@@ -121,16 +120,16 @@ class PictureCollector:
                 labels=_TASK_LABELS),
         }
         for task in self._tasks:
-            labels = [str(task.get("name", "")), str(task.get("role", ""))]
-            current = task.get("state")
+            labels = [task.name or "", task.role or ""]
+            current = task.state
             up.add_metric(labels, 1.0 if current == "running" else 0.0)
             for name, value in _states(current, TASK_STATES):
                 state.add_metric([*labels, name], value)
-            count = _number(task.get("restarts"))
+            count = _number(task.restarts)
             if count is not None:
                 restarts.add_metric(labels, count)
             for key, family in gauges.items():
-                value = _number(task.get(key))
+                value = _number(getattr(task, key))
                 if value is not None:
                     family.add_metric(labels, value)
         yield up
@@ -172,20 +171,15 @@ class PictureCollector:
             labels=_TASK_LABELS)
         has_tables = False
         for task in self._tasks:
-            name = str(task.get("name", ""))
-            count = _number(task.get("unique_ids"))
+            name = task.name or ""
+            count = _number(task.unique_ids)
             if count is not None:
                 has_tables = True
-                unique_ids.add_metric([name, str(task.get("role", ""))], count)
-            tables = task.get("tables")
-            if not isinstance(tables, Mapping):
-                continue
-            for table, fields in tables.items():
-                if not isinstance(fields, Mapping):
-                    continue
+                unique_ids.add_metric([name, task.role or ""], count)
+            for table, part in (task.tables or {}).items():
                 has_tables = True
                 for key, family in gauges.items():
-                    value = _number(fields.get(key))
+                    value = _number(getattr(part, key))
                     if value is not None:
                         family.add_metric([name, str(table)], value)
         if has_tables:
@@ -193,11 +187,12 @@ class PictureCollector:
             yield unique_ids
 
 
-def render_metrics(picture: Mapping[str, Any]) -> bytes:
+def render_metrics(picture: FleetPicture) -> bytes:
     """The picture in Prometheus' text format (serve it with ``CONTENT_TYPE``).
 
     Example:
-        >>> text = render_metrics({"job": {"global_step": 7}, "tasks": []}).decode()
+        >>> from tensorfleet.dashboard.picture import JobPicture
+        >>> text = render_metrics(FleetPicture(JobPicture(global_step=7))).decode()
         >>> "tensorfleet_global_step 7.0" in text
         True
     """

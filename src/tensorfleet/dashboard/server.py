@@ -18,7 +18,7 @@ import socket
 import threading
 from importlib import resources
 from types import TracebackType
-from typing import Any, Callable
+from typing import Callable
 
 import uvicorn
 from starlette.applications import Starlette
@@ -28,16 +28,14 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from tensorfleet.dashboard.metrics import CONTENT_TYPE, render_metrics
+from tensorfleet.dashboard.picture import FleetPicture
 from tensorfleet.errors import LaunchError
 from tensorfleet.web import ThreadServer, bind, json_safe, serve_in_thread, url_host
 
-__all__ = ["Dashboard", "FleetPicture", "PictureSource", "create_app"]
+__all__ = ["Dashboard", "PictureSource", "create_app"]
 
-# The fleet as the dashboard shows it, a JSON-ready dict (its shape: see ``tensorfleet.dashboard``).
-# A "picture", not a "snapshot": that is a ps shard's state taken for a checkpoint (the Snapshot RPC).
-FleetPicture = dict[str, Any]
-# Where the dashboard gets it: ``FleetMonitor.picture`` (or a test's stand-in); cheap, thread-safe,
-# a fresh dict each call.
+# Where the dashboard gets the fleet (``tensorfleet.dashboard.picture``): ``FleetMonitor.picture`` (or a
+# test's stand-in); cheap, thread-safe, a fresh picture each call.
 PictureSource = Callable[[], FleetPicture]
 
 log = logging.getLogger(__name__)
@@ -57,7 +55,7 @@ _PAGE_HEADERS = {
 
 
 def create_app(picture: PictureSource) -> Starlette:
-    """The dashboard's ASGI app over ``picture``, a cheap thread-safe callable returning a fresh dict.
+    """The dashboard's ASGI app over ``picture``, a cheap thread-safe callable returning a fresh picture.
 
     Routes: ``/`` the page, ``/static/...`` its files, ``/api/status`` the picture as
     JSON, ``/metrics`` Prometheus text, ``/healthz``.  The endpoints that call
@@ -65,7 +63,8 @@ def create_app(picture: PictureSource) -> Starlette:
     ``picture()`` that briefly waits on a lock never stalls the event loop.
 
     Example:
-        >>> app = create_app(lambda: {"job": {"name": "demo"}, "tasks": [], "history": []})
+        >>> from tensorfleet.dashboard.picture import JobPicture
+        >>> app = create_app(lambda: FleetPicture(JobPicture(name="demo")))
     """
     page = (resources.files("tensorfleet.dashboard") / "static" / "index.html").read_bytes()
 
@@ -73,7 +72,7 @@ def create_app(picture: PictureSource) -> Starlette:
         return Response(page, media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
 
     def status(request: Request) -> Response:
-        return JSONResponse(json_safe(picture()), headers={"Cache-Control": "no-store"})
+        return JSONResponse(json_safe(picture().to_json()), headers={"Cache-Control": "no-store"})
 
     def metrics(request: Request) -> Response:
         return Response(render_metrics(picture()), media_type=CONTENT_TYPE)
@@ -94,7 +93,7 @@ class Dashboard:
     """Serves the dashboard for ``picture`` from a background thread.
 
     Args:
-        picture: returns the fleet's state as a fresh JSON-ready dict; cheap and thread-safe.
+        picture: returns the fleet's state as a fresh ``FleetPicture``; cheap and thread-safe.
         host: the address to bind; loopback by default, since the page has no authentication.
         port: the port; 0 picks a free one (``url`` tells which).
 

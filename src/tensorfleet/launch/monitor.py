@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec
+from tensorfleet.dashboard.picture import FleetPicture, HistoryPoint, JobPicture, TablePart, TaskPicture
 from tensorfleet.errors import TensorfleetError, UnauthenticatedError
 from tensorfleet.launch.supervisor import Supervisor
 from tensorfleet.protocol.status import PsStatus, WorkerStatus
@@ -112,7 +113,7 @@ class FleetMonitor:
         self._seen = {t.short: _Seen() for t in self.tasks}
         self._ps = {t.short for t in self.tasks if t.job_name == "ps"}  # roles from the cluster, not the answers
         self._warned: set[tuple[str, str]] = set()  # (task, field) whose junk was logged once already
-        self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY_POINTS)
+        self._history: collections.deque[HistoryPoint] = collections.deque(maxlen=HISTORY_POINTS)
         # (when, global step, examples per worker, rows created per (ps task, table))
         self._samples: collections.deque[tuple[float, int, dict[str, int], dict[tuple[str, str], int]]] = \
             collections.deque()
@@ -292,9 +293,9 @@ class FleetMonitor:
             self._samples.popleft()
         rates = self._rates()
         losses = [s.loss for s in answers.values() if isinstance(s, WorkerStatus) and s.loss is not None]
-        self._history.append({"t": round(now - self.started, 2), "global_step": step,
-                              "loss": sum(losses) / len(losses) if losses else None,
-                              "examples_per_sec": rates["examples"], "steps_per_sec": rates["steps"]})
+        self._history.append(HistoryPoint(t=round(now - self.started, 2), global_step=step,
+                                          loss=sum(losses) / len(losses) if losses else None,
+                                          examples_per_sec=rates["examples"], steps_per_sec=rates["steps"]))
 
     def _rates(self) -> dict[str, Any]:
         """Steps/s and examples/s over the window; per task too. A counter that went down (restart) restarts.
@@ -374,8 +375,8 @@ class FleetMonitor:
                 states[name] = "unreachable" if seen.ever else "starting"
         return states
 
-    def picture(self) -> dict[str, Any]:
-        """The whole picture as a JSON-ready dict (the dashboard's ``/api/status``).
+    def picture(self) -> FleetPicture:
+        """The whole picture (the dashboard's ``/api/status`` is its ``to_json()``).
 
         Called a picture, not a snapshot: a ps shard's ``Snapshot`` is its state for a checkpoint."""
         now = time.monotonic()
@@ -397,28 +398,30 @@ class FleetMonitor:
                     own_step, loss, unique_ids, tables = status.applied_updates, None, None, status.tables or {}
                 else:  # a worker's: the steps it pushed (with embedding tables, the unique ids of its last push)
                     own_step, loss, unique_ids, tables = status.local_step, status.loss, status.unique_ids, {}
-                tasks.append({
-                    "name": name, "role": task_role(self.cluster, task),
-                    "address": self.cluster.task_address(task.job_name, task.index),
-                    "state": states[name],
-                    "pid": record.pid if record is not None else status.pid,
-                    "restarts": record.restarts if record is not None else 0,
-                    "step": own_step,
+                tasks.append(TaskPicture(
+                    name=name, role=task_role(self.cluster, task),
+                    address=self.cluster.task_address(task.job_name, task.index),
+                    state=states[name],
+                    pid=record.pid if record is not None else status.pid,
+                    restarts=record.restarts if record is not None else 0,
+                    step=own_step,
                     # only ps:0 (or a sync shard) counts steps
-                    "global_step": status.global_step if not is_ps or name == "ps:0" or mode == "sync" else None,
-                    "loss": loss,
-                    "examples_per_sec": None if is_ps else rates["per_task"].get(name),
-                    "heartbeat_age_s": None if seen.at is None else round(now - seen.at, 2),
-                    "exit_code": record.exit_code if record is not None else None,
+                    global_step=status.global_step if not is_ps or name == "ps:0" or mode == "sync" else None,
+                    loss=loss,
+                    examples_per_sec=None if is_ps else rates["per_task"].get(name),
+                    heartbeat_age_s=None if seen.at is None else round(now - seen.at, 2),
+                    exit_code=record.exit_code if record is not None else None,
                     # embedding tables: a ps's rows per table, a worker's unique ids in its last push
-                    "tables": {table: {"rows": fields.rows, "bytes": fields.bytes,
-                                       "rows_per_sec": rates["rows"].get((name, table)),
-                                       **{key: getattr(fields, key) for key in _LIFECYCLE_FIELDS}}
-                               for table, fields in tables.items()} or None,
-                    "unique_ids": unique_ids,
-                    "metrics": None if isinstance(status, PsStatus) else status.metrics,
-                    "problem": seen.refused,
-                })
+                    tables={table: TablePart(rows=counts.rows, bytes=counts.bytes,
+                                             rows_per_sec=rates["rows"].get((name, table)),
+                                             admitted=counts.admitted, refused_updates=counts.refused_updates,
+                                             evicted=counts.evicted, row_updates=counts.row_updates,
+                                             lookups=counts.lookups)
+                            for table, counts in tables.items()} or None,
+                    unique_ids=unique_ids,
+                    metrics=None if isinstance(status, PsStatus) else status.metrics,
+                    problem=seen.refused,
+                ))
             targets = [s.target_step for s in statuses.values() if isinstance(s, WorkerStatus) and s.target_step]
             target = max(targets) if targets else None
             steps_per_sec = rates["steps"]
@@ -426,27 +429,25 @@ class FleetMonitor:
                    else None)
             dropped = max((s.dropped_stale or 0 for s in statuses.values() if isinstance(s, PsStatus)), default=0)
             _add_traffic_shares(tasks)
-            table_rows = [fields["rows"] for t in tasks for fields in (t["tables"] or {}).values()
-                          if fields["rows"] is not None]
-            job = {"name": self.job_name, "mode": mode, "state": self.job_state, "global_step": step,
-                   "target_step": target, "steps_per_sec": steps_per_sec, "examples_per_sec": rates["examples"],
-                   "eta_s": eta, "dropped_stale": dropped,
-                   "elapsed_s": round((self.ended or now) - self.started, 2),
-                   "restarts": self.supervisor.total_restarts if self.supervisor is not None else 0,
-                   "table_rows": sum(table_rows) if table_rows else None,
-                   "rows_per_sec": sum(rates["rows"].values()) if rates["rows"] else None,
-                   "problem": _refusal_problem(tasks),
-                   "metrics": job_metrics(tasks)}
-            return {"job": job, "tasks": tasks, "history": list(self._history)}
+            table_rows = [part.rows for t in tasks for part in (t.tables or {}).values() if part.rows is not None]
+            job = JobPicture(
+                name=self.job_name, mode=mode, state=self.job_state, global_step=step, target_step=target,
+                steps_per_sec=steps_per_sec, examples_per_sec=rates["examples"], eta_s=eta, dropped_stale=dropped,
+                elapsed_s=round((self.ended or now) - self.started, 2),
+                restarts=self.supervisor.total_restarts if self.supervisor is not None else 0,
+                table_rows=sum(table_rows) if table_rows else None,
+                rows_per_sec=sum(rates["rows"].values()) if rates["rows"] else None,
+                problem=_refusal_problem(tasks), metrics=job_metrics(tasks))
+            return FleetPicture(job, tasks, list(self._history))
 
 
-def job_metrics(tasks: list[dict[str, Any]]) -> dict[str, float] | None:
+def job_metrics(tasks: list[TaskPicture]) -> dict[str, float] | None:
     """The job's final metrics: the chief's (or the coordinator's), then any other task's of a name it did not
     report (a script that evaluates on worker 1 only), in the cluster's order."""
-    ordered = sorted(tasks, key=lambda task: task["role"] != "chief")
+    ordered = sorted(tasks, key=lambda task: task.role != "chief")
     metrics: dict[str, float] = {}
     for task in ordered:
-        for name, value in (task.get("metrics") or {}).items():
+        for name, value in (task.metrics or {}).items():
             metrics.setdefault(name, value)
     return metrics or None
 
@@ -457,9 +458,9 @@ def metrics_text(metrics: dict[str, float] | None) -> str:
                      for name, value in (metrics or {}).items())
 
 
-def _refusal_problem(tasks: list[dict[str, Any]]) -> str | None:
+def _refusal_problem(tasks: list[TaskPicture]) -> str | None:
     """What the views say when tasks refuse the monitor: it cannot show anything of them until given the token."""
-    refusing = [task["name"] for task in tasks if task["problem"] is not None]
+    refusing = [task.name or "" for task in tasks if task.problem is not None]
     if not refusing:
         return None
     return (f"{', '.join(refusing)} refuse{'s' if len(refusing) == 1 else ''} this dashboard's Status calls: it "
@@ -467,48 +468,46 @@ def _refusal_problem(tasks: list[dict[str, Any]]) -> str | None:
             f"the token the tasks were started with.")
 
 
-def _add_traffic_shares(tasks: list[dict[str, Any]]) -> None:
+def _add_traffic_shares(tasks: list[TaskPicture]) -> None:
     """Each shard's part of its table's traffic (row updates and lookups since start): a hot shard, one far
     above 1 / shards, shows."""
-    traffic: dict[tuple[str, str], int] = {}
-    for task in tasks:
-        for table, fields in (task["tables"] or {}).items():
-            traffic[(task["name"], table)] = (fields.get("row_updates") or 0) + (fields.get("lookups") or 0)
     totals: dict[str, int] = {}
-    for (_, table), count in traffic.items():
-        totals[table] = totals.get(table, 0) + count
     for task in tasks:
-        for table, fields in (task["tables"] or {}).items():
+        for table, part in (task.tables or {}).items():
+            totals[table] = totals.get(table, 0) + _traffic(part)
+    for task in tasks:
+        for table, part in (task.tables or {}).items():
             total = totals.get(table, 0)
-            fields["traffic_share"] = traffic[(task["name"], table)] / total if total else None
+            part.traffic_share = _traffic(part) / total if total else None
 
 
-_LIFECYCLE_FIELDS = ("admitted", "refused_updates", "evicted", "row_updates", "lookups")  # of TABLE_COUNTS
+def _traffic(part: TablePart) -> int:
+    return (part.row_updates or 0) + (part.lookups or 0)
 
 
-def progress_line(picture: dict[str, Any]) -> str:
+def progress_line(picture: FleetPicture) -> str:
     """``step 4,200/10,000 (42%) | 51,300 ex/s | 513 steps/s | ETA 11s | 3/3 tasks running | 1 restart``"""
-    job = picture["job"]
-    step, target = job["global_step"], job["target_step"]
+    job = picture.job
+    step, target = job.global_step or 0, job.target_step
     parts = [f"step {step:,}/{target:,} ({100 * step / target:.0f}%)" if target else f"step {step:,}"]
-    if job["examples_per_sec"] is not None:
-        parts.append(f"{job['examples_per_sec']:,.0f} ex/s")
-    if job["steps_per_sec"] is not None:
-        parts.append(f"{job['steps_per_sec']:,.0f} steps/s")
-    if job.get("table_rows") is not None:  # a job with embedding tables
-        rate = job.get("rows_per_sec")
-        parts.append(f"{job['table_rows']:,} table rows" + (f" (+{rate:,.0f}/s)" if rate is not None else ""))
-    if job["eta_s"] is not None:
-        parts.append(f"ETA {format_seconds(job['eta_s'])}")
-    tasks = picture["tasks"]
-    running = sum(t["state"] == "running" for t in tasks)
+    if job.examples_per_sec is not None:
+        parts.append(f"{job.examples_per_sec:,.0f} ex/s")
+    if job.steps_per_sec is not None:
+        parts.append(f"{job.steps_per_sec:,.0f} steps/s")
+    if job.table_rows is not None:  # a job with embedding tables
+        rate = job.rows_per_sec
+        parts.append(f"{job.table_rows:,} table rows" + (f" (+{rate:,.0f}/s)" if rate is not None else ""))
+    if job.eta_s is not None:
+        parts.append(f"ETA {format_seconds(job.eta_s)}")
+    tasks = picture.tasks
+    running = sum(t.state == "running" for t in tasks)
     parts.append(f"{running}/{len(tasks)} tasks running")
-    others = collections.Counter(t["state"] for t in tasks if t["state"] not in ("running", "done"))
+    others = collections.Counter(t.state or "unknown" for t in tasks if t.state not in ("running", "done"))
     parts += [f"{n} {state}" for state, n in sorted(others.items())]
-    if job["restarts"]:
-        parts.append(f"{job['restarts']} restart{'s' if job['restarts'] != 1 else ''}")
-    if job["mode"] == "sync" and job["dropped_stale"]:
-        parts.append(f"{job['dropped_stale']} stale dropped")
+    if job.restarts:
+        parts.append(f"{job.restarts} restart{'s' if job.restarts != 1 else ''}")
+    if job.mode == "sync" and job.dropped_stale:
+        parts.append(f"{job.dropped_stale} stale dropped")
     return " | ".join(parts)
 
 

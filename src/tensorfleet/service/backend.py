@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
+from tensorfleet.dashboard.picture import FleetPicture
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.service.store import JobRecord, JobState
 
@@ -92,8 +93,8 @@ class Backend:
         """At most ``limit`` bytes of ``task``'s output from ``offset``. Raises TaskNotFoundError."""
         raise NotImplementedError
 
-    def picture(self, job: JobRecord) -> dict[str, Any] | None:
-        """The job's latest dashboard picture (see ``tensorfleet.dashboard``), or None if there is none."""
+    def picture(self, job: JobRecord) -> FleetPicture | None:
+        """The job's latest dashboard picture, or None if there is none."""
         return None
 
     def fits(self, job: JobRecord, active: Sequence[JobRecord]) -> bool:

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from tensorfleet.dashboard.picture import FleetPicture
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch.config import FIELDS, JobConfig, load_job_file
 from tensorfleet.cluster.machine import usable_cores
@@ -405,7 +406,7 @@ class JobService:
         job = self.store.get(job_id)
         return self._backend(job.backend).log(job, task, offset)
 
-    def picture(self, job: int | JobRecord) -> dict[str, Any] | None:
+    def picture(self, job: int | JobRecord) -> FleetPicture | None:
         """The job's dashboard picture (by id, or of a record the caller holds: no second read)."""
         job = self.store.get(job) if isinstance(job, int) else job
         backend = self.backends.get(job.backend)

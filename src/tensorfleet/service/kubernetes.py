@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from tensorfleet.cluster.spec import TASK_INDEX_ENV, TaskSpec
+from tensorfleet.dashboard.picture import FleetPicture
 from tensorfleet.errors import ConfigError, LaunchError, TensorfleetError, UnavailableError
 from tensorfleet.launch import k8s
 from tensorfleet.service.backend import Backend, LogChunk, Observed, TaskNotFoundError, TaskView
@@ -205,7 +206,7 @@ class KubernetesBackend(Backend):
         data = _read(response)[offset:offset + limit]
         return LogChunk(data.decode("utf-8", errors="replace"), offset + len(data))
 
-    def picture(self, job: JobRecord) -> dict[str, Any] | None:
+    def picture(self, job: JobRecord) -> FleetPicture | None:
         """None: the pods' Status RPC is not reachable from outside the cluster."""
         return None
 

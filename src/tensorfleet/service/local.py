@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from tensorfleet.dashboard.picture import FleetPicture
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.service.backend import Backend, LogChunk, Observed, TaskNotFoundError, TaskView
 from tensorfleet.service.runner import LAUNCHER_LOG, MODULE, PICTURE_FILE, READY_FILE, TASKS_FILE, read_tasks
@@ -131,9 +132,7 @@ class LocalBackend(Backend):
         if not job.logdir:
             return []
         jobdir = Path(job.logdir)
-        picture = _read_json(jobdir / PICTURE_FILE)
-        states = {t.get("name"): t.get("state") or "" for t in _dicts(picture.get("tasks") if isinstance(picture, dict)
-                                                                      else None)}
+        states = {t.name: t.state or "" for t in FleetPicture.read(_read_json(jobdir / PICTURE_FILE)).tasks}
         views: dict[str, TaskView] = {}
         for t in read_tasks(jobdir / TASKS_FILE):  # entries this version cannot read are left out
             views[t.name] = TaskView(t.name, t.role, t.command, t.env, REMOVED if t.removed else states.get(t.name, ""))
@@ -164,8 +163,10 @@ class LocalBackend(Backend):
             data = _whole_characters(data)  # an incomplete character waits for the next read
         return LogChunk(data.decode("utf-8", errors="replace"), offset + len(data))
 
-    def picture(self, job: JobRecord) -> dict[str, Any] | None:
-        return _read_json(Path(job.logdir) / PICTURE_FILE) if job.logdir else None
+    def picture(self, job: JobRecord) -> FleetPicture | None:
+        """The picture the job's runner left last (None before its first)."""
+        found = _read_json(Path(job.logdir) / PICTURE_FILE) if job.logdir else None
+        return FleetPicture.read(found) if found is not None else None
 
 
 def _whole_characters(data: bytes) -> bytes:
@@ -177,11 +178,6 @@ def _whole_characters(data: bytes) -> bytes:
         needed = 1 if byte < 0xC0 else 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
         return data[:i] if len(data) - i < needed else data
     return data
-
-
-def _dicts(value: Any) -> list[dict[str, Any]]:
-    """The mappings of a list read from a file (anything else in it, or not a list: nothing)."""
-    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
 
 
 def _task_order(task: TaskView) -> tuple[int, int, str]:

@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
+from tensorfleet.dashboard.picture import FleetPicture, JobPicture
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch.monitor import metrics_text
 from tensorfleet.service.accounts import Session
@@ -130,9 +131,8 @@ class JobPages:
         picture = await run_in_threadpool(self._service.picture, job_id)
         if picture is None:
             job = await run_in_threadpool(self._service.get, job_id)
-            picture = {"job": {"name": job.name, "state": job.state.value, "global_step": 0}, "tasks": [],
-                       "history": []}
-        return JSONResponse(json_safe(picture), headers={"Cache-Control": "no-store"})
+            picture = FleetPicture(JobPicture(name=job.name, state=job.state.value, global_step=0))
+        return JSONResponse(json_safe(picture.to_json()), headers={"Cache-Control": "no-store"})
 
 
 class NewJobPage:

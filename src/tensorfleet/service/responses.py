@@ -9,6 +9,7 @@ from typing import Any, Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tensorfleet.dashboard.picture import FleetPicture, JobPicture
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.service.accounts import Session
 from tensorfleet.service.jobs import JobService
@@ -79,9 +80,9 @@ def _parser_parts(reason: str) -> dict[str, str | None]:
             "traceback": "\n".join(lines[usages[-1]:errors[-1] + 1])}
 
 
-def job_json(job: JobRecord, picture: dict[str, Any] | None, now: float) -> dict[str, Any]:
+def job_json(job: JobRecord, picture: FleetPicture | None, now: float) -> dict[str, Any]:
     """A job as the API and the jobs list show it."""
-    progress = (picture or {}).get("job") or {}
+    progress = picture.job if picture is not None else JobPicture()
     return {
         "id": job.id, "name": job.name, "owner": job.owner, "state": job.state.value, "backend": job.backend,
         "reason": job.reason, **reason_parts(job.reason),
@@ -89,9 +90,10 @@ def job_json(job: JobRecord, picture: dict[str, Any] | None, now: float) -> dict
         "finished_at": job.finished_at, "age_s": round(now - job.created_at, 1), "pid": job.pid,
         "logdir": job.logdir, "restarted_from": job.restarted_from, "stop_requested": job.stop_requested,
         "workers_target": job.workers_target, "config": job.config,
-        "progress": {key: progress.get(key) for key in ("global_step", "target_step", "steps_per_sec",
-                                                          "examples_per_sec", "eta_s")},
-        "metrics": progress.get("metrics") or None,  # what the script reported (tfl.report_metrics)
+        "progress": {"global_step": progress.global_step, "target_step": progress.target_step,
+                     "steps_per_sec": progress.steps_per_sec, "examples_per_sec": progress.examples_per_sec,
+                     "eta_s": progress.eta_s},
+        "metrics": progress.metrics or None,  # what the script reported (tfl.report_metrics)
     }
 
 

@@ -206,7 +206,7 @@ class JobRunner:
             submitter = engine.submitter(config, out=out,
                                          on_restart=lambda line: self.store.count_restart(self.job_id, line),
                                          on_poll=lambda followed: write_json(self.jobdir / PICTURE_FILE,
-                                                                             followed.picture()))
+                                                                             followed.picture().to_json()))
             write_tasks(self.jobdir / TASKS_FILE, [TaskEntry(t.name, t.role, t.command, t.env)
                                                    for t in engine.planned_tasks(config)])
             code = submitter.run()
@@ -236,7 +236,7 @@ class JobRunner:
         self._last_tick = now
         if self._tasks_key(launcher) != self._tasks_written:  # before the picture: a task shown there is listed
             self._write_tasks(launcher)
-        write_json(self.jobdir / PICTURE_FILE, launcher.monitor.picture())
+        write_json(self.jobdir / PICTURE_FILE, launcher.monitor.picture().to_json())
         restarts = [e for e in launcher.supervisor.events if e.event == "exited" and e.restart is not None]
         for event in restarts[self._restarts_counted:]:
             self.store.count_restart(self.job_id, f"{event.task} {event.how}; restart {event.restart} "

@@ -8,11 +8,12 @@ import copy
 import threading
 from typing import Any, Iterator
 
-from tensorfleet.dashboard import Dashboard
+from tensorfleet.dashboard import Dashboard, FleetPicture
 
 
 class FakeMonitor:
-    """``picture()`` returns a copy of ``state``; edit it inside ``with source.lock``.
+    """``picture()`` returns ``state`` (the picture's JSON, which a test edits inside ``with source.lock``) read
+    as a ``FleetPicture``.
 
     ``broken = True`` makes ``picture()`` raise, as a monitor with a bug would.
     """
@@ -22,11 +23,11 @@ class FakeMonitor:
         self.state = state
         self.broken = False
 
-    def picture(self) -> dict[str, Any]:
+    def picture(self) -> FleetPicture:
         with self.lock:
             if self.broken:
                 raise RuntimeError("the fake monitor is broken on purpose")
-            return copy.deepcopy(self.state)
+            return FleetPicture.read(copy.deepcopy(self.state))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,151 @@
+"""The fleet picture as types: what every view of a running job reads (the progress line, the dashboard page,
+``/metrics``, the job service's pages).
+
+``FleetMonitor.picture()`` builds one from the tasks' Status answers, ``SlurmLauncher.picture()`` from what Slurm
+and the ranks' logs say. ``to_json()`` is the dashboard's ``/api/status`` and the job service's ``picture.json``
+(every field, null where unknown); ``FleetPicture.read`` takes one back from JSON leniently, as data from a file
+or another version: a field of the wrong type is None, an unknown one is dropped, so a view never fails on it.
+
+A "picture", not a "snapshot": that is a ps shard's state taken for a checkpoint (the Snapshot RPC).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["FleetPicture", "HistoryPoint", "JobPicture", "TablePart", "TaskPicture"]
+
+
+@dataclass
+class TablePart:
+    """A ps shard's part of one embedding table."""
+
+    rows: int | None = None
+    bytes: int | None = None
+    rows_per_sec: float | None = None  # rows created per second
+    admitted: int | None = None  # new ids given a row (admission)
+    refused_updates: int | None = None  # row gradients dropped: their id was not admitted yet
+    evicted: int | None = None
+    row_updates: int | None = None
+    lookups: int | None = None
+    traffic_share: float | None = None  # this shard's part of the table's row updates and lookups
+
+
+@dataclass
+class TaskPicture:
+    """One task: who it is, how it is, and its own figures (a ps's step is the updates it applied)."""
+
+    name: str | None = None  # "ps:0", "worker:1"
+    role: str | None = None  # "ps", "chief", "worker"
+    address: str | None = None
+    state: str | None = None  # starting, running, restarting, done, failed, stopped, unreachable, refused
+    pid: int | None = None
+    restarts: int | None = None
+    step: int | None = None
+    global_step: int | None = None  # ps:0's (or a sync shard's); a worker's is the last it was told
+    loss: float | None = None
+    examples_per_sec: float | None = None
+    heartbeat_age_s: float | None = None
+    exit_code: int | None = None
+    tables: dict[str, TablePart] | None = None  # a ps with embedding tables
+    unique_ids: int | None = None  # a worker of a model with tables: unique ids in its last push
+    metrics: dict[str, float] | None = None  # what the task's script reported (tfl.report_metrics)
+    problem: str | None = None  # why the task tells nothing (it refuses the monitor; how srun said it ended)
+
+
+@dataclass
+class JobPicture:
+    """The job as a whole."""
+
+    name: str | None = None
+    mode: str | None = None  # "sync", "async"
+    state: str | None = None  # running, succeeded, failed, stopped (Slurm's: also starting, restarting)
+    global_step: int | None = None
+    target_step: int | None = None
+    steps_per_sec: float | None = None
+    examples_per_sec: float | None = None
+    eta_s: float | None = None
+    dropped_stale: int | None = None
+    elapsed_s: float | None = None
+    restarts: int | None = None
+    table_rows: int | None = None  # embedding tables: rows of all shards
+    rows_per_sec: float | None = None
+    problem: str | None = None  # what the views say above everything (no token; no live figures on Slurm)
+    metrics: dict[str, float] | None = None  # the job's final metrics (the chief's first)
+
+
+@dataclass
+class HistoryPoint:
+    """One poll's figures, for the charts."""
+
+    t: float | None = None  # seconds since the monitor started
+    global_step: int | None = None
+    loss: float | None = None  # the workers' mean
+    examples_per_sec: float | None = None
+    steps_per_sec: float | None = None
+
+
+@dataclass
+class FleetPicture:
+    """The job, each task (ps first, in the cluster's order), and a bounded history (oldest first)."""
+
+    job: JobPicture = field(default_factory=JobPicture)
+    tasks: list[TaskPicture] = field(default_factory=list)
+    history: list[HistoryPoint] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON-ready dict: every field, None where unknown (NaN and infinities are the server's to say)."""
+        return dataclasses.asdict(self)
+
+    def task(self, name: str) -> TaskPicture | None:
+        return next((t for t in self.tasks if t.name == name), None)
+
+    @classmethod
+    def read(cls, value: Any) -> "FleetPicture":
+        """A picture from JSON (a file, an older or newer version): what is not of its field's type is None."""
+        value = value if isinstance(value, Mapping) else {}
+        tasks, history = value.get("tasks"), value.get("history")
+        return cls(job=_read(JobPicture, value.get("job")),
+                   tasks=[_read(TaskPicture, t) for t in tasks if isinstance(t, Mapping)]
+                   if isinstance(tasks, list) else [],
+                   history=[_read(HistoryPoint, p) for p in history if isinstance(p, Mapping)]
+                   if isinstance(history, list) else [])
+
+
+def _read(kind: type, value: Any) -> Any:
+    """One of the records above from a mapping, field by field (see ``FleetPicture.read``)."""
+    value = value if isinstance(value, Mapping) else {}
+    return kind(**{name: _coerce(hint, value.get(name)) for name, hint in _hints(kind).items()})
+
+
+def _hints(kind: type) -> dict[str, Any]:
+    hints = _HINTS.get(kind)
+    if hints is None:
+        hints = _HINTS[kind] = typing.get_type_hints(kind)
+    return hints
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _coerce(hint: Any, value: Any) -> Any:
+    """``value`` if it is of ``hint`` (``X | None``), else None; the tables' and metrics' mappings entry by entry."""
+    kind = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    if value is None or isinstance(value, bool):
+        return None
+    if kind is int:
+        return value if isinstance(value, int) else None
+    if kind is float:
+        return value if isinstance(value, (int, float)) else None
+    if kind is str:
+        return value if isinstance(value, str) else None
+    if not isinstance(value, Mapping):
+        return None
+    entry = typing.get_args(kind)[1]
+    if entry is float:  # metrics: name -> number
+        return {str(k): v for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {str(k): _read(entry, v) for k, v in value.items() if isinstance(v, Mapping)}  # tables
+
