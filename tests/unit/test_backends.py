@@ -10,6 +10,7 @@ to its shape here; its live runs are ``test_slurm_launch.py``'s and ``test_slurm
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
@@ -32,9 +33,11 @@ def test_every_registered_engine_loads_and_says_what_it_is(name):
     overrides = {method for method in ("starter", "submitter")
                  if getattr(type(engine), method) is not getattr(Engine, method)}
     assert overrides == {"submitter" if engine.submits else "starter"}, "it gives what its submits flag says"
-    defaults = {f.name: f.default for f in dataclasses.fields(JobConfig)}
-    for option, unset in entry.options:
-        assert defaults[option] == unset, f"{name}'s option {option} is unset at JobConfig's default"
+    fields = {f.name: f for f in dataclasses.fields(JobConfig)}
+    hints = typing.get_type_hints(JobConfig)
+    for option in entry.options:  # each is a JobConfig field, unset at its default, of the option's kind
+        assert fields[option.name].default == option.unset, f"{name}'s {option.name} unset at JobConfig's default"
+        assert option.kind in typing.get_args(hints[option.name]) + (hints[option.name],), option
 
 
 def test_the_registry_is_the_one_list_of_engines(capsys):
@@ -54,12 +57,35 @@ def test_the_registry_is_the_one_list_of_engines(capsys):
 def test_another_engines_settings_are_refused_and_its_own_are_taken(name, tmp_path):
     script = tmp_path / "job.py"
     script.write_text("")
-    for option, _ in backends.entry(name).options:
-        given = {"ray_placement": "pack", "slurm_nodes": 1, "ray_replace_timeout": 30.0}.get(option, "x")
-        JobConfig(script=str(script), backend=name, **{option: given}).validate()
+    for option in backends.entry(name).options:
+        given = option.choices[-1] if option.choices else option.kind(1) if option.kind is not str else "x"
+        JobConfig(script=str(script), backend=name, **{option.name: given}).validate()
         for other in set(backends.ENGINES) - {name}:
-            with pytest.raises(ConfigError, match=f"{option}: for backend {name}"):
-                JobConfig(script=str(script), backend=other, **{option: given}).validate()
+            with pytest.raises(ConfigError, match=f"{option.name}: for backend {name}"):
+                JobConfig(script=str(script), backend=other, **{option.name: given}).validate()
+
+
+def test_an_engines_own_settings_come_from_its_flags_and_variables(tmp_path, capsys):
+    """Each option of the registry is a ``launch`` flag (read by its kind, its choices held) and a
+    TENSORFLEET_<NAME> variable."""
+    from tensorfleet.cli import main
+    from tensorfleet.launch.config import env_overrides, job_config
+
+    with pytest.raises(SystemExit):
+        main(["launch", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for engine, option in backends.options():
+        assert f"with --backend {engine.name}: {option.help}" in shown, option.flag
+        value = option.choices[-1] if option.choices else "2"
+        assert env_overrides({f"TENSORFLEET_{option.name.upper()}": value}) == {option.name: option.kind(value)}
+    script = tmp_path / "job.py"
+    script.write_text("")
+    config = job_config(None, str(script), {"backend": "slurm", "slurm_nodes": 2, "slurm_time": "1:00:00"},
+                        environ={})
+    assert (config.slurm_nodes, config.slurm_time) == (2, "1:00:00")
+    with pytest.raises(SystemExit):
+        main(["launch", "--backend", "ray", "--ray-placement", "strict", str(script)])
+    assert "invalid choice: 'strict'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", list(backends.ENGINES))

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from tensorfleet.dashboard.picture import FleetPicture
 from tensorfleet.errors import ConfigError
 from tensorfleet.launch.config import JobConfig, job_config, load_job_file
 from tensorfleet.launch.console import CLEAR_LINE, Console
@@ -189,7 +190,7 @@ def snapshot(**job):
     base = {"global_step": 4200, "target_step": 10000, "steps_per_sec": 513.0, "examples_per_sec": 51300.0,
             "eta_s": 11.3, "restarts": 1, "mode": "async", "dropped_stale": 0}
     tasks = [{"state": "running"}, {"state": "running"}, {"state": "restarting"}]
-    return {"job": {**base, **job}, "tasks": tasks}
+    return FleetPicture.read({"job": {**base, **job}, "tasks": tasks})
 
 
 def test_progress_line_has_step_target_rates_eta_and_task_states():

@@ -88,15 +88,9 @@ def _add_job_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--backend", choices=BACKENDS,
                      help="the engine the tasks run on (default local): " + "; ".join(
                          f"{entry.name}: {entry.summary}" for entry in backends.ENGINES.values()))
-    run.add_argument("--ray-address", dest="ray_address", metavar="ADDR",
-                     help="with --backend ray: the Ray cluster to join (host:port of its head); default: a local "
-                     "Ray started for the job and stopped after it")
-    run.add_argument("--ray-placement", dest="ray_placement", choices=("spread", "pack"),
-                     help="with --backend ray: spread the tasks over the nodes (default: the ps on different "
-                     "nodes) or pack them on few")
-    run.add_argument("--ray-replace-timeout", dest="ray_replace_timeout", type=float, metavar="S",
-                     help="with --backend ray: how long a task whose node died waits for another node to take it "
-                     "(default 300 s); then it fails and the job stops, with its summary")
+    for engine, option in backends.options():  # each engine's own settings, as its registry line declares them
+        run.add_argument(option.flag, dest=option.name, type=option.kind, metavar=option.metavar,
+                         choices=option.choices or None, help=f"with --backend {engine.name}: {option.help}")
     run.add_argument("--coordinator", action="store_const", const=True, default=None,
                      help="in-graph replication: one more task, the chief, runs SCRIPT as the coordinator that "
                      "drives the workers (the script calls tfl.run_coordinated)")
@@ -104,12 +98,6 @@ def _add_job_flags(run: argparse.ArgumentParser) -> None:
                      help="in-graph replication driven from a Python session of this machine (a notebook): the "
                      "ps and workers start, and the session joins as their coordinator with "
                      "tfl.join_fleet(LOGDIR)")
-    run.add_argument("--slurm-partition", dest="slurm_partition", metavar="P", help="with --backend slurm: the "
-                     "partition (sbatch --partition; default: the cluster's default)")
-    run.add_argument("--slurm-nodes", dest="slurm_nodes", type=positive_int, metavar="N",
-                     help="with --backend slurm: the nodes to spread the tasks over (sbatch --nodes)")
-    run.add_argument("--slurm-time", dest="slurm_time", metavar="T",
-                     help="with --backend slurm: the time limit (sbatch --time, e.g. 2:00:00)")
     run.add_argument("--dry-run", dest="dry_run", action="store_true",
                      help="print the tasks, ports and environment that would start, and start nothing")
     # Optional for argparse so that a missing one is our message (launch says what to give, with the usage line).
@@ -136,11 +124,10 @@ def run_launch(args: argparse.Namespace, line: CommandLine) -> int:
 def _job_config(args: argparse.Namespace, line: CommandLine) -> JobConfig:
     """The job of ``launch``'s (or ``slurm render``'s) flags, script or job file."""
     extra = line.script_args(args, args.target)
-    flags = {name: getattr(args, name) for name in ("ps", "workers", "gpus_per_worker", "mode", "dense", "restart",
-                                                    "max_restarts", "restart_backoff", "logdir", "dashboard",
-                                                    "port", "name", "backend", "ray_address", "ray_placement",
-                                                    "ray_replace_timeout",
-                                                    "slurm_partition", "slurm_nodes", "slurm_time", "coordinator")}
+    names = ["ps", "workers", "gpus_per_worker", "mode", "dense", "restart", "max_restarts", "restart_backoff",
+             "logdir", "dashboard", "port", "name", "backend", "coordinator",
+             *(option.name for _, option in backends.options())]
+    flags = {name: getattr(args, name) for name in names}
     if is_job_file(args.target):
         if extra:
             flags["args"] = extra

@@ -118,9 +118,10 @@ class JobConfig:
             raise ConfigError(f"env must map names to strings, e.g. {{OMP_NUM_THREADS: '1'}}, got {self.env!r}")
         check_env_strings(self.env)
         engine = backends.entry(self.backend)  # ConfigError naming the valid ones
-        if self.ray_placement not in RAY_PLACEMENTS:
-            raise ConfigError(f"ray_placement {self.ray_placement!r} is not valid: use one of "
-                              f"{', '.join(RAY_PLACEMENTS)}")
+        for _, option in backends.options():
+            value = getattr(self, option.name)
+            if option.choices and value not in option.choices:
+                raise ConfigError(f"{option.name} {value!r} is not valid: use one of {', '.join(option.choices)}")
         if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address.strip()):
             raise ConfigError(f"ray_address must be a Ray cluster's address (host:port), got {self.ray_address!r}")
         if self.ray_replace_timeout is not None and (
@@ -129,10 +130,11 @@ class JobConfig:
             raise ConfigError(f"ray_replace_timeout must be a number of seconds in (0, 86400], got "
                               f"{self.ray_replace_timeout!r}")
         for other in backends.ENGINES.values():  # the settings of another engine than the job's
-            given = [name for name, unset in other.options if getattr(self, name) != unset]
+            given = [option.name for option in other.options if getattr(self, option.name) != option.unset]
             if other.name != self.backend and given:
                 raise ConfigError(f"{', '.join(given)}: for backend {other.name} (as "
-                                  f"{', '.join(name for name, _ in other.options)} are): add --backend {other.name} "
+                                  f"{', '.join(option.name for option in other.options)} are): add --backend "
+                                  f"{other.name} "
                                   f"(or 'backend: {other.name}' in the job file)")
         if self.port is not None and not engine.ports_here:
             here = [name for name, known in backends.ENGINES.items() if known.ports_here]
@@ -158,7 +160,6 @@ class JobConfig:
 
 FIELDS = {f.name for f in dataclasses.fields(JobConfig)}
 BACKENDS = tuple(backends.ENGINES)  # the engines a job may run on (backends/__init__.py, the registry)
-RAY_PLACEMENTS = ("spread", "pack")
 
 
 def check_env_strings(env: Mapping[str, str]) -> None:
@@ -268,8 +269,7 @@ def _line_and_column(text: str, position: int) -> tuple[int, int]:
 ENV_FIELDS = {"ps": int, "workers": int, "gpus_per_worker": int, "mode": str, "dense": str, "restart": str,
               "max_restarts": int,
               "restart_backoff": float, "logdir": str, "dashboard": int, "port": int, "name": str, "backend": str,
-              "ray_address": str, "ray_placement": str, "ray_replace_timeout": float, "slurm_partition": str,
-              "slurm_nodes": int, "slurm_time": str}
+              **{option.name: option.kind for _, option in backends.options()}}
 
 
 def env_overrides(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
