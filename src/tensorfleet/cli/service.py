@@ -38,6 +38,7 @@ from typing import Any
 
 from tensorfleet.cluster.spec import is_loopback_host
 from tensorfleet.errors import ConfigError, TensorfleetError
+from tensorfleet.service.store import BACKENDS
 from tensorfleet.cli.parsing import Command, CommandLine, port_number, positive_int
 
 DEFAULT_PORT = 8470
@@ -110,7 +111,7 @@ def _add_jobs(commands: argparse._SubParsersAction) -> None:
                     "it); logdir, dashboard and port are the service's to choose, and are named when not used.")
     submit.add_argument("job_file", metavar="JOBFILE")
     submit.add_argument("--name", default=None, help="the job's name (default: the file's, else the script's)")
-    submit.add_argument("--backend", default="local", choices=("local", "kubernetes", "ray", "slurm"))
+    submit.add_argument("--backend", default="local", choices=BACKENDS)
     ls = actions.add_parser("ls", help="list jobs, newest first")
     ls.add_argument("--state", default=None, help="only jobs in this state (queued, running, succeeded, ...)")
     logs = actions.add_parser("logs", help="print a task's log (default worker:0)")
