@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from tensorfleet.dashboard.picture import FleetPicture, HistoryPoint, JobPicture, TablePart, TaskPicture
@@ -30,6 +31,16 @@ def test_json_has_every_field_and_reads_back_equal():
     assert shown["history"] == [{"t": 1.5, "global_step": 1100, "loss": 0.3, "examples_per_sec": None,
                                  "steps_per_sec": None}]
     assert FleetPicture.read(shown) == picture
+    assert picture.to_json() == dataclasses.asdict(picture)  # every field, nested ones too
+
+
+def test_json_is_a_copy_a_caller_may_change():
+    picture = _picture()
+    shown = picture.to_json()
+    shown["job"]["metrics"]["accuracy"] = 0.0
+    shown["tasks"][0]["tables"]["users"]["rows"] = 0
+    shown["history"][0]["loss"] = None
+    assert picture == _picture()
 
 
 def test_read_takes_junk_as_absent_and_drops_unknown_fields():

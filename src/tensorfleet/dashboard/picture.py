@@ -11,7 +11,6 @@ A "picture", not a "snapshot": that is a ps shard's state taken for a checkpoint
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -97,8 +96,12 @@ class FleetPicture:
     history: list[HistoryPoint] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON-ready dict: every field, None where unknown (NaN and infinities are the server's to say)."""
-        return dataclasses.asdict(self)
+        """The JSON-ready dict: every field, None where unknown (NaN and infinities are the server's to say).
+
+        Field by field rather than ``dataclasses.asdict``, which deep-copies: a picture of a long job holds
+        ``HISTORY_POINTS`` points, and the dashboard and the job service's runner each ask for one a second."""
+        return {"job": _json(self.job), "tasks": [_json(task) for task in self.tasks],
+                "history": [_json(point) for point in self.history]}
 
     def task(self, name: str) -> TaskPicture | None:
         return next((t for t in self.tasks if t.name == name), None)
@@ -113,6 +116,16 @@ class FleetPicture:
                    if isinstance(tasks, list) else [],
                    history=[_read(HistoryPoint, p) for p in history if isinstance(p, Mapping)]
                    if isinstance(history, list) else [])
+
+
+def _json(record: JobPicture | TaskPicture | HistoryPoint) -> dict[str, Any]:
+    """One record as a new dict (a task's tables and metrics new too: the caller may change what it gets)."""
+    shown = dict(vars(record))
+    if isinstance(record, TaskPicture):
+        shown["tables"] = None if record.tables is None else {t: dict(vars(p)) for t, p in record.tables.items()}
+    if shown.get("metrics") is not None:
+        shown["metrics"] = dict(shown["metrics"])
+    return shown
 
 
 def _read(kind: type, value: Any) -> Any:
