@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 __all__ = ["FleetPicture", "HistoryPoint", "JobPicture", "TablePart", "TaskPicture"]
 
@@ -131,34 +131,33 @@ def _json(record: JobPicture | TaskPicture | HistoryPoint) -> dict[str, Any]:
 def _read(kind: type, value: Any) -> Any:
     """One of the records above from a mapping, field by field (see ``FleetPicture.read``)."""
     value = value if isinstance(value, Mapping) else {}
-    return kind(**{name: _coerce(hint, value.get(name)) for name, hint in _hints(kind).items()})
+    return kind(**{name: read(value.get(name)) for name, read in _readers(kind)})
 
 
-def _hints(kind: type) -> dict[str, Any]:
-    hints = _HINTS.get(kind)
-    if hints is None:
-        hints = _HINTS[kind] = typing.get_type_hints(kind)
-    return hints
+def _readers(kind: type) -> list[tuple[str, Callable[[Any], Any]]]:
+    """Each field of ``kind`` with the function that reads it (made once per kind: a picture holds many)."""
+    readers = _READERS.get(kind)
+    if readers is None:
+        readers = _READERS[kind] = [(name, _reader(hint)) for name, hint in typing.get_type_hints(kind).items()]
+    return readers
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+_READERS: dict[type, list[tuple[str, Callable[[Any], Any]]]] = {}
 
 
-def _coerce(hint: Any, value: Any) -> Any:
-    """``value`` if it is of ``hint`` (``X | None``), else None; the tables' and metrics' mappings entry by entry."""
+def _reader(hint: Any) -> Callable[[Any], Any]:
+    """What reads a field of type ``hint`` (``X | None``): its value if of X (a bool is no number), else None;
+    the tables' and metrics' mappings entry by entry."""
     kind = next(arg for arg in typing.get_args(hint) if arg is not type(None))
-    if value is None or isinstance(value, bool):
-        return None
     if kind is int:
-        return value if isinstance(value, int) else None
+        return lambda value: value if type(value) is int else None
     if kind is float:
-        return value if isinstance(value, (int, float)) else None
+        return lambda value: value if type(value) in (int, float) else None
     if kind is str:
-        return value if isinstance(value, str) else None
-    if not isinstance(value, Mapping):
-        return None
+        return lambda value: value if type(value) is str else None
     entry = typing.get_args(kind)[1]
     if entry is float:  # metrics: name -> number
-        return {str(k): v for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return {str(k): _read(entry, v) for k, v in value.items() if isinstance(v, Mapping)}  # tables
-
+        return lambda value: ({str(k): v for k, v in value.items() if type(v) in (int, float)}
+                              if isinstance(value, Mapping) else None)
+    return lambda value: ({str(k): _read(entry, v) for k, v in value.items() if isinstance(v, Mapping)}
+                          if isinstance(value, Mapping) else None)  # tables
