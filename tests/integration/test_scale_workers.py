@@ -40,12 +40,12 @@ class Scaler:
             raise TimeoutError(f"the scaled job did not get past {self.phase!r} in {DEADLINE_S:g} s")
         picture = launcher.monitor.picture()
         step = picture.job.global_step
-        tasks = {task.name: task for task in picture.tasks}
+        steps = {task.name: task.step or 0 for task in picture.tasks}
         if self.phase == "warming up" and step >= 20:
             launcher.scale_workers(3)
             self.phase = "scaled up"
-        elif self.phase == "scaled up" and (tasks.get("worker:2", {}).get("step") or 0) >= 5:
-            self.seen["worker:2 steps"] = tasks["worker:2"].step  # it is in the picture, and it pushes
+        elif self.phase == "scaled up" and steps.get("worker:2", 0) >= 5:
+            self.seen["worker:2 steps"] = steps["worker:2"]  # it is in the picture, and it pushes
             launcher.scale_workers(1)
             self.phase = "scaling down"
         elif self.phase == "scaling down" and launcher.cluster.num_tasks("worker") == 1:
@@ -54,7 +54,7 @@ class Scaler:
         elif self.phase == "alone" and step >= self.seen["alone from"] + 20:  # worker:0 trains on by itself
             launcher.scale_workers(2)  # worker:1 again: a new worker, on a new port
             self.phase = "scaled up again"
-        elif self.phase == "scaled up again" and (tasks.get("worker:1", {}).get("step") or 0) >= 5:
+        elif self.phase == "scaled up again" and steps.get("worker:1", 0) >= 5:
             self.seen["ends at"] = step + 10
             self.last_step_file.write_text(str(step + 10))
             self.phase = "ending"
