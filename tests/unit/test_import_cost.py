@@ -119,3 +119,22 @@ def test_codec_tables_are_plain_globals_after_first_use():
     assert DTYPES is codec.DTYPES is codec._DTYPES and DTYPE_NAMES is codec._DTYPE_NAMES
     assert NARROW_DTYPES == (torch.bfloat16, torch.float16)
     assert DTYPES["float32"] is torch.float32 and DTYPE_NAMES[torch.int64] == "int64"
+
+
+def test_a_dense_models_worker_imports_no_numba_until_a_table_batch():
+    """numba (with llvmlite about 0.25 s of CPU per process) is for embedding tables: a worker of a dense model
+    (the Replica, the session, the ps client) never imports it; the first table batch routed does."""
+    script = textwrap.dedent("""
+        import sys
+        import torch
+        import tensorfleet as tfl
+        tfl.Replica, tfl.TrainingSession, tfl.run_task
+        import tensorfleet.worker.client, tensorfleet.worker.embedding
+        before = "numba" in sys.modules
+        from tensorfleet.worker import routing
+        routing.unique_by_shard(torch.tensor([5, 3, 5]), 2)
+        print(before, ("numba" in sys.modules) == routing.COMPILED)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.split() == ["False", "True"], done.stdout

@@ -101,14 +101,16 @@ def test_the_pass_takes_int32_ids_and_refuses_no_shards():
 
 def test_the_pass_releases_the_gil():
     """The shards' threads receive the next step's rows while a step's ids are routed."""
-    assert routing._unique_by_shard.targetoptions["nogil"] is True
+    from tensorfleet.worker.routing_kernel import unique_by_shard_kernel
+
+    assert unique_by_shard_kernel.targetoptions["nogil"] is True
 
 
 @pytest.mark.parametrize("why", ["no numba", "too many ids"])
 def test_without_numba_or_past_max_ids_the_reference_path_answers(monkeypatch, why):
     flat = batches(5)[3]
     monkeypatch.setattr(routing, *(("COMPILED", False) if why == "no numba" else ("MAX_IDS", flat.numel() - 1)))
-    monkeypatch.setattr(routing, "_unique_by_shard", None)  # not called
+    monkeypatch.setattr(routing, "_kernel", None)  # not called
     got = routing.unique_by_shard(flat, 3)
     want = today(flat, 3)
     assert torch.equal(got[0], want[0]) and got[1] == want[1] and torch.equal(got[2], want[2])

@@ -21,7 +21,6 @@ from tensorfleet.cluster.environment import IN_GRAPH_ENV, env_switch, finished_l
 from tensorfleet.cluster.flags import cluster_from_flags, insecure_from_flags, memory_budget_from_flags
 from tensorfleet.cluster.spec import ClusterSpec, TaskSpec, bind_address, is_loopback_host, parse_address
 from tensorfleet.errors import ConfigError, TensorfleetError
-from tensorfleet.ps.server import Server
 from tensorfleet.wire import auth
 from tensorfleet.worker.status import PROCESS_STATUS, serve_status, write_final_status
 
@@ -75,6 +74,8 @@ def _serve_or_train(args: argparse.Namespace, train: TrainFn, *, intra_op_thread
         return _config_error(exc)
     torch.set_num_threads(intra_op_threads)
     if task.job_name == "ps":
+        from tensorfleet.ps.server import Server  # a worker never imports the ps (nor numba, for its tables)
+
         try:
             server = Server(cluster, job_name="ps", task_index=task.index, insecure=insecure,
                             memory_budget=memory_budget)
