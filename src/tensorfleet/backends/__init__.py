@@ -44,8 +44,9 @@ class EngineOption:
 class EngineEntry:
     """What the package may know of an engine before loading it.
 
-    ``options``: the job settings only this engine takes: a job of another engine that sets one is refused. ``ports_here``: its tasks listen on this machine's ports, so ``--port``
-    applies and is checked before anything starts. ``in_graph``: it runs a coordinator's job (``coordinator:``).
+    ``options``: the job settings only this engine takes: a job of another engine that sets one is refused.
+    ``ports_here``: its tasks listen on this machine's ports, so ``--port`` applies and is checked before anything
+    starts. ``in_graph``: it runs a coordinator's job (``coordinator:``).
     """
 
     name: str
