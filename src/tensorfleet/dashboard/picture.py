@@ -103,9 +103,6 @@ class FleetPicture:
         return {"job": _json(self.job), "tasks": [_json(task) for task in self.tasks],
                 "history": [_json(point) for point in self.history]}
 
-    def task(self, name: str) -> TaskPicture | None:
-        return next((t for t in self.tasks if t.name == name), None)
-
     @classmethod
     def read(cls, value: Any) -> "FleetPicture":
         """A picture from JSON (a file, an older or newer version): what is not of its field's type is None."""

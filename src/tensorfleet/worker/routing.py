@@ -24,6 +24,7 @@ torch and numpy): the same ids, spans and inverse map, each shard's ids ascendin
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any, Callable
 
@@ -32,13 +33,15 @@ import torch
 
 from tensorfleet.cluster.idhash import as_uint64, shard_of
 
-COMPILED = importlib.util.find_spec("numba") is not None  # the default install has numba; without it: the reference
+COMPILED = importlib.util.find_spec("numba") is not None  # the default install has it; else: the reference path
 Spans = tuple[tuple[int, int, int], ...]  # (shard, start, end) of each shard holding any of the ids
 MAX_IDS = 2 ** 31 - 1  # a batch's ids the pass takes (its hash table holds int32 indices); more: the reference path
 
 
+@functools.cache
 def _kernel() -> Callable[[np.ndarray, int], Any] | None:
-    """The compiled pass, its module (and numba) imported at the first call; None where numba fails to import."""
+    """The compiled pass, its module (and numba) imported at the first call; None where numba fails to import
+    (once: not an import tried again at every step)."""
     try:
         from tensorfleet.worker.routing_kernel import unique_by_shard_kernel
     except ImportError:  # pragma: no cover - numba found but broken: the reference path answers
