@@ -422,6 +422,43 @@ def test_the_local_backend_lists_removed_tasks_and_reads_every_task_log(store, w
     assert [t.name for t in backend.tasks(job)] == ["worker:2", "worker:7"]
 
 
+def test_the_jobs_list_reads_each_jobs_progress_file_and_an_older_jobs_picture(store, workspace, tmp_path):
+    """The runner leaves the picture's job part beside the picture (``write_picture``): the list reads that
+    small file; a job folder from before it existed has only ``picture.json``, whose job part is read then."""
+    from tensorfleet.dashboard.picture import FleetPicture, HistoryPoint, JobPicture
+    from tensorfleet.service.responses import job_summaries
+    from tensorfleet.service.runner import write_picture
+
+    backend = LocalBackend(store)
+    service = JobService(store, {"local": backend}, home=tmp_path / "home", workspace=workspace)
+    jobs = []
+    for n in (1, 2):
+        jobdir = tmp_path / "jobs" / str(n)
+        jobdir.mkdir(parents=True)
+        job = store.submit(JobConfig(script=str(workspace / "train.py"), mode="async"), "alice")
+        store.transition(job.id, JobState.STARTING)
+        jobs.append(store.transition(job.id, JobState.RUNNING, pid=4242 + n, logdir=str(jobdir)))
+    long_job = FleetPicture(JobPicture(name="long", global_step=1800, target_step=3000, steps_per_sec=9.5,
+                                       metrics={"accuracy": 0.97}),
+                            history=[HistoryPoint(t=float(i), global_step=i) for i in range(1800)])
+    write_picture(Path(jobs[0].logdir), long_job)
+    assert FleetPicture.read(json.loads((Path(jobs[0].logdir) / "picture.json").read_text())) == long_job
+    assert json.loads((Path(jobs[0].logdir) / "progress.json").read_text()) == {"job": long_job.to_json()["job"]}
+    # The list reads the progress file, not the picture: a picture changed alone is not what it shows.
+    (Path(jobs[0].logdir) / "picture.json").write_text(json.dumps({"job": {"global_step": 5}}))
+    # A job folder an older runner left: its picture only.
+    (Path(jobs[1].logdir) / "picture.json").write_text(json.dumps({"job": {"global_step": 42, "eta_s": 3.0}}))
+
+    listed = {summary["id"]: summary for summary in job_summaries(service, None)}
+    assert listed[jobs[0].id]["progress"] == {"global_step": 1800, "target_step": 3000, "steps_per_sec": 9.5,
+                                              "examples_per_sec": None, "eta_s": None}
+    assert listed[jobs[0].id]["metrics"] == {"accuracy": 0.97}
+    assert listed[jobs[1].id]["progress"]["global_step"] == 42 and listed[jobs[1].id]["progress"]["eta_s"] == 3.0
+    assert service.progress(jobs[1].id) == JobPicture(global_step=42, eta_s=3.0)
+    (Path(jobs[1].logdir) / "picture.json").unlink()
+    assert service.progress(jobs[1].id) is None and service.picture(jobs[1].id) is None
+
+
 def test_a_task_entry_round_trips_through_tasks_json_and_a_bad_one_says_what_is_wrong(tmp_path):
     from tensorfleet.service.runner import TaskEntry, read_tasks, write_tasks
 

@@ -59,8 +59,8 @@ class JobsApi:
     async def job(self, request: Request, session: Session) -> Response:
         job_id = request.path_params["job_id"]
         job = await run_in_threadpool(self._service.get, job_id)
-        picture = await run_in_threadpool(self._service.picture, job_id)
-        return JSONResponse(json_safe(job_json(job, picture, self._service.store.now())), headers=HEADERS)
+        progress = await run_in_threadpool(self._service.progress, job)
+        return JSONResponse(json_safe(job_json(job, progress, self._service.store.now())), headers=HEADERS)
 
     async def action(self, request: Request, session: Session) -> Response:
         """``POST /api/jobs/ID/VERB``: stop, restart, clone or scale; 201 when it made a new job."""

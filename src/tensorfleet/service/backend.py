@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from tensorfleet.dashboard.picture import FleetPicture
+from tensorfleet.dashboard.picture import FleetPicture, JobPicture
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.service.store import JobRecord, JobState
 
@@ -96,6 +96,12 @@ class Backend:
     def picture(self, job: JobRecord) -> FleetPicture | None:
         """The job's latest dashboard picture, or None if there is none."""
         return None
+
+    def progress(self, job: JobRecord) -> JobPicture | None:
+        """The job part of its latest picture (what the jobs list shows of it), or None. By default the
+        whole picture's; a backend that keeps the part on its own reads only that."""
+        picture = self.picture(job)
+        return picture.job if picture is not None else None
 
     def fits(self, job: JobRecord, active: Sequence[JobRecord]) -> bool:
         """Whether ``job`` may start now beside this backend's ``active`` jobs (not asked where

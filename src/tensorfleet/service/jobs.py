@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from tensorfleet.dashboard.picture import FleetPicture
+from tensorfleet.dashboard.picture import FleetPicture, JobPicture
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.launch.config import FIELDS, JobConfig, load_job_file
 from tensorfleet.cluster.machine import usable_cores
@@ -411,6 +411,12 @@ class JobService:
         job = self.store.get(job) if isinstance(job, int) else job
         backend = self.backends.get(job.backend)
         return backend.picture(job) if backend is not None and job.logdir else None
+
+    def progress(self, job: int | JobRecord) -> JobPicture | None:
+        """The job part of its picture (its progress and metrics): what the jobs list reads of each job."""
+        job = self.store.get(job) if isinstance(job, int) else job
+        backend = self.backends.get(job.backend)
+        return backend.progress(job) if backend is not None and job.logdir else None
 
     def _owned(self, user: User, job_id: int) -> JobRecord:
         job = self.store.get(job_id)

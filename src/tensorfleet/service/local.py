@@ -22,10 +22,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tensorfleet.dashboard.picture import FleetPicture
+from tensorfleet.dashboard.picture import FleetPicture, JobPicture
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.service.backend import Backend, LogChunk, Observed, TaskNotFoundError, TaskView
-from tensorfleet.service.runner import LAUNCHER_LOG, MODULE, PICTURE_FILE, READY_FILE, TASKS_FILE, read_tasks
+from tensorfleet.service.runner import (LAUNCHER_LOG, MODULE, PICTURE_FILE, PROGRESS_FILE, READY_FILE, TASKS_FILE,
+                                       read_tasks)
 from tensorfleet.service.store import ACTIVE, JobRecord, JobState, JobStore
 
 LAUNCHER_TASK = "launcher"  # the pseudo-task whose log is the runner's own output
@@ -167,6 +168,12 @@ class LocalBackend(Backend):
         """The picture the job's runner left last (None before its first)."""
         found = _read_json(Path(job.logdir) / PICTURE_FILE) if job.logdir else None
         return FleetPicture.read(found) if found is not None else None
+
+    def progress(self, job: JobRecord) -> JobPicture | None:
+        """The job part its runner left last (``PROGRESS_FILE``); for a job run before that file existed, its
+        picture's."""
+        found = _read_json(Path(job.logdir) / PROGRESS_FILE) if job.logdir else None
+        return FleetPicture.read(found).job if found is not None else super().progress(job)
 
 
 def _whole_characters(data: bytes) -> bytes:

@@ -79,7 +79,7 @@ class JobPages:
             return self._render("error.html", session, 404, error=str(exc))
         tasks, events = service.tasks(job_id), service.events(job_id)
         owner = job.owner == session.user.name or session.user.admin
-        job_view = job_json(job, service.picture(job), service.store.now())  # the metrics from its last picture
+        job_view = job_json(job, service.progress(job), service.store.now())  # the metrics from its last picture
         return self._render("job.html", session, status, job=job_view, tasks=tasks,
                             events=events, can_change=owner, error=error, confirm=confirm)
 

@@ -9,14 +9,14 @@ from typing import Any, Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tensorfleet.dashboard.picture import FleetPicture, JobPicture
+from tensorfleet.dashboard.picture import JobPicture
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.service.accounts import Session
 from tensorfleet.service.jobs import JobService
 from tensorfleet.service.runner import PARSER_ERROR
 from tensorfleet.service.store import JobRecord, JobState
 
-LIST_LIMIT = 500  # the newest jobs the list shows (each reads its picture file)
+LIST_LIMIT = 500  # the newest jobs the list shows (each reads its progress file)
 STATES = [state.value for state in JobState]
 _CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
         "connect-src 'self'; frame-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
@@ -80,9 +80,9 @@ def _parser_parts(reason: str) -> dict[str, str | None]:
             "traceback": "\n".join(lines[usages[-1]:errors[-1] + 1])}
 
 
-def job_json(job: JobRecord, picture: FleetPicture | None, now: float) -> dict[str, Any]:
-    """A job as the API and the jobs list show it."""
-    progress = picture.job if picture is not None else JobPicture()
+def job_json(job: JobRecord, progress: JobPicture | None, now: float) -> dict[str, Any]:
+    """A job as the API and the jobs list show it, with its picture's job part (``JobService.progress``)."""
+    progress = progress if progress is not None else JobPicture()
     return {
         "id": job.id, "name": job.name, "owner": job.owner, "state": job.state.value, "backend": job.backend,
         "reason": job.reason, **reason_parts(job.reason),
@@ -99,7 +99,7 @@ def job_json(job: JobRecord, picture: FleetPicture | None, now: float) -> dict[s
 
 def job_summaries(service: JobService, state: str | None) -> list[dict[str, Any]]:
     """The newest jobs (of ``state``, or all), newest first, each with its progress: the jobs list and
-    ``GET /api/jobs``. Blocking: reads the store and each job's picture file."""
+    ``GET /api/jobs``. Blocking: reads the store and each job's progress file."""
     now = service.store.now()
     newest = service.list(state)[::-1][:LIST_LIMIT]
-    return [job_json(job, service.picture(job), now) for job in newest]
+    return [job_json(job, service.progress(job), now) for job in newest]
