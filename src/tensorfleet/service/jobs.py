@@ -408,15 +408,18 @@ class JobService:
 
     def picture(self, job: int | JobRecord) -> FleetPicture | None:
         """The job's dashboard picture (by id, or of a record the caller holds: no second read)."""
-        job = self.store.get(job) if isinstance(job, int) else job
-        backend = self.backends.get(job.backend)
-        return backend.picture(job) if backend is not None and job.logdir else None
+        record, backend = self._shown_by(job)
+        return backend.picture(record) if backend is not None else None
 
     def progress(self, job: int | JobRecord) -> JobPicture | None:
         """The job part of its picture (its progress and metrics): what the jobs list reads of each job."""
-        job = self.store.get(job) if isinstance(job, int) else job
-        backend = self.backends.get(job.backend)
-        return backend.progress(job) if backend is not None and job.logdir else None
+        record, backend = self._shown_by(job)
+        return backend.progress(record) if backend is not None else None
+
+    def _shown_by(self, job: int | JobRecord) -> tuple[JobRecord, Backend | None]:
+        """The job's record and the backend that shows its picture (None: not configured, or no folder yet)."""
+        record = self.store.get(job) if isinstance(job, int) else job
+        return record, self.backends.get(record.backend) if record.logdir else None
 
     def _owned(self, user: User, job_id: int) -> JobRecord:
         job = self.store.get(job_id)
